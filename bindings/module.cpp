@@ -1,0 +1,195 @@
+// cpumoe._C: the pybind11 module. It takes tensors as (address, strides) already checked by the
+// Python layer (python/cpumoe/_tensors.py), so it depends on neither torch nor numpy and the same
+// module serves both. The kernels run with the GIL released.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "cpumoe/cpu_features.h"
+#include "cpumoe/moe.h"
+#include "cpumoe/qgemm.h"
+
+namespace py = pybind11;
+using namespace cpumoe;
+
+namespace {
+
+template <class T>
+T* ptr(uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+DType parse_dtype(const std::string& name, const char* what) {
+  if (name == "float32") return DType::f32;
+  if (name == "float16") return DType::f16;
+  if (name == "bfloat16") return DType::bf16;
+  throw py::type_error(std::string(what) + ": dtype must be float32, float16 or bfloat16, got " +
+                       name);
+}
+
+Activation parse_act(const std::string& name) {
+  Activation a;
+  if (!parse_activation(name.c_str(), &a))
+    throw ArgumentError("activation: must be one of silu, gelu, gelu_tanh, swigluoai; got '" + name +
+                        "'");
+  return a;
+}
+
+const QGemmUkernel* kernel_for(const std::optional<std::string>& isa) {
+  if (!isa) return qgemm_select();
+  const Isa cap = parse_isa(*isa, "isa");
+  return qgemm_select(&cap);
+}
+
+py::dict features_dict() {
+  const CpuFeatures& f = cpu_features();
+  py::dict d;
+  d["arch"] = target_arch();
+#define CPUMOE_FEATURE(x) d[#x] = f.x;
+  CPUMOE_FEATURE(neon)
+  CPUMOE_FEATURE(dotprod)
+  CPUMOE_FEATURE(i8mm)
+  CPUMOE_FEATURE(bf16)
+  CPUMOE_FEATURE(sve)
+  CPUMOE_FEATURE(avx2)
+  CPUMOE_FEATURE(fma)
+  CPUMOE_FEATURE(avx512f)
+  CPUMOE_FEATURE(avx512bw)
+  CPUMOE_FEATURE(avx512vl)
+  CPUMOE_FEATURE(avx512vnni)
+  CPUMOE_FEATURE(avx512bf16)
+  CPUMOE_FEATURE(avx_vnni)
+  CPUMOE_FEATURE(amx_tile)
+  CPUMOE_FEATURE(amx_int8)
+  CPUMOE_FEATURE(amx_bf16)
+#undef CPUMOE_FEATURE
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "cpumoe native core (use the cpumoe package, not this module directly)";
+  // Raised for bad argument values; a ValueError to Python callers.
+  py::register_exception<ArgumentError>(m, "ArgumentError", PyExc_ValueError);
+
+  m.def("cpu_features", &features_dict, "Features of the running CPU that cpumoe kernels use.");
+  m.def("target_arch", &target_arch);
+  m.def("isa_ladder", [] {
+    py::list out;
+    for (Isa isa : isa_ladder()) out.append(isa_name(isa));
+    return out;
+  }, "ISA levels of this architecture, best first.");
+  m.def("cpu_supports", [](const std::string& isa) { return cpu_supports(parse_isa(isa, "isa")); });
+  m.def("env_isa_cap", []() -> std::optional<std::string> {
+    const Isa* cap = env_isa_cap();
+    if (cap == nullptr) return std::nullopt;
+    return std::string(isa_name(*cap));
+  }, "The cap set by CPUMOE_ISA, or None.");
+  m.def("kernels", [] {
+    py::list out;
+    for (const QGemmUkernel* k : qgemm_registry()) {
+      py::dict d;
+      d["name"] = k->name;
+      d["isa"] = isa_name(k->isa);
+      d["mr"] = k->mr;
+      d["nr"] = k->nr;
+      d["kr"] = k->kr;
+      d["supported"] = cpu_supports(k->isa);
+      out.append(d);
+    }
+    return out;
+  }, "The int8 GEMM kernels compiled in, best first.");
+  m.def("select_kernel", [](std::optional<std::string> isa) { return kernel_for(isa)->name; },
+        py::arg("isa") = py::none(),
+        "Name of the kernel prepack would use (capped by isa and CPUMOE_ISA).");
+
+  py::class_<PackedMoe, std::shared_ptr<PackedMoe>>(m, "PackedMoe")
+      .def_property_readonly("num_experts", &PackedMoe::num_experts)
+      .def_property_readonly("hidden", &PackedMoe::hidden)
+      .def_property_readonly("intermediate", &PackedMoe::intermediate)
+      .def_property_readonly("has_bias13", &PackedMoe::has_bias13)
+      .def_property_readonly("has_bias2", &PackedMoe::has_bias2)
+      .def_property_readonly("kernel", [](const PackedMoe& p) { return p.kernel().name; })
+      .def_property_readonly("path", [](const PackedMoe& p) { return isa_name(p.kernel().isa); })
+      .def_property_readonly("packed_bytes", &PackedMoe::packed_bytes)
+      .def("__repr__", [](const PackedMoe& p) {
+        return "PackedMoe(E=" + std::to_string(p.num_experts()) + ", H=" +
+               std::to_string(p.hidden()) + ", I=" + std::to_string(p.intermediate()) +
+               ", path=" + isa_name(p.kernel().isa) + ", kernel=" + p.kernel().name + ")";
+      });
+
+  m.def(
+      "prepack",
+      [](int64_t E, int64_t H, int64_t I, uintptr_t w13, uintptr_t w2, uintptr_t s13, uintptr_t s2,
+         uintptr_t b13, const std::string& b13_dtype, uintptr_t b2, const std::string& b2_dtype,
+         std::optional<std::string> isa, int num_threads) {
+        MoeWeights w;
+        w.num_experts = E;
+        w.hidden = H;
+        w.intermediate = I;
+        w.w13 = ptr<const int8_t>(w13);
+        w.w2 = ptr<const int8_t>(w2);
+        w.s13 = ptr<const float>(s13);
+        w.s2 = ptr<const float>(s2);
+        w.b13 = b13 ? ptr<const void>(b13) : nullptr;
+        w.b2 = b2 ? ptr<const void>(b2) : nullptr;
+        if (b13) w.b13_dtype = parse_dtype(b13_dtype, "b13");
+        if (b2) w.b2_dtype = parse_dtype(b2_dtype, "b2");
+        const QGemmUkernel* kernel = kernel_for(isa);
+        py::gil_scoped_release nogil;
+        return std::make_shared<PackedMoe>(w, kernel, num_threads);
+      },
+      py::arg("E"), py::arg("H"), py::arg("I"), py::arg("w13"), py::arg("w2"), py::arg("s13"),
+      py::arg("s2"), py::arg("b13"), py::arg("b13_dtype"), py::arg("b2"), py::arg("b2_dtype"),
+      py::arg("isa"), py::arg("num_threads"),
+      "Packs dense int8 expert weights (addresses of contiguous buffers).");
+
+  m.def(
+      "fused_moe_int8",
+      [](const PackedMoe& packed, int64_t T, int64_t k, uintptr_t x, int64_t x_stride,
+         const std::string& dtype, uintptr_t topk_weights, int64_t tw_stride, uintptr_t topk_ids,
+         bool ids_int64, int64_t ids_stride, const std::string& activation, bool skip_weighted,
+         uintptr_t out, int64_t out_stride, int num_threads) {
+        MoeCall c;
+        c.num_tokens = T;
+        c.topk = k;
+        c.x = ptr<const void>(x);
+        c.x_row_stride = x_stride;
+        c.dtype = parse_dtype(dtype, "x");
+        c.topk_weights = ptr<const float>(topk_weights);
+        c.topk_weights_row_stride = tw_stride;
+        c.topk_ids = ptr<const void>(topk_ids);
+        c.topk_ids_int64 = ids_int64;
+        c.topk_ids_row_stride = ids_stride;
+        c.activation = parse_act(activation);
+        c.skip_weighted = skip_weighted;
+        c.out = ptr<void>(out);
+        c.out_row_stride = out_stride;
+        c.num_threads = num_threads;
+        py::gil_scoped_release nogil;
+        fused_moe_int8(packed, c);
+      },
+      py::arg("packed"), py::arg("T"), py::arg("k"), py::arg("x"), py::arg("x_stride"),
+      py::arg("dtype"), py::arg("topk_weights"), py::arg("topk_weights_stride"),
+      py::arg("topk_ids"), py::arg("topk_ids_int64"), py::arg("topk_ids_stride"),
+      py::arg("activation"), py::arg("skip_weighted"), py::arg("out"), py::arg("out_stride"),
+      py::arg("num_threads"),
+      "Runs the fused W8A8 MoE op on raw row-major buffers (row strides in elements).");
+
+  m.def(
+      "quantize_rows",
+      [](uintptr_t x, const std::string& dtype, int64_t rows, int64_t cols, int64_t x_stride,
+         uintptr_t q, uintptr_t scales) {
+        const DType dt = parse_dtype(dtype, "x");
+        py::gil_scoped_release nogil;
+        for (int64_t r = 0; r < rows; ++r)
+          ptr<float>(scales)[r] = quantize_row(ptr<const uint8_t>(x) + r * x_stride * dtype_size(dt),
+                                               dt, cols, ptr<int8_t>(q) + r * cols);
+      },
+      "The op's per-token int8 quantization of rows (q contiguous [rows, cols], scales [rows]).");
+}

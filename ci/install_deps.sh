@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Installs what building and testing cpumoe needs on a fresh Debian 12 machine (idempotent; quick
+# when everything is there): the native and aarch64 cross toolchains, qemu-user, GoogleTest's
+# sources, and the Python build/test packages (torch pinned: any other spec may pull a CUDA build).
+set -euo pipefail
+export DEBIAN_FRONTEND=noninteractive
+
+APT_PKGS=(cmake ninja-build g++ g++-aarch64-linux-gnu qemu-user googletest)
+PIP_PKGS=("torch==2.13.0" "numpy>=1.22" "ml_dtypes>=0.3" "pytest>=7" "pybind11>=2.12"
+          "scikit-build-core>=0.10")
+
+missing=()
+for p in "${APT_PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "[install_deps] apt: ${missing[*]}" >&2
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
+fi
+
+PY=${PYTHON:-python3}
+if ! "$PY" - <<'PYEOF' 2>/dev/null
+import importlib.metadata as m
+need = {"torch": "2.13.0"}
+for mod in ("numpy", "ml_dtypes", "pytest", "pybind11", "scikit_build_core", "torch"):
+    v = m.version(mod.replace("_", "-") if mod == "scikit_build_core" else mod)
+    if mod in need and not v.startswith(need[mod]):
+        raise SystemExit(1)
+PYEOF
+then
+  echo "[install_deps] pip: ${PIP_PKGS[*]}" >&2
+  "$PY" -m pip install -q "${PIP_PKGS[@]}" >&2
+fi
+echo "[install_deps] ok" >&2

@@ -1,0 +1,173 @@
+/// @file activation.h
+/// The four gated activations of the MoE op, in a scalar form (the textbook formula, std::erf /
+/// std::tanh / std::exp) and a vector form (branch-free polynomial math over arrays, written so the
+/// compiler vectorizes it for whatever ISA the including file is built for).
+///
+/// Header-only (CMake target cpumoe::activation). No ISA features needed.
+///
+/// Semantics, per element, with g the gate and u the up projection:
+///  - silu:      silu(g) * u = g / (1 + e^-g) * u
+///  - gelu:      0.5 g (1 + erf(g / sqrt 2)) u
+///  - gelu_tanh: 0.5 g (1 + tanh(0.7978845608 (g + 0.044715 g^3))) u
+///  - swigluoai: g' = min(g, 7), u' = clamp(u, -7, 7), (u' + 1) g' sigmoid(1.702 g')
+/// Where gate and up live in a row of GEMM1's output [2I] is the caller's choice
+/// (see gate_up_layout()): halves for the first three, even/odd columns for swigluoai.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace cpumoe {
+
+enum class Activation : int { silu = 0, gelu = 1, gelu_tanh = 2, swigluoai = 3 };
+
+inline const char* activation_name(Activation a) {
+  switch (a) {
+    case Activation::silu: return "silu";
+    case Activation::gelu: return "gelu";
+    case Activation::gelu_tanh: return "gelu_tanh";
+    case Activation::swigluoai: return "swigluoai";
+  }
+  return "?";
+}
+
+/// Parses "silu", "gelu", "gelu_tanh", "swigluoai". Returns false for anything else.
+inline bool parse_activation(const char* s, Activation* out) {
+  static const Activation all[] = {Activation::silu, Activation::gelu, Activation::gelu_tanh,
+                                   Activation::swigluoai};
+  for (Activation a : all) {
+    if (std::strcmp(s, activation_name(a)) == 0) {
+      *out = a;
+      return true;
+    }
+  }
+  return false;
+}
+
+/// Where gate and up of output column i sit in a GEMM1 row of 2*I values.
+struct GateUpLayout {
+  int64_t gate_offset;  ///< gate[i] = row[gate_offset + i * stride]
+  int64_t up_offset;    ///< up[i]   = row[up_offset + i * stride]
+  int64_t stride;
+};
+inline GateUpLayout gate_up_layout(Activation a, int64_t inter) {
+  if (a == Activation::swigluoai) return {0, 1, 2};
+  return {0, inter, 1};
+}
+
+constexpr float kSwigluLimit = 7.0f;
+constexpr float kSwigluAlpha = 1.702f;
+constexpr float kGeluTanhC = 0.7978845608f;  // sqrt(2/pi)
+constexpr float kGeluTanhA = 0.044715f;
+
+namespace scalar {
+
+inline float silu_mul(float g, float u) { return g / (1.0f + std::exp(-g)) * u; }
+inline float gelu_mul(float g, float u) {
+  return 0.5f * g * (1.0f + std::erf(g * 0.70710678118654752f)) * u;
+}
+inline float gelu_tanh_mul(float g, float u) {
+  return 0.5f * g * (1.0f + std::tanh(kGeluTanhC * (g + kGeluTanhA * g * g * g))) * u;
+}
+inline float swigluoai(float g, float u) {
+  g = g > kSwigluLimit ? kSwigluLimit : g;  // ternaries keep NaN, as torch.clamp does
+  u = u > kSwigluLimit ? kSwigluLimit : (u < -kSwigluLimit ? -kSwigluLimit : u);
+  return (u + 1.0f) * g / (1.0f + std::exp(-kSwigluAlpha * g));
+}
+inline float apply(Activation a, float g, float u) {
+  switch (a) {
+    case Activation::silu: return silu_mul(g, u);
+    case Activation::gelu: return gelu_mul(g, u);
+    case Activation::gelu_tanh: return gelu_tanh_mul(g, u);
+    case Activation::swigluoai: return swigluoai(g, u);
+  }
+  return 0.0f;
+}
+
+}  // namespace scalar
+
+namespace vec {
+
+/// e^x, branch-free: 2^n * p(r) with r = x - n ln2, degree-6 polynomial (about 2 ulp).
+/// Inputs are clamped to [-87.3, 88.3] so the result stays finite and normal; NaN stays NaN.
+inline float exp(float x) {
+  x = x > 88.3f ? 88.3f : x;
+  x = x < -87.3f ? -87.3f : x;
+  // Round to nearest by the 1.5 * 2^23 trick: vectorizes without SSE4.1 / FRINTN.
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  float r = x - n * 0.693145751953125f;  // ln2 split in hi + lo for an exact reduction
+  r = r - n * 1.42860682030941723e-06f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t ni = static_cast<int32_t>(n);
+  uint32_t bits = uint32_t(ni + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+inline float sigmoid(float x) { return 1.0f / (1.0f + vec::exp(-x)); }
+
+/// erf(x), Abramowitz & Stegun 7.1.26 (absolute error below 1.5e-7), odd-symmetric.
+inline float erf(float x) {
+  const float ax = std::fabs(x);
+  const float t = 1.0f / (1.0f + 0.3275911f * ax);
+  float p = 1.061405429f;
+  p = p * t - 1.453152027f;
+  p = p * t + 1.421413741f;
+  p = p * t - 0.284496736f;
+  p = p * t + 0.254829592f;
+  const float y = 1.0f - p * t * vec::exp(-ax * ax);
+  return std::copysign(y, x);
+}
+
+/// tanh(x) = 1 - 2 / (e^{2x} + 1): absolute error about 1e-7, enough where it is added to 1.
+inline float tanh(float x) { return 1.0f - 2.0f / (vec::exp(2.0f * x) + 1.0f); }
+
+inline float silu_mul(float g, float u) { return g * vec::sigmoid(g) * u; }
+inline float gelu_mul(float g, float u) {
+  return 0.5f * g * (1.0f + vec::erf(g * 0.70710678118654752f)) * u;
+}
+inline float gelu_tanh_mul(float g, float u) {
+  return 0.5f * g * (1.0f + vec::tanh(kGeluTanhC * (g + kGeluTanhA * g * g * g))) * u;
+}
+inline float swigluoai(float g, float u) {
+  g = g > kSwigluLimit ? kSwigluLimit : g;
+  u = u > kSwigluLimit ? kSwigluLimit : (u < -kSwigluLimit ? -kSwigluLimit : u);
+  return (u + 1.0f) * g * vec::sigmoid(kSwigluAlpha * g);
+}
+
+/// out[i] = act(gate[i * stride], up[i * stride]) for i in [0, n). One loop per activation so
+/// each is a straight loop the compiler vectorizes.
+inline void gated(Activation a, const float* gate, const float* up, int64_t stride, float* out,
+                  int64_t n) {
+  switch (a) {
+    case Activation::silu:
+      for (int64_t i = 0; i < n; ++i) out[i] = silu_mul(gate[i * stride], up[i * stride]);
+      break;
+    case Activation::gelu:
+      for (int64_t i = 0; i < n; ++i) out[i] = gelu_mul(gate[i * stride], up[i * stride]);
+      break;
+    case Activation::gelu_tanh:
+      for (int64_t i = 0; i < n; ++i) out[i] = gelu_tanh_mul(gate[i * stride], up[i * stride]);
+      break;
+    case Activation::swigluoai:
+      for (int64_t i = 0; i < n; ++i) out[i] = swigluoai(gate[i * stride], up[i * stride]);
+      break;
+  }
+}
+
+/// Applies @p a to one GEMM1 row of 2 * @p inter values, writing @p inter values.
+inline void gated_row(Activation a, const float* row, int64_t inter, float* out) {
+  const GateUpLayout l = gate_up_layout(a, inter);
+  gated(a, row + l.gate_offset, row + l.up_offset, l.stride, out, inter);
+}
+
+}  // namespace vec
+}  // namespace cpumoe

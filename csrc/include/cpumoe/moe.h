@@ -1,0 +1,123 @@
+/// @file moe.h
+/// The W8A8 fused-MoE op: prepack the experts' int8 weights once, then run
+///   out[t] = sum_j w[t,j] * FFN_{ids[t,j]}(x[t])
+/// with dynamic per-token int8 quantization of the activations, GEMM1 (w13), a gated activation,
+/// requantization, GEMM2 (w2) and the weighted combine. The kernel is chosen once, at prepack, for
+/// this CPU (see qgemm_select); the MoE code knows it only through QGemmUkernel.
+///
+/// Errors in the arguments throw cpumoe::ArgumentError (a std::invalid_argument) whose message
+/// names the argument; nothing is written to the output then.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+#include "cpumoe/activation.h"
+#include "cpumoe/dtype.h"
+#include "cpumoe/qgemm.h"
+
+namespace cpumoe {
+
+/// A bad argument value or shape: the message starts with the argument's name.
+class ArgumentError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+/// The hidden and intermediate sizes must be multiples of this (the rule every path shares; a
+/// kernel that wants more pads internally).
+constexpr int64_t kDimMultiple = 8;
+/// Floor of a token's (or activation row's) absolute maximum before dividing by 127, so an
+/// all-zero row gets a finite scale and quantizes to zeros.
+constexpr float kAmaxFloor = 1e-7f;
+
+/// Plain (unpacked) expert weights as given by a checkpoint; all arrays dense and row-major.
+struct MoeWeights {
+  int64_t num_experts = 0;   ///< E
+  int64_t hidden = 0;        ///< H
+  int64_t intermediate = 0;  ///< I
+  const int8_t* w13 = nullptr;  ///< [E, 2I, H]; rows [0, I) gate, [I, 2I) up (swigluoai: even/odd)
+  const int8_t* w2 = nullptr;   ///< [E, H, I]
+  const float* s13 = nullptr;   ///< [E, 2I] per-output-channel scales, finite and > 0
+  const float* s2 = nullptr;    ///< [E, H]
+  const void* b13 = nullptr;    ///< [E, 2I] or nullptr, of type b13_dtype
+  DType b13_dtype = DType::f32;
+  const void* b2 = nullptr;     ///< [E, H] or nullptr, of type b2_dtype
+  DType b2_dtype = DType::f32;
+};
+
+/// Expert weights packed for one kernel. Immutable after construction; safe to share between
+/// threads and calls.
+class PackedMoe {
+ public:
+  /// Packs @p w for @p kernel (nullptr: qgemm_select() for this CPU, capped by CPUMOE_ISA).
+  /// @pre E >= 1; H, I >= kDimMultiple and multiples of it; scales finite and > 0.
+  /// Throws ArgumentError otherwise. Threads: up to @p num_threads (<= 0: the OpenMP default).
+  PackedMoe(const MoeWeights& w, const QGemmUkernel* kernel = nullptr, int num_threads = 0);
+  ~PackedMoe();
+  PackedMoe(const PackedMoe&) = delete;
+  PackedMoe& operator=(const PackedMoe&) = delete;
+
+  int64_t num_experts() const { return e_; }
+  int64_t hidden() const { return h_; }
+  int64_t intermediate() const { return i_; }
+  bool has_bias13() const { return has_b13_; }
+  bool has_bias2() const { return has_b2_; }
+  const QGemmUkernel& kernel() const { return *kernel_; }
+  /// Bytes held by the packed weights, scales and biases.
+  size_t packed_bytes() const;
+
+  // For the dispatcher: expert e's packed w13 / w2, scales and biases (fp32).
+  const void* w13(int64_t e) const;
+  const void* w2(int64_t e) const;
+  const float* s13(int64_t e) const { return s13_.get() + e * 2 * i_; }
+  const float* s2(int64_t e) const { return s2_.get() + e * h_; }
+  const float* b13(int64_t e) const { return has_b13_ ? b13_.get() + e * 2 * i_ : nullptr; }
+  const float* b2(int64_t e) const { return has_b2_ ? b2_.get() + e * h_ : nullptr; }
+
+ private:
+  struct AlignedFree {
+    void operator()(void* p) const;
+  };
+  int64_t e_, h_, i_;
+  const QGemmUkernel* kernel_;
+  size_t w13_stride_ = 0, w2_stride_ = 0;  // bytes per expert
+  std::unique_ptr<uint8_t, AlignedFree> w13_, w2_;
+  std::unique_ptr<float[]> s13_, s2_, b13_, b2_;
+  bool has_b13_ = false, has_b2_ = false;
+};
+
+/// One call of the op. Rows of x and out may be strided (row stride >= H); elements within a row
+/// are contiguous.
+struct MoeCall {
+  int64_t num_tokens = 0;  ///< T >= 0
+  int64_t topk = 0;        ///< k >= 1
+  const void* x = nullptr;  ///< [T, H] of type dtype
+  int64_t x_row_stride = 0;
+  DType dtype = DType::f32;
+  const float* topk_weights = nullptr;  ///< [T, k]
+  int64_t topk_weights_row_stride = 0;
+  const void* topk_ids = nullptr;       ///< [T, k], int32 or int64 (topk_ids_int64)
+  bool topk_ids_int64 = false;
+  int64_t topk_ids_row_stride = 0;
+  Activation activation = Activation::silu;
+  bool skip_weighted = false;  ///< only with k == 1: the router weight is already in x
+  void* out = nullptr;         ///< [T, H] of type dtype; must not overlap x
+  int64_t out_row_stride = 0;
+  int num_threads = 0;         ///< <= 0: the OpenMP default (OMP_NUM_THREADS)
+};
+
+/// Runs the op. Deterministic: the result does not depend on num_threads.
+/// Throws ArgumentError for bad arguments (expert id outside [0, E), k < 1, skip_weighted with
+/// k > 1, ...) before writing anything.
+void fused_moe_int8(const PackedMoe& packed, const MoeCall& call);
+
+/// Dynamic symmetric per-row int8 quantization, as the op does it:
+/// s = max(max|x|, kAmaxFloor) / 127, q = round_half_even(x / s) clamped to [-127, 127].
+/// Reads @p n elements of type @p dt; writes q[0..n) and returns s.
+float quantize_row(const void* x, DType dt, int64_t n, int8_t* q);
+
+}  // namespace cpumoe

@@ -1,0 +1,23 @@
+// Helpers shared by every qgemm microkernel: the scalar tail stores. Kept in one place so all
+// kernels apply the epilogue in the same order, (acc * lhs_scale) * rhs_scale + bias, and their
+// fp32 results agree bit for bit (the build disables FMA contraction for the same reason).
+#pragma once
+
+#include <cstdint>
+
+namespace cpumoe {
+
+inline void store_s32_row(int32_t* dst, const int32_t* acc, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) dst[j] = acc[j];
+}
+
+inline void store_f32_row(float* dst, const int32_t* acc, int64_t n, float lhs_scale,
+                          const float* rhs_scale, const float* bias) {
+  if (bias != nullptr) {
+    for (int64_t j = 0; j < n; ++j) dst[j] = float(acc[j]) * lhs_scale * rhs_scale[j] + bias[j];
+  } else {
+    for (int64_t j = 0; j < n; ++j) dst[j] = float(acc[j]) * lhs_scale * rhs_scale[j];
+  }
+}
+
+}  // namespace cpumoe

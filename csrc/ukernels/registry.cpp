@@ -1,0 +1,44 @@
+// The qgemm registry: every variant this build compiled, best first. Adding an ISA is one kernel
+// file, one source-list entry in CMake and one line here. Built without ISA flags.
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "cpumoe/qgemm.h"
+
+namespace cpumoe {
+
+#define CPUMOE_DECLARE_QGEMM(name) extern const QGemmUkernel name;
+#if defined(CPUMOE_HAVE_I8MM)
+CPUMOE_DECLARE_QGEMM(qgemm_qs8p2x8_qs8cp8x8_8x8_neon_i8mm)
+#endif
+CPUMOE_DECLARE_QGEMM(qgemm_qs8r_qs8cr4_1x4_portable)
+
+const std::vector<const QGemmUkernel*>& qgemm_registry() {
+  static const std::vector<const QGemmUkernel*> all = {
+#if defined(CPUMOE_HAVE_I8MM)
+      &qgemm_qs8p2x8_qs8cp8x8_8x8_neon_i8mm,
+#endif
+      &qgemm_qs8r_qs8cr4_1x4_portable,
+  };
+  return all;
+}
+
+const QGemmUkernel* qgemm_select(const Isa* cap) {
+  const Isa* env = env_isa_cap();
+  for (const QGemmUkernel* k : qgemm_registry()) {
+    if (cap != nullptr && int(k->isa) > int(*cap)) continue;
+    if (env != nullptr && int(k->isa) > int(*env)) continue;
+    if (cpu_supports(k->isa)) return k;
+  }
+  // The portable kernel is always compiled in and always supported.
+  throw std::logic_error("cpumoe: no qgemm kernel registered (build is broken)");
+}
+
+const QGemmUkernel* qgemm_find(const char* name) {
+  for (const QGemmUkernel* k : qgemm_registry())
+    if (std::strcmp(k->name, name) == 0) return k;
+  return nullptr;
+}
+
+}  // namespace cpumoe

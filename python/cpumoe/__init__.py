@@ -1,0 +1,31 @@
+"""cpumoe: fused W8A8 int8 Mixture-of-Experts kernels for CPUs.
+
+Typical use::
+
+    packed = cpumoe.prepack(w13, w2, s13, s2)              # once per layer
+    out = cpumoe.fused_moe_int8(x, packed, topk_weights, topk_ids, activation="silu")
+
+Works on torch tensors and on numpy arrays (``ml_dtypes.bfloat16`` for bf16); torch is optional.
+"""
+
+from . import _C
+from . import reference
+from .ops import (ACTIVATIONS, PackedMoe, available_paths, cpu_features, fused_moe_int8, kernels,
+                  prepack, selected_path)
+from .reference import quantize_per_channel, quantize_per_token
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ACTIVATIONS",
+    "PackedMoe",
+    "available_paths",
+    "cpu_features",
+    "fused_moe_int8",
+    "kernels",
+    "prepack",
+    "quantize_per_channel",
+    "quantize_per_token",
+    "reference",
+    "selected_path",
+]

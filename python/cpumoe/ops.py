@@ -1,0 +1,165 @@
+"""The public ops: prepack the expert weights once, run the fused W8A8 MoE."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Dict, List, Optional
+
+from . import _C
+from ._tensors import (FLOAT_DTYPES, View, as_float32, check_dtype, check_rows, check_shape,
+                       contiguous, empty_like_rows, view)
+
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
+PackedMoe = _C.PackedMoe
+
+
+def cpu_features() -> Dict[str, Any]:
+    """Features of the running CPU that cpumoe's kernels use (read at run time), plus ``arch``."""
+    return dict(_C.cpu_features())
+
+
+def kernels() -> List[Dict[str, Any]]:
+    """The int8 GEMM kernels compiled in, best first, each with ``supported`` on this CPU."""
+    return [dict(k) for k in _C.kernels()]
+
+
+def available_paths() -> List[str]:
+    """Paths (ISA levels) this CPU runs, best first, ``"portable"`` last, capped by CPUMOE_ISA."""
+    cap = _C.env_isa_cap()
+    ladder = _C.isa_ladder()
+    allowed = ladder[ladder.index(cap):] if cap is not None else ladder
+    compiled = {k["isa"] for k in _C.kernels() if k["supported"]}
+    return [p for p in allowed if p in compiled]
+
+
+def selected_path(isa: Optional[str] = None) -> str:
+    """The path prepack picks by default (or under the cap ``isa``)."""
+    name = _C.select_kernel(isa)
+    return next(k["isa"] for k in _C.kernels() if k["name"] == name)
+
+
+def _num_threads(num_threads: Optional[int], *tensors: Any) -> int:
+    """Explicit count, else torch's when a torch tensor is involved, else OpenMP's default (0)."""
+    if num_threads is not None:
+        if not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 1:
+            raise ValueError(f"num_threads: must be a positive int, got {num_threads!r}")
+        return num_threads
+    torch = sys.modules.get("torch")
+    if torch is not None and any(isinstance(t, torch.Tensor) for t in tensors):
+        return int(torch.get_num_threads())
+    return 0
+
+
+def _scales(name: str, obj: Any, E: int, N: int):
+    s = as_float32(name, obj)
+    v = view(name, s)
+    if v.ndim == 3 and v.shape[2] == 1:  # compressed-tensors stores [E, N, 1]
+        s = s.reshape(E, N) if v.shape[:2] == (E, N) else s
+        v = view(name, s)
+    check_shape(v, name, (E, N))
+    return s, v
+
+
+def _bias(name: str, obj: Any, E: int, N: int):
+    if obj is None:
+        return None, 0, "float32"
+    b = contiguous(name, obj)
+    v = view(name, b)
+    check_dtype(v, name, FLOAT_DTYPES)
+    check_shape(v, name, (E, N))
+    return b, v.address, v.dtype
+
+
+def prepack(w13: Any, w2: Any, s13: Any, s2: Any, b13: Any = None, b2: Any = None, *,
+            isa: Optional[str] = None, num_threads: Optional[int] = None) -> PackedMoe:
+    """Packs a layer's int8 expert weights once, for the path this CPU will use.
+
+    Args:
+      w13: int8 [E, 2I, H]: gate rows [0, I), up rows [I, 2I) (swigluoai: even / odd rows).
+      w2: int8 [E, H, I].
+      s13, s2: per-output-channel scales [E, 2I] / [E, H] (or [..., 1]); finite and > 0.
+      b13, b2: optional biases [E, 2I] / [E, H], any float dtype (kept as float32).
+      isa: cap the path (e.g. ``"portable"``); default: the best this CPU runs, capped by the
+        CPUMOE_ISA environment variable.
+    H and I must be multiples of 8. The inputs are copied; they can be freed afterwards.
+    """
+    w13 = contiguous("w13", w13)
+    w2 = contiguous("w2", w2)
+    v13, v2 = view("w13", w13), view("w2", w2)
+    check_dtype(v13, "w13", ("int8",))
+    check_dtype(v2, "w2", ("int8",))
+    if v13.ndim != 3:
+        raise ValueError(f"w13: shape must be [E, 2I, H], got {list(v13.shape)}")
+    E, I2, H = v13.shape
+    if I2 % 2:
+        raise ValueError(f"w13: dim 1 must be 2*I (even), got {I2}")
+    I = I2 // 2
+    check_shape(v2, "w2", (E, H, I), " to match w13 [E, 2I, H]")
+    s13, vs13 = _scales("s13", s13, E, 2 * I)
+    s2, vs2 = _scales("s2", s2, E, H)
+    b13, b13_addr, b13_dt = _bias("b13", b13, E, 2 * I)
+    b2, b2_addr, b2_dt = _bias("b2", b2, E, H)
+    if isa is not None and not isinstance(isa, str):
+        raise TypeError(f"isa: must be a str or None, got {type(isa).__name__}")
+    return _C.prepack(E, H, I, v13.address, v2.address, vs13.address, vs2.address, b13_addr,
+                      b13_dt, b2_addr, b2_dt, isa, _num_threads(num_threads, w13))
+
+
+def fused_moe_int8(x: Any, packed: PackedMoe, topk_weights: Any, topk_ids: Any,
+                   activation: str = "silu", skip_weighted: bool = False, out: Any = None, *,
+                   num_threads: Optional[int] = None) -> Any:
+    """The fused W8A8 MoE: ``out[t] = sum_j topk_weights[t, j] * FFN_{topk_ids[t, j]}(x[t])``.
+
+    Args:
+      x: [T, H] float32 / float16 / bfloat16, rows contiguous (row stride may exceed H).
+      packed: from :func:`prepack`.
+      topk_weights: float32 [T, k]. topk_ids: int32 or int64 [T, k], each in [0, E); an id that
+        repeats in a row counts twice.
+      activation: "silu", "gelu", "gelu_tanh" or "swigluoai".
+      skip_weighted: the router weight is already applied to x (only with k == 1).
+      out: optional [T, H] of x's dtype, written in place and returned; must not overlap x.
+    Returns ``out``, or a new tensor/array of x's kind, dtype and shape [T, H].
+    Dynamic per-token int8 quantization of x and of the activation; fp32 accumulation.
+    """
+    if not isinstance(packed, PackedMoe):
+        raise TypeError(f"packed: expected cpumoe.PackedMoe from prepack(), got "
+                        f"{type(packed).__name__}")
+    xv = view("x", x)
+    check_dtype(xv, "x", FLOAT_DTYPES)
+    check_shape(xv, "x", (None, packed.hidden), f" (H = {packed.hidden} of the packed weights)")
+    T = xv.shape[0]
+    iv = view("topk_ids", topk_ids)
+    check_dtype(iv, "topk_ids", ("int32", "int64"))
+    if iv.ndim != 2 or iv.shape[0] != T:
+        raise ValueError(f"topk_ids: shape must be [T, k] with T = {T}, got {list(iv.shape)}")
+    k = iv.shape[1]
+    if k < 1:
+        raise ValueError("topk_ids: k (its second dim) must be >= 1, got 0")
+    wv = view("topk_weights", topk_weights)
+    check_dtype(wv, "topk_weights", ("float32",))
+    check_shape(wv, "topk_weights", (T, k), " (the shape of topk_ids)")
+    if not isinstance(activation, str):
+        raise TypeError(f"activation: must be a str, got {type(activation).__name__}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: must be one of {', '.join(ACTIVATIONS)}; got {activation!r}")
+    if not isinstance(skip_weighted, bool):
+        raise TypeError(f"skip_weighted: must be a bool, got {type(skip_weighted).__name__}")
+    if skip_weighted and k != 1:
+        raise ValueError(f"skip_weighted: only allowed with k == 1, got k = {k}")
+    x_stride = check_rows(xv, "x")
+    ids_stride = check_rows(iv, "topk_ids")
+    tw_stride = check_rows(wv, "topk_weights")
+    if out is None:
+        out = empty_like_rows(xv, T, packed.hidden)
+    ov = view("out", out)
+    if ov.framework != xv.framework or ov.dtype != xv.dtype:
+        raise TypeError(f"out: must be a {xv.framework} {xv.dtype} like x, got "
+                        f"{ov.framework} {ov.dtype}")
+    check_shape(ov, "out", (T, packed.hidden))
+    if not ov.writable:
+        raise ValueError("out: is read-only")
+    out_stride = check_rows(ov, "out")
+    _C.fused_moe_int8(packed, T, k, xv.address, x_stride, xv.dtype, wv.address, tw_stride,
+                      iv.address, iv.dtype == "int64", ids_stride, activation, skip_weighted,
+                      ov.address, out_stride, _num_threads(num_threads, x))
+    return out
