@@ -34,6 +34,8 @@ stage_python() {
   # Run from the repo root: python/cpumoe is not importable from here, so the installed package is
   # the one tested.
   "$PY" -m pytest tests_py -q
+  log "python: pytest again on the numpy backend (torch never imported)"
+  CPUMOE_TEST_BACKEND=numpy "$PY" -m pytest tests_py -q -p no:cacheprovider
 }
 
 aarch64_python() {

@@ -44,26 +44,20 @@ int resolve_threads(int n) {
 #endif
 }
 
-int thread_index() {
-#if defined(_OPENMP)
-  return omp_get_thread_num();
-#else
-  return 0;
-#endif
-}
-
-// Runs fn(i) for i in [0, n) on up to `threads` threads, dynamically scheduled.
+// Runs fn(i, tid) for i in [0, n) on up to `threads` threads, dynamically scheduled; tid in
+// [0, threads) indexes per-thread scratch. It is this loop's own index, never a caller's (a
+// caller may itself be inside an OpenMP region).
 template <class Fn>
 void parallel_for(int64_t n, int threads, const Fn& fn) {
 #if defined(_OPENMP)
   if (threads > 1 && n > 1) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int64_t i = 0; i < n; ++i) fn(i);
+    for (int64_t i = 0; i < n; ++i) fn(i, omp_get_thread_num());
     return;
   }
 #endif
   (void)threads;
-  for (int64_t i = 0; i < n; ++i) fn(i);
+  for (int64_t i = 0; i < n; ++i) fn(i, 0);
 }
 
 struct AlignedBuffer {
@@ -257,7 +251,7 @@ struct Chunk {
   // Packs, per active expert, the rows rows[first[e] .. first[e] + count[e]).
   void pack_rows(const std::vector<const int8_t*>& rows, int64_t depth,
                  const std::vector<size_t>& off, uint8_t* dst) const {
-    parallel_for(int64_t(active.size()), threads, [&](int64_t i) {
+    parallel_for(int64_t(active.size()), threads, [&](int64_t i, int) {
       const int64_t e = active[size_t(i)];
       kern.pack_lhs(count[e], depth, rows.data() + first[e], dst + off[e]);
     });
@@ -268,7 +262,7 @@ struct Chunk {
             const float* row_scale, float* dst, const WeightsOf& weights, const ScaleOf& scale,
             const BiasOf& bias) const {
     const std::vector<Task> tasks = make_tasks(active, count, n, kern.mr, kern.nr, threads);
-    parallel_for(int64_t(tasks.size()), threads, [&](int64_t i) {
+    parallel_for(int64_t(tasks.size()), threads, [&](int64_t i, int) {
       const Task& tk = tasks[size_t(i)];
       const int64_t row0 = first[tk.e] + tk.m0;
       const float* b = bias(tk.e);
@@ -287,7 +281,7 @@ struct Chunk {
     // 1. Quantize each token once.
     std::vector<int8_t> xq(static_cast<size_t>(tc * H));
     std::vector<float> xs(static_cast<size_t>(tc));
-    parallel_for(tc, threads, [&](int64_t t) {
+    parallel_for(tc, threads, [&](int64_t t, int) {
       const auto* row = static_cast<const uint8_t*>(c.x) + (t0 + t) * c.x_row_stride * xes;
       xs[t] = quantize_row(row, c.dtype, H, xq.data() + t * H);
     });
@@ -314,8 +308,8 @@ struct Chunk {
     std::vector<int8_t> qa(static_cast<size_t>(P * I));
     std::vector<float> sa(static_cast<size_t>(P));
     std::vector<float> tmp(static_cast<size_t>(threads) * size_t(I));
-    parallel_for(P, threads, [&](int64_t p) {
-      float* a = tmp.data() + size_t(thread_index()) * size_t(I);
+    parallel_for(P, threads, [&](int64_t p, int tid) {
+      float* a = tmp.data() + size_t(tid) * size_t(I);
       vec::gated_row(c.activation, h.data() + p * 2 * I, I, a);
       if (c.dtype != DType::f32)
         for (int64_t i = 0; i < I; ++i) a[i] = round_to_dtype(a[i], c.dtype);
@@ -335,8 +329,8 @@ struct Chunk {
 
     // 7. Weighted combine, fp32, slots in their given order.
     std::vector<float> accs(static_cast<size_t>(threads) * size_t(H));
-    parallel_for(tc, threads, [&](int64_t t) {
-      float* acc = accs.data() + size_t(thread_index()) * size_t(H);
+    parallel_for(tc, threads, [&](int64_t t, int tid) {
+      float* acc = accs.data() + size_t(tid) * size_t(H);
       std::fill(acc, acc + H, 0.0f);
       for (int64_t j = 0; j < k; ++j) {
         const float w = c.skip_weighted ? 1.0f : c.topk_weights[(t0 + t) * c.topk_weights_row_stride + j];
@@ -386,7 +380,7 @@ PackedMoe::PackedMoe(const MoeWeights& w, const QGemmUkernel* kernel, int num_th
   w13_.reset(static_cast<uint8_t*>(std::aligned_alloc(kAlign, w13_stride_ * size_t(e_))));
   w2_.reset(static_cast<uint8_t*>(std::aligned_alloc(kAlign, w2_stride_ * size_t(e_))));
   if (!w13_ || !w2_) throw std::bad_alloc();
-  parallel_for(e_, threads, [&](int64_t e) {
+  parallel_for(e_, threads, [&](int64_t e, int) {
     k.pack_rhs(2 * i_, h_, w.w13 + e * 2 * i_ * h_, h_, w13_.get() + size_t(e) * w13_stride_);
     k.pack_rhs(h_, i_, w.w2 + e * h_ * i_, i_, w2_.get() + size_t(e) * w2_stride_);
   });

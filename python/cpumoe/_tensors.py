@@ -55,6 +55,8 @@ def view(name: str, obj: Any) -> View:
         return View(obj, obj.data_ptr(), tuple(obj.shape), tuple(obj.stride()), dtype, "torch",
                     True)
     if isinstance(obj, np.ndarray):
+        if not obj.dtype.isnative:
+            raise TypeError(f"{name}: byte order must be native, got dtype {obj.dtype.str}")
         item = obj.dtype.itemsize
         if any(s % item for s in obj.strides):
             raise ValueError(f"{name}: strides must be multiples of the element size")
@@ -79,6 +81,8 @@ def check_shape(v: View, name: str, shape: Sequence[Optional[int]], what: str = 
 def check_rows(v: View, name: str) -> int:
     """2-D with contiguous rows (any row stride >= row length); returns the row stride."""
     rows, cols = v.shape
+    if rows == 0:  # empty tensors may carry any strides, (0, 0) included
+        return cols
     if cols > 1 and v.strides[1] != 1:
         raise ValueError(f"{name}: rows must be contiguous (stride of the last dim must be 1, "
                          f"got {v.strides[1]})")
@@ -94,14 +98,16 @@ def contiguous(name: str, obj: Any):
     if torch is not None and isinstance(obj, torch.Tensor):
         return obj.contiguous()
     if isinstance(obj, np.ndarray):
+        if not obj.dtype.isnative:
+            obj = obj.astype(obj.dtype.newbyteorder("="))
         return np.ascontiguousarray(obj)
     raise TypeError(f"{name}: expected a torch.Tensor or numpy.ndarray, got {type(obj).__name__}")
 
 
 def as_float32(name: str, obj: Any):
-    """A contiguous float32 copy/view of a floating tensor (scales)."""
-    v = view(name, obj)
-    check_dtype(v, name, FLOAT_DTYPES)
+    """A contiguous float32 copy/view of a floating tensor (scales, biases: copied at prepack)."""
+    v = view(name, contiguous(name, obj))
+    check_dtype(v, name, FLOAT_DTYPES + ("float64",))
     torch = _torch()
     if v.framework == "torch":
         return obj.to(torch.float32).contiguous()

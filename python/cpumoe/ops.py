@@ -63,9 +63,8 @@ def _scales(name: str, obj: Any, E: int, N: int):
 def _bias(name: str, obj: Any, E: int, N: int):
     if obj is None:
         return None, 0, "float32"
-    b = contiguous(name, obj)
+    b = as_float32(name, obj)
     v = view(name, b)
-    check_dtype(v, name, FLOAT_DTYPES)
     check_shape(v, name, (E, N))
     return b, v.address, v.dtype
 

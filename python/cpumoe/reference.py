@@ -1,0 +1,288 @@
+"""Naive reference of the W8A8 fused-MoE op: the oracle the kernels are tested against.
+
+Written to be obviously right rather than fast: plain numpy, one expert at a time, integer
+matrix products done in float64 (exact: |sum| <= K * 127 * 127 < 2**53 for any K we meet).
+Every function takes torch tensors or numpy arrays and answers in the same kind. torch is never
+imported here: a torch tensor is recognised through ``sys.modules`` (if the caller has a tensor,
+torch is already imported), so this module and its numpy form work without torch installed.
+bfloat16 numpy arrays use ``ml_dtypes.bfloat16``; the reference itself does not need ml_dtypes.
+
+The op, per token t and each of its k experts e = topk_ids[t, j]:
+  1. s_t = max(max|x_t|, 1e-7) / 127, q_t = round_half_even(x_t / s_t) clamped to +-127 (fp32,
+     x converted to fp32 first, a true division); each token is quantized once.
+  2. h = float32(q_t . w13[e]^T) * s_t * s13[e] + b13[e], in fp32, multiplied in that order.
+  3. gate/up = first/second half of h (swigluoai: even/odd columns); a = act(gate, up).
+  4. a is rounded to the input dtype, then quantized per row as in 1.
+  5. y = float32(q_a . w2[e]^T) * s_a * s2[e] + b2[e];
+     out[t] = sum_j topk_weights[t, j] * y_j (weight 1 with skip_weighted), fp32, j in order,
+     stored in the input dtype.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import numpy as np
+
+__all__ = [
+    "ACTIVATIONS",
+    "quantize_per_token",
+    "quantize_per_channel",
+    "ref_fused_moe_int8",
+    "round_to_dtype",
+]
+
+#: The activations of the op, by name.
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
+
+#: Floor of a token's |max| before dividing by 127 (the op's; an all-zero row gets zeros).
+TOKEN_AMAX_FLOOR = 1e-7
+#: Floor of a weight row's |max| when making int8 checkpoints.
+CHANNEL_AMAX_FLOOR = 1e-12
+
+_SWIGLU_LIMIT = 7.0
+_SWIGLU_ALPHA = 1.702
+_GELU_TANH_C = 0.7978845608
+_GELU_TANH_A = 0.044715
+
+_FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+# ---------------------------------------------------------------------------- torch <-> numpy
+def _torch_module(obj):
+    """The torch module when ``obj`` is a torch tensor, else None (never imports torch)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        return torch
+    return None
+
+
+def _dtype_name(a) -> str:
+    """'float32', 'bfloat16', 'int8', ... for a torch tensor or a numpy array."""
+    if _torch_module(a) is not None:
+        return str(a.dtype).replace("torch.", "")
+    return np.asarray(a).dtype.name
+
+
+def _to_numpy(a, *, float32=False):
+    """A numpy view/copy of a torch tensor or array-like. ``float32`` widens floats to fp32
+    (exact for fp16 and bf16); integer arrays are left as they are."""
+    if a is None:
+        return None
+    torch = _torch_module(a)
+    if torch is not None:
+        a = a.detach().cpu()
+        if a.dtype == torch.bfloat16 or (float32 and a.is_floating_point()):
+            a = a.to(torch.float32)
+        a = a.numpy()
+    else:
+        a = np.asarray(a)
+    if float32 and a.dtype.kind not in "iub":
+        a = a.astype(np.float32)
+    return a
+
+
+def _like(template, arr):
+    """Return numpy ``arr`` in the framework of ``template`` (torch tensor or numpy array)."""
+    torch = _torch_module(template)
+    if torch is None:
+        return arr
+    return torch.from_numpy(np.ascontiguousarray(arr))
+
+
+def round_to_dtype(a32: np.ndarray, dtype_name: str) -> np.ndarray:
+    """Round fp32 values to ``dtype_name``'s precision (round to nearest even), returned as fp32.
+
+    bfloat16 is done on the bits so that no ml_dtypes is needed: add 0x7fff plus the lowest kept
+    bit, drop the low 16 bits; NaN stays NaN. Overflow to inf happens naturally, as in a cast.
+    """
+    a32 = np.asarray(a32, dtype=np.float32)
+    if dtype_name == "float32":
+        return a32
+    if dtype_name == "float16":
+        with np.errstate(over="ignore"):
+            return a32.astype(np.float16).astype(np.float32)
+    if dtype_name == "bfloat16":
+        u = a32.view(np.uint32).astype(np.uint64)
+        r = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+        out = r.astype(np.uint32).view(np.float32)
+        return np.where(np.isnan(a32), a32, out)
+    raise ValueError(f"dtype: must be one of {_FLOAT_DTYPES}, got {dtype_name}")
+
+
+# ---------------------------------------------------------------------------- quantization
+def _quantize_rows_np(x32: np.ndarray, amax_floor: float):
+    """Symmetric int8 quantization along the last axis of an fp32 array."""
+    x32 = np.asarray(x32, dtype=np.float32)
+    if x32.shape[-1] == 0:
+        amax = np.zeros(x32.shape[:-1], dtype=np.float32)
+    else:
+        amax = np.max(np.abs(x32), axis=-1)
+        if np.isnan(amax).any():  # as the kernels do: NaN never wins the max
+            amax = np.fmax.reduce(np.abs(x32), axis=-1)
+    s = np.maximum(amax, np.float32(amax_floor)) / np.float32(127)  # fp32 / fp32: fp32
+    s = s.astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        v = x32 / s[..., None]  # true division
+        np.rint(v, out=v)  # round half to even
+        np.clip(v, -127, 127, out=v)
+    nan = np.isnan(v)
+    if nan.any():
+        v[nan] = 0  # and NaN quantizes to 0
+    return v.astype(np.int8), s
+
+
+def quantize_per_token(x, amax_floor: float = TOKEN_AMAX_FLOOR):
+    """Dynamic per-token (per-row) int8 quantization, as the op does it.
+
+    ``x`` [T, H] (fp32, fp16 or bf16; torch or numpy) -> (q int8 [T, H], s float32 [T]) with
+    ``s = max(max|x_t|, amax_floor) / 127`` and ``q = round_half_even(x_t / s)`` clamped to +-127.
+    """
+    q, s = _quantize_rows_np(_to_numpy(x, float32=True), amax_floor)
+    return _like(x, q), _like(x, s)
+
+
+def quantize_per_channel(w, amax_floor: float = CHANNEL_AMAX_FLOOR):
+    """Per-output-channel symmetric int8 quantization of weights, the way int8 checkpoints are made.
+
+    ``w`` [..., N, K] float -> (q int8 [..., N, K], s float32 [..., N]): the absolute maximum is
+    over the last (input) axis, divided by 127; round half to even, clamp to +-127.
+    """
+    w32 = _to_numpy(w, float32=True)
+    if w32.ndim < 2:
+        raise ValueError(f"w: expected at least 2 dimensions [..., N, K], got shape {w32.shape}")
+    q, s = _quantize_rows_np(w32, amax_floor)
+    return _like(w, q), _like(w, s)
+
+
+# ---------------------------------------------------------------------------- activations
+_erf = np.frompyfunc(math.erf, 1, 1)
+
+
+def _sigmoid64(v: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-v))
+
+
+def _activation(name: str, h: np.ndarray, inter: int) -> np.ndarray:
+    """Gated activation of GEMM1 rows h [P, 2I] (fp32) -> [P, I] fp32.
+
+    Evaluated in float64 from the fp32 inputs (so the reference is at least as accurate as the
+    fp32 formula it stands for), then rounded once to fp32.
+    """
+    if name == "swigluoai":
+        g, u = h[:, 0::2], h[:, 1::2]
+    else:
+        g, u = h[:, :inter], h[:, inter:]
+    g = g.astype(np.float64)
+    u = u.astype(np.float64)
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        if name == "silu":
+            a = g * _sigmoid64(g) * u
+        elif name == "gelu":
+            a = 0.5 * g * (1.0 + _erf(g / math.sqrt(2.0)).astype(np.float64)) * u
+        elif name == "gelu_tanh":
+            a = 0.5 * g * (1.0 + np.tanh(_GELU_TANH_C * (g + _GELU_TANH_A * g * g * g))) * u
+        elif name == "swigluoai":
+            g = np.minimum(g, _SWIGLU_LIMIT)
+            u = np.clip(u, -_SWIGLU_LIMIT, _SWIGLU_LIMIT)
+            a = (u + 1.0) * g * _sigmoid64(_SWIGLU_ALPHA * g)
+        else:
+            raise ValueError(f"activation: must be one of {', '.join(ACTIVATIONS)}; got {name!r}")
+        return a.astype(np.float32)
+
+
+# ---------------------------------------------------------------------------- the op
+def _int_matmul_t(q: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Exact int32 q @ w.T for int8 q [M, K], w [N, K], returned as fp32 (one rounding)."""
+    acc = q.astype(np.float64) @ w.astype(np.float64).T  # integers < 2**53: exact
+    return acc.astype(np.float32)
+
+
+def _linear(q, s, w, ws, b):
+    """(float32(q . w^T) * s) * ws + b, all fp32, in that order."""
+    y = _int_matmul_t(q, w) * s[:, None]
+    y = y * ws[None, :]
+    if b is not None:
+        y = y + b[None, :]
+    return y
+
+
+def ref_fused_moe_int8(x, w13, w2, s13, s2, topk_weights, topk_ids, activation="silu",
+                       b13=None, b2=None, skip_weighted=False):
+    """The op, naively: returns [T, H] in x's dtype and framework (torch tensor or numpy array).
+
+    x [T, H] fp32/fp16/bf16; w13 int8 [E, 2I, H]; w2 int8 [E, H, I]; s13 [E, 2I], s2 [E, H] fp32;
+    b13 [E, 2I], b2 [E, H] optional (any float dtype, widened to fp32); topk_ids int [T, k];
+    topk_weights fp32 [T, k] (ignored, and may be None, with skip_weighted, which needs k == 1).
+    Only the experts that some token uses are computed.
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: must be one of {', '.join(ACTIVATIONS)}; got {activation!r}")
+    dtype_name = _dtype_name(x)
+    if dtype_name not in _FLOAT_DTYPES:
+        raise TypeError(f"x: dtype must be one of {_FLOAT_DTYPES}, got {dtype_name}")
+
+    xf = _to_numpy(x, float32=True)
+    w13n = _to_numpy(w13)
+    w2n = _to_numpy(w2)
+    s13n = _to_numpy(s13, float32=True)
+    s2n = _to_numpy(s2, float32=True)
+    b13n = _to_numpy(b13, float32=True)
+    b2n = _to_numpy(b2, float32=True)
+    ids = _to_numpy(topk_ids).astype(np.int64)
+
+    if xf.ndim != 2:
+        raise ValueError(f"x: expected [T, H], got shape {xf.shape}")
+    T, H = xf.shape
+    E, two_i, H13 = w13n.shape
+    inter = two_i // 2
+    if H13 != H or w2n.shape != (E, H, inter) or two_i != 2 * inter:
+        raise ValueError(f"w13/w2: shapes {w13n.shape} / {w2n.shape} do not fit x of H = {H}")
+    if ids.ndim != 2 or ids.shape[0] != T:
+        raise ValueError(f"topk_ids: expected [T={T}, k], got shape {ids.shape}")
+    k = ids.shape[1]
+    if skip_weighted:
+        if k != 1:
+            raise ValueError(f"skip_weighted: only allowed with k == 1 (got k = {k})")
+        wts = np.ones((T, k), dtype=np.float32)
+    else:
+        wts = _to_numpy(topk_weights, float32=True)
+        if wts.shape != ids.shape:
+            raise ValueError(f"topk_weights: shape {wts.shape} != topk_ids shape {ids.shape}")
+    if ids.size and (ids.min() < 0 or ids.max() >= E):
+        raise ValueError(f"topk_ids: expert ids must be in [0, {E})")
+
+    # 1. Each token quantized once.
+    qx, sx = _quantize_rows_np(xf, TOKEN_AMAX_FLOOR)
+
+    # Slots p = t * k + j, each computed by its expert.
+    slot_token = np.repeat(np.arange(T), k)
+    slot_expert = ids.reshape(-1)
+    y = np.zeros((T * k, H), dtype=np.float32)
+    for e in np.unique(slot_expert):
+        rows = np.nonzero(slot_expert == e)[0]
+        tok = slot_token[rows]
+        # 2. GEMM1 with its epilogue.
+        h = _linear(qx[tok], sx[tok], w13n[e], s13n[e], None if b13n is None else b13n[e])
+        # 3. Activation; 4. round to the input dtype, requantize per row.
+        a = round_to_dtype(_activation(activation, h, inter), dtype_name)
+        qa, sa = _quantize_rows_np(a, TOKEN_AMAX_FLOOR)
+        # 5. GEMM2 with its epilogue.
+        y[rows] = _linear(qa, sa, w2n[e], s2n[e], None if b2n is None else b2n[e])
+
+    # Weighted combine in fp32, j in order.
+    y = y.reshape(T, k, H)
+    out = np.zeros((T, H), dtype=np.float32)
+    for j in range(k):
+        out = out + wts[:, j:j + 1] * y[:, j, :]
+    return _cast_out(x, out, dtype_name)
+
+
+def _cast_out(x, out32: np.ndarray, dtype_name: str):
+    """fp32 result -> x's dtype and framework (round to nearest even)."""
+    torch = _torch_module(x)
+    if torch is not None:
+        return torch.from_numpy(out32).to(getattr(torch, dtype_name))
+    with np.errstate(over="ignore"):
+        return out32.astype(np.asarray(x).dtype)

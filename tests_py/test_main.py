@@ -1,0 +1,51 @@
+"""The ``cpumoe`` command (python -m cpumoe) on a small problem: check, table, exit codes."""
+
+from __future__ import annotations
+
+import pytest
+
+from cpumoe import __main__ as cli
+
+SMALL = ["--tokens", "1,5", "--experts", "8", "--topk", "2", "--hidden", "64", "--inter", "32",
+         "--iters", "2", "--warmup", "1", "--threads", "1"]
+
+
+def _argv(backend, *extra):
+    return SMALL + ["--backend", backend.name, *extra]
+
+
+def test_main_passes_and_prints_table(backend, capsys):
+    assert cli.main(_argv(backend, "--activation", "swigluoai", "--bias")) == 0
+    out = capsys.readouterr().out
+    assert out.count("PASS") == 2 and "FAIL" not in out
+    assert "ms/call" in out and "tokens/s" in out
+    assert "threads  1" in out
+    rows = [ln.split() for ln in out.splitlines() if ln.split()[:1] in (["1"], ["5"])]
+    import cpumoe
+    assert len(rows) == 2 and all(r[1] in cpumoe.available_paths() for r in rows)
+
+
+def test_main_no_check_and_isa(backend, capsys):
+    assert cli.main(_argv(backend, "--no-check", "--isa", "portable", "--dtype", "fp16")) == 0
+    out = capsys.readouterr().out
+    assert "PASS" not in out and "portable" in out
+
+
+def test_main_fails_on_wrong_result(backend, capsys, monkeypatch):
+    import cpumoe.reference as ref
+    real = ref.ref_fused_moe_int8
+
+    def broken(*a, **kw):
+        return real(*a, **kw) * 2  # torch tensor or numpy array alike
+
+    monkeypatch.setattr(ref, "ref_fused_moe_int8", broken)
+    assert cli.main(_argv(backend, "--dtype", "fp32")) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_main_rejects_bad_arguments(backend, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--tokens", "a,b"])
+    assert cli.main(_argv(backend, "--isa", "bogus")) == 2
+    assert "isa" in capsys.readouterr().err
+    assert cli.main(_argv(backend, "--topk", "9")) == 2
