@@ -35,8 +35,8 @@ struct QGemmEpilogue {
 };
 
 /// One microkernel variant. All sizes are in elements; all pointers must be non-null where the
-/// corresponding size is non-zero. Packed buffers must be 64-byte aligned (offsets returned by the
-/// *_offset functions keep that alignment for the indices they allow).
+/// corresponding size is non-zero. Packed buffers are allocated 64-byte aligned by the callers;
+/// kernels use unaligned loads, so an offset from the *_offset functions needs no alignment.
 struct QGemmUkernel {
   const char* name;  ///< the kernel's name in the grammar above
   Isa isa;           ///< the ISA level it needs at run time

@@ -1,0 +1,235 @@
+/// @file moe_test_util.h
+/// Random MoE problems for the dispatcher tests: weights in the checkpoint layout, strided inputs
+/// of any dtype, the library call and the oracle call over the same data.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "cpumoe/moe.h"
+#include "reference/reference.h"
+
+namespace cpumoe_test {
+
+using cpumoe::Activation;
+using cpumoe::DType;
+
+struct MoeShape {
+  int64_t T, E, k, H, I;
+};
+
+/// One problem: weights, inputs and call options. Fill with make_moe_data, then adjust fields.
+struct MoeData {
+  MoeShape s{};
+  DType dtype = DType::f32;
+  Activation act = Activation::silu;
+  bool skip_weighted = false;
+  // Row strides (elements): all larger than the row, so stride handling is always exercised.
+  int64_t x_stride = 0, out_stride = 0, w_stride = 0, id_stride = 0;
+
+  cpumoe_ref::MoeProblem ref;            // fp32 biases, for the oracle
+  DType b13_dtype = DType::f32, b2_dtype = DType::f32;
+  std::vector<uint8_t> b13_raw, b2_raw;  // the biases as the library gets them (may be empty)
+  std::vector<uint8_t> x;                // [T, x_stride] of dtype
+  std::vector<float> topk_w;             // [T, w_stride]
+  std::vector<int64_t> ids;              // [T, id_stride]
+
+  int64_t es() const { return cpumoe::dtype_size(dtype); }
+
+  cpumoe::MoeWeights weights() const {
+    cpumoe::MoeWeights w;
+    w.num_experts = s.E;
+    w.hidden = s.H;
+    w.intermediate = s.I;
+    w.w13 = ref.w13.data();
+    w.w2 = ref.w2.data();
+    w.s13 = ref.s13.data();
+    w.s2 = ref.s2.data();
+    w.b13 = b13_raw.empty() ? nullptr : b13_raw.data();
+    w.b13_dtype = b13_dtype;
+    w.b2 = b2_raw.empty() ? nullptr : b2_raw.data();
+    w.b2_dtype = b2_dtype;
+    return w;
+  }
+
+  cpumoe_ref::MoeInputs ref_inputs() const {
+    cpumoe_ref::MoeInputs in;
+    in.T = s.T;
+    in.k = s.k;
+    in.x = x.data();
+    in.x_stride = x_stride;
+    in.dtype = dtype;
+    in.topk_weights = topk_w.data();
+    in.weights_stride = w_stride;
+    in.topk_ids = ids.data();
+    in.ids_stride = id_stride;
+    in.activation = act;
+    in.skip_weighted = skip_weighted;
+    return in;
+  }
+
+  /// Sets element c of token t of x (rounding to the dtype).
+  void set_x(int64_t t, int64_t c, float v) { store(x.data(), dtype, t * x_stride + c, v); }
+
+  static void store(void* p, DType dt, int64_t i, float v) {
+    switch (dt) {
+      case DType::f32: static_cast<float*>(p)[i] = v; break;
+      case DType::f16: static_cast<uint16_t*>(p)[i] = cpumoe::f32_to_f16(v); break;
+      case DType::bf16: static_cast<uint16_t*>(p)[i] = cpumoe::f32_to_bf16(v); break;
+    }
+  }
+};
+
+/// Random weights and inputs. Scales are chosen so GEMM1 outputs spread over about [-8, 8]
+/// (every region of every activation, the swigluoai clamp included) and outputs are O(1).
+inline MoeData make_moe_data(MoeShape s, DType dtype, Activation act, bool bias, uint32_t seed,
+                             DType bias_dtype = DType::f32) {
+  MoeData d;
+  d.s = s;
+  d.dtype = dtype;
+  d.act = act;
+  d.x_stride = s.H + 3;
+  d.out_stride = s.H + 5;
+  d.w_stride = s.k + 2;
+  d.id_stride = s.k + 1;
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> w8(-128, 127);
+  std::uniform_real_distribution<float> unit(0.5f, 1.5f), sym(-1.0f, 1.0f);
+
+  auto& r = d.ref;
+  r.E = s.E;
+  r.H = s.H;
+  r.I = s.I;
+  r.w13.resize(size_t(s.E * 2 * s.I * s.H));
+  r.w2.resize(size_t(s.E * s.H * s.I));
+  for (auto& v : r.w13) v = int8_t(w8(rng));
+  for (auto& v : r.w2) v = int8_t(w8(rng));
+  // A row of q . w has standard deviation ~ sqrt(H) * 74 * E|x| / s_x: 3 / (74 sqrt(H)) puts h at ~3.
+  r.s13.resize(size_t(s.E * 2 * s.I));
+  r.s2.resize(size_t(s.E * s.H));
+  for (auto& v : r.s13) v = unit(rng) * 3.0f / (74.0f * std::sqrt(float(s.H)));
+  for (auto& v : r.s2) v = unit(rng) * 1.0f / (74.0f * std::sqrt(float(s.I)));
+  if (bias) {
+    d.b13_dtype = d.b2_dtype = bias_dtype;
+    const int64_t bes = cpumoe::dtype_size(bias_dtype);
+    d.b13_raw.resize(size_t(s.E * 2 * s.I * bes));
+    d.b2_raw.resize(size_t(s.E * s.H * bes));
+    r.b13.resize(size_t(s.E * 2 * s.I));
+    r.b2.resize(size_t(s.E * s.H));
+    for (int64_t i = 0; i < s.E * 2 * s.I; ++i) {
+      MoeData::store(d.b13_raw.data(), bias_dtype, i, sym(rng));
+      r.b13[size_t(i)] = cpumoe::load_as_f32(d.b13_raw.data(), bias_dtype, i);
+    }
+    for (int64_t i = 0; i < s.E * s.H; ++i) {
+      MoeData::store(d.b2_raw.data(), bias_dtype, i, 0.5f * sym(rng));
+      r.b2[size_t(i)] = cpumoe::load_as_f32(d.b2_raw.data(), bias_dtype, i);
+    }
+  }
+
+  // Inputs. Row padding holds NaN garbage: the op must never read it.
+  d.x.assign(size_t(std::max<int64_t>(1, s.T * d.x_stride) * d.es()), 0xff);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int64_t t = 0; t < s.T; ++t)
+    for (int64_t c = 0; c < s.H; ++c) d.set_x(t, c, 2.0f * normal(rng));
+  // One all-zero token, and one whose max |x| is below the amax floor (1e-7; in f16 these are
+  // subnormals): both get their scale from the floor, the second quantizes to small non-zero ints.
+  if (s.T >= 3)
+    for (int64_t c = 0; c < s.H; ++c) d.set_x(1, c, 0.0f);
+  if (s.T >= 9)
+    for (int64_t c = 0; c < s.H; ++c) d.set_x(2, c, 0.9e-7f * std::uniform_real_distribution<float>(-1.0f, 1.0f)(rng));
+
+  d.topk_w.assign(size_t(std::max<int64_t>(1, s.T * d.w_stride)), std::nanf(""));
+  d.ids.assign(size_t(std::max<int64_t>(1, s.T * d.id_stride)), -1);  // padding: invalid ids
+  std::vector<int64_t> perm(size_t(s.E));
+  std::iota(perm.begin(), perm.end(), 0);
+  for (int64_t t = 0; t < s.T; ++t) {
+    // Distinct experts per token when k <= E (as top-k gives), repeats otherwise.
+    std::shuffle(perm.begin(), perm.end(), rng);
+    for (int64_t j = 0; j < s.k; ++j) {
+      d.ids[size_t(t * d.id_stride + j)] =
+          s.k <= s.E ? perm[size_t(j)] : int64_t(rng() % uint32_t(s.E));
+      d.topk_w[size_t(t * d.w_stride + j)] = std::uniform_real_distribution<float>(0.05f, 1.0f)(rng);
+    }
+  }
+  return d;
+}
+
+/// The library's output buffer of a call: [T, out_stride] raw elements, the row padding (and a
+/// fully padded buffer for T = 0) pre-filled with kOutPattern.
+constexpr uint8_t kOutPattern = 0xcd;
+
+/// Runs the op; ids are passed as int64 or as a converted int32 copy.
+inline std::vector<uint8_t> run_moe(const cpumoe::PackedMoe& pk, const MoeData& d, int threads,
+                                    bool ids_int64 = true) {
+  std::vector<uint8_t> out(size_t(std::max<int64_t>(1, d.s.T * d.out_stride) * d.es()), kOutPattern);
+  std::vector<int32_t> ids32(d.ids.begin(), d.ids.end());
+  cpumoe::MoeCall c;
+  c.num_tokens = d.s.T;
+  c.topk = d.s.k;
+  c.x = d.x.data();
+  c.x_row_stride = d.x_stride;
+  c.dtype = d.dtype;
+  c.topk_weights = d.topk_w.data();
+  c.topk_weights_row_stride = d.w_stride;
+  c.topk_ids = ids_int64 ? static_cast<const void*>(d.ids.data()) : ids32.data();
+  c.topk_ids_int64 = ids_int64;
+  c.topk_ids_row_stride = d.id_stride;
+  c.activation = d.act;
+  c.skip_weighted = d.skip_weighted;
+  c.out = out.data();
+  c.out_row_stride = d.out_stride;
+  c.num_threads = threads;
+  cpumoe::fused_moe_int8(pk, c);
+  return out;
+}
+
+/// Dense [T, H] fp32 view of a raw output buffer; fails the test if row padding was written.
+inline std::vector<float> output_values(const MoeData& d, const std::vector<uint8_t>& raw) {
+  const int64_t es = d.es();
+  std::vector<float> v(size_t(d.s.T * d.s.H));
+  for (int64_t t = 0; t < d.s.T; ++t) {
+    for (int64_t c = 0; c < d.s.H; ++c)
+      v[size_t(t * d.s.H + c)] = cpumoe::load_as_f32(raw.data(), d.dtype, t * d.out_stride + c);
+    for (int64_t b = (t * d.out_stride + d.s.H) * es; b < (t + 1) * d.out_stride * es; ++b) {
+      EXPECT_EQ(raw[size_t(b)], kOutPattern) << "row padding of out written, token " << t;
+      if (raw[size_t(b)] != kOutPattern) break;
+    }
+  }
+  return v;
+}
+
+/// Kernels of the registry this CPU runs.
+inline std::vector<const cpumoe::QGemmUkernel*> supported_kernels() {
+  std::vector<const cpumoe::QGemmUkernel*> out;
+  for (const cpumoe::QGemmUkernel* k : cpumoe::qgemm_registry())
+    if (cpumoe::cpu_supports(k->isa)) out.push_back(k);
+  return out;
+}
+
+/// |got - want| <= tol * (max|want| + |want|) elementwise; returns the largest error seen
+/// relative to max|want| (for reporting).
+inline double expect_close(const std::vector<float>& got, const std::vector<float>& want,
+                           double tol) {
+  EXPECT_EQ(got.size(), want.size());
+  double scale = 0.0;
+  for (float w : want) scale = std::max(scale, double(std::fabs(w)));
+  double worst = 0.0;
+  int reported = 0;
+  for (size_t i = 0; i < want.size() && i < got.size(); ++i) {
+    const double err = std::fabs(double(got[i]) - double(want[i]));
+    worst = std::max(worst, scale > 0 ? err / scale : err);
+    if (!(err <= tol * (scale + std::fabs(want[i]))) && reported++ < 5)
+      ADD_FAILURE() << "element " << i << ": got " << got[i] << " want " << want[i]
+                    << " (output scale " << scale << ")";
+  }
+  return worst;
+}
+
+}  // namespace cpumoe_test

@@ -1,0 +1,205 @@
+/// @file qgemm_tester.h
+/// A builder-style tester for one QGemmUkernel (XNNPACK style):
+///   QGemmTester().m(7).n(17).k(72).Test(kernel);
+/// It packs random int8 operands through the kernel's own packers (row pointers for A, a row
+/// stride > k for B), runs run_s32 and run_f32 (with and without bias) over the whole problem and
+/// at m / n offsets taken at multiples of mr / nr, and compares each with the naive oracle bit for
+/// bit. It also checks that packing stays inside the packed size and that nothing outside the
+/// destination block is written.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "cpumoe/qgemm.h"
+#include "reference/reference.h"
+
+namespace cpumoe_test {
+
+/// 64-byte aligned bytes with a guard zone after `size`, pre-filled with a known pattern.
+class GuardedBuffer {
+ public:
+  static constexpr size_t kGuard = 64;
+  static constexpr uint8_t kPattern = 0xa5;
+  explicit GuardedBuffer(size_t size) : size_(size) {
+    const size_t total = (size + kGuard + 63) / 64 * 64;
+    p_.reset(static_cast<uint8_t*>(std::aligned_alloc(64, total)));
+    std::memset(p_.get(), kPattern, total);
+  }
+  uint8_t* data() const { return p_.get(); }
+  bool guard_intact() const {
+    for (size_t i = 0; i < kGuard; ++i)
+      if (p_.get()[size_ + i] != kPattern) return false;
+    return true;
+  }
+
+ private:
+  struct Free {
+    void operator()(uint8_t* p) const { std::free(p); }
+  };
+  size_t size_;
+  std::unique_ptr<uint8_t, Free> p_;
+};
+
+class QGemmTester {
+ public:
+  QGemmTester& m(int64_t v) { m_ = v; return *this; }
+  QGemmTester& n(int64_t v) { n_ = v; return *this; }
+  QGemmTester& k(int64_t v) { k_ = v; return *this; }
+  /// Extra elements after k in each stored row of A and B (ignored garbage the packers must skip).
+  QGemmTester& row_padding(int64_t v) { pad_ = v; return *this; }
+  /// Extra columns after n in each destination row (must stay untouched).
+  QGemmTester& dst_padding(int64_t v) { dst_pad_ = v; return *this; }
+  /// Instead of random data: A all `a`, B all `b` (the int32 range test).
+  QGemmTester& constant(int8_t a, int8_t b) { const_ = true; ca_ = a; cb_ = b; return *this; }
+  /// Also call the kernel on sub-blocks at m / n offsets.
+  QGemmTester& offsets(bool v) { offsets_ = v; return *this; }
+  QGemmTester& seed(uint32_t v) { seed_ = v; return *this; }
+
+  void Test(const cpumoe::QGemmUkernel& kern) const {
+    SCOPED_TRACE(testing::Message() << kern.name << " m=" << m_ << " n=" << n_ << " k=" << k_);
+    std::mt19937 rng(seed_ ^ uint32_t(m_ * 7919 + n_ * 104729 + k_));
+    const int64_t lda = k_ + pad_, ldb = k_ + pad_, ldd = n_ + dst_pad_;
+
+    // A: quantized activations, [-127, 127]; B: weights, the full int8 range.
+    std::vector<int8_t> a_store(size_t(m_ * lda)), b(size_t(n_ * ldb));
+    fill(a_store, -127, 127, ca_, rng);
+    fill(b, -128, 127, cb_, rng);
+    if (!const_) {
+      // The extremes, at the first and last element and a few random places.
+      a_store[0] = 127;
+      a_store[size_t((m_ - 1) * lda + k_ - 1)] = -127;
+      b[0] = -128;
+      b[size_t((n_ - 1) * ldb + k_ - 1)] = 127;
+      for (int r = 0; r < 4; ++r) {
+        a_store[size_t(int64_t(rng() % uint32_t(m_)) * lda + int64_t(rng() % uint32_t(k_)))] =
+            r % 2 ? int8_t(-127) : int8_t(127);
+        b[size_t(int64_t(rng() % uint32_t(n_)) * ldb + int64_t(rng() % uint32_t(k_)))] =
+            r % 2 ? int8_t(-128) : int8_t(127);
+      }
+    }
+    // Logical row i of A is stored row m-1-i: pack_lhs must follow the row pointers.
+    std::vector<const int8_t*> rows(static_cast<size_t>(m_));
+    std::vector<int8_t> a(size_t(m_ * k_));
+    for (int64_t i = 0; i < m_; ++i) {
+      rows[size_t(i)] = a_store.data() + (m_ - 1 - i) * lda;
+      std::memcpy(a.data() + i * k_, rows[size_t(i)], size_t(k_));
+    }
+
+    std::vector<int32_t> ref(size_t(m_ * n_));
+    cpumoe_ref::gemm_s32(m_, n_, k_, a.data(), k_, b.data(), ldb, ref.data(), n_);
+
+    const size_t lhs_size = kern.lhs_packed_size(m_, k_), rhs_size = kern.rhs_packed_size(n_, k_);
+    GuardedBuffer lhs(lhs_size), rhs(rhs_size);
+    kern.pack_lhs(m_, k_, rows.data(), lhs.data());
+    kern.pack_rhs(n_, k_, b.data(), ldb, rhs.data());
+    ASSERT_TRUE(lhs.guard_intact()) << "pack_lhs wrote past lhs_packed_size";
+    ASSERT_TRUE(rhs.guard_intact()) << "pack_rhs wrote past rhs_packed_size";
+
+    std::vector<float> ls(static_cast<size_t>(m_)), rs(static_cast<size_t>(n_)), bias(static_cast<size_t>(n_));
+    std::uniform_real_distribution<float> scale(1e-4f, 2.0f), bdist(-5.0f, 5.0f);
+    for (auto& v : ls) v = scale(rng);
+    for (auto& v : rs) v = scale(rng);
+    for (auto& v : bias) v = bdist(rng);
+
+    // The whole problem, then sub-blocks starting at tile boundaries.
+    std::vector<Block> blocks{{0, m_, 0, n_}};
+    if (offsets_) add_offset_blocks(kern, rng, &blocks);
+    for (const Block& blk : blocks) {
+      SCOPED_TRACE(testing::Message() << "block rows [" << blk.m0 << ", " << blk.m0 + blk.mc
+                                      << ") cols [" << blk.n0 << ", " << blk.n0 + blk.nc << ")");
+      const uint8_t* lp = lhs.data() + kern.lhs_packed_offset(blk.m0, k_);
+      const uint8_t* rp = rhs.data() + kern.rhs_packed_offset(blk.n0, k_);
+
+      // One extra row so a write past the last row shows up too.
+      std::vector<int32_t> ds(size_t((m_ + 1) * ldd), kSentinelS32);
+      kern.run_s32(blk.mc, blk.nc, k_, lp, rp, ds.data() + blk.m0 * ldd + blk.n0, ldd);
+      for (int64_t i = 0; i <= m_; ++i) {
+        for (int64_t j = 0; j < ldd; ++j) {
+          const int32_t got = ds[size_t(i * ldd + j)];
+          if (blk.contains(i, j)) {
+            ASSERT_EQ(got, ref[size_t(i * n_ + j)]) << "s32 at [" << i << "][" << j << "]";
+          } else {
+            ASSERT_EQ(got, kSentinelS32) << "s32 wrote outside the block at [" << i << "][" << j << "]";
+          }
+        }
+      }
+
+      for (bool with_bias : {false, true}) {
+        SCOPED_TRACE(with_bias ? "f32 with bias" : "f32 without bias");
+        const cpumoe::QGemmEpilogue ep{ls.data() + blk.m0, rs.data() + blk.n0,
+                                       with_bias ? bias.data() + blk.n0 : nullptr};
+        std::vector<float> df(size_t((m_ + 1) * ldd), kSentinelF32);
+        kern.run_f32(blk.mc, blk.nc, k_, lp, rp, df.data() + blk.m0 * ldd + blk.n0, ldd, ep);
+        for (int64_t i = 0; i <= m_; ++i) {
+          for (int64_t j = 0; j < ldd; ++j) {
+            const float got = df[size_t(i * ldd + j)];
+            float want = kSentinelF32;
+            if (blk.contains(i, j)) {
+              // The documented epilogue, in this order, in fp32 (the build disables contraction).
+              want = float(ref[size_t(i * n_ + j)]) * ls[size_t(i)];
+              want = want * rs[size_t(j)];
+              if (with_bias) want = want + bias[size_t(j)];
+            }
+            ASSERT_EQ(std::memcmp(&got, &want, 4), 0)
+                << "f32 at [" << i << "][" << j << "]: got " << got << " want " << want;
+          }
+        }
+      }
+    }
+  }
+
+ private:
+  static constexpr int32_t kSentinelS32 = 0x5eadbeef;
+  static constexpr float kSentinelF32 = -12345.678f;
+
+  struct Block {
+    int64_t m0, mc, n0, nc;
+    bool contains(int64_t i, int64_t j) const {
+      return i >= m0 && i < m0 + mc && j >= n0 && j < n0 + nc;
+    }
+  };
+
+  // Offsets at the first and the last tile boundary inside the problem, each with the rest of the
+  // problem and with a shorter random extent (the dispatcher calls both ways).
+  void add_offset_blocks(const cpumoe::QGemmUkernel& kern, std::mt19937& rng,
+                         std::vector<Block>* blocks) const {
+    std::vector<int64_t> m0s{0}, n0s{0};
+    if (m_ > kern.mr) m0s.push_back(kern.mr);
+    if ((m_ - 1) / kern.mr * kern.mr > kern.mr) m0s.push_back((m_ - 1) / kern.mr * kern.mr);
+    if (n_ > kern.nr) n0s.push_back(kern.nr);
+    if ((n_ - 1) / kern.nr * kern.nr > kern.nr) n0s.push_back((n_ - 1) / kern.nr * kern.nr);
+    for (int64_t m0 : m0s) {
+      for (int64_t n0 : n0s) {
+        if (m0 == 0 && n0 == 0) continue;
+        blocks->push_back({m0, m_ - m0, n0, n_ - n0});
+        const int64_t mc = 1 + int64_t(rng() % uint32_t(m_ - m0));
+        const int64_t nc = 1 + int64_t(rng() % uint32_t(n_ - n0));
+        blocks->push_back({m0, mc, n0, nc});
+      }
+    }
+  }
+
+  void fill(std::vector<int8_t>& v, int lo, int hi, int8_t c, std::mt19937& rng) const {
+    std::uniform_int_distribution<int> d(lo, hi);
+    for (auto& x : v) x = const_ ? c : int8_t(d(rng));
+    // Row padding of a constant matrix gets garbage too: the packers must not read it.
+    if (const_ && pad_ > 0)
+      for (size_t i = 0; i < v.size(); ++i)
+        if (int64_t(i) % (k_ + pad_) >= k_) v[i] = int8_t(d(rng));
+  }
+
+  int64_t m_ = 1, n_ = 1, k_ = 1, pad_ = 5, dst_pad_ = 3;
+  bool const_ = false, offsets_ = true;
+  int8_t ca_ = 0, cb_ = 0;
+  uint32_t seed_ = 42;
+};
+
+}  // namespace cpumoe_test

@@ -1,0 +1,128 @@
+// The naive oracle. Semantics of the op, per token t and routed slot j (e = topk_ids[t, j]):
+//   s_t = max(max|x_t|, 1e-7) / 127, q_t = round_half_even(x_t / s_t) clamped to [-127, 127]
+//   h = (q_t . w13[e]^T) * s_t * s13[e] + b13[e]      int32 dot products, fp32 afterwards
+//   gate/up = halves of h (swigluoai: even/odd columns); a = act(gate, up) rounded to the dtype
+//   s_a, q_a = quantize(a);  y = (q_a . w2[e]^T) * s_a * s2[e] + b2[e]
+//   out[t] = sum_j w[t, j] * y_j (w = 1 with skip_weighted), fp32, stored in the input dtype.
+#include "reference/reference.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
+
+namespace cpumoe_ref {
+
+void gemm_s32(int64_t m, int64_t n, int64_t k, const int8_t* a, int64_t lda, const int8_t* b,
+              int64_t ldb, int32_t* c, int64_t ldc) {
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      int64_t acc = 0;
+      for (int64_t x = 0; x < k; ++x) acc += int64_t(a[i * lda + x]) * int64_t(b[j * ldb + x]);
+      if (acc > std::numeric_limits<int32_t>::max() || acc < std::numeric_limits<int32_t>::min()) {
+        std::fprintf(stderr, "reference gemm_s32: sum %lld does not fit int32\n", (long long)acc);
+        std::abort();
+      }
+      c[i * ldc + j] = int32_t(acc);
+    }
+  }
+}
+
+float quantize_row(const float* x, int64_t n, int8_t* q) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(x[i]));
+  const float s = std::fmax(amax, 1e-7f) / 127.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    // nearbyint rounds half to even in the default rounding mode.
+    const float r = std::nearbyint(x[i] / s);
+    q[i] = int8_t(std::fmin(127.0f, std::fmax(-127.0f, r)));
+  }
+  return s;
+}
+
+double activation(Activation a, double g, double u) {
+  switch (a) {
+    case Activation::silu: return g / (1.0 + std::exp(-g)) * u;
+    case Activation::gelu: return 0.5 * g * (1.0 + std::erf(g / std::sqrt(2.0))) * u;
+    case Activation::gelu_tanh:
+      return 0.5 * g * (1.0 + std::tanh(0.7978845608 * (g + 0.044715 * g * g * g))) * u;
+    case Activation::swigluoai: {
+      const double gc = std::fmin(g, 7.0);
+      const double uc = std::fmin(std::fmax(u, -7.0), 7.0);
+      return (uc + 1.0) * gc / (1.0 + std::exp(-1.702 * gc));
+    }
+  }
+  std::abort();
+}
+
+namespace {
+
+float load(const void* p, DType dt, int64_t i) {
+  switch (dt) {
+    case DType::f32: return static_cast<const float*>(p)[i];
+    case DType::f16: return cpumoe::f16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    case DType::bf16: return cpumoe::bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+  }
+  std::abort();
+}
+
+float round_to(float v, DType dt) {
+  switch (dt) {
+    case DType::f32: return v;
+    case DType::f16: return cpumoe::f16_to_f32(cpumoe::f32_to_f16(v));
+    case DType::bf16: return cpumoe::bf16_to_f32(cpumoe::f32_to_bf16(v));
+  }
+  std::abort();
+}
+
+// y[j] = float(q . w[j]) * s * ws[j] (+ b[j]), in exactly that order, in fp32.
+void dequant_gemv(const int8_t* q, float s, const int8_t* w, const float* ws, const float* b,
+                  int64_t n, int64_t k, float* y) {
+  std::vector<int32_t> acc(static_cast<size_t>(n));
+  gemm_s32(1, n, k, q, k, w, k, acc.data(), n);
+  for (int64_t j = 0; j < n; ++j) {
+    float v = float(acc[size_t(j)]) * s;
+    v = v * ws[j];
+    if (b != nullptr) v = v + b[j];
+    y[j] = v;
+  }
+}
+
+}  // namespace
+
+std::vector<float> fused_moe(const MoeProblem& p, const MoeInputs& in, ActivationFn act_override) {
+  const int64_t H = p.H, I = p.I;
+  const size_t h_sz = static_cast<size_t>(H), i_sz = static_cast<size_t>(I);
+  std::vector<float> out(static_cast<size_t>(in.T * H), 0.0f);
+  std::vector<float> xf(h_sz), h(2 * i_sz), a(i_sz), y(h_sz), acc(h_sz);
+  std::vector<int8_t> qx(h_sz), qa(i_sz);
+  for (int64_t t = 0; t < in.T; ++t) {
+    for (int64_t c = 0; c < H; ++c) xf[size_t(c)] = load(in.x, in.dtype, t * in.x_stride + c);
+    const float sx = quantize_row(xf.data(), H, qx.data());
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t j = 0; j < in.k; ++j) {
+      const int64_t e = in.topk_ids[t * in.ids_stride + j];
+      if (e < 0 || e >= p.E) std::abort();  // the tests only give the oracle valid routes
+      dequant_gemv(qx.data(), sx, p.w13.data() + e * 2 * I * H, p.s13.data() + e * 2 * I,
+                   p.b13.empty() ? nullptr : p.b13.data() + e * 2 * I, 2 * I, H, h.data());
+      const bool interleaved = in.activation == Activation::swigluoai;
+      for (int64_t i = 0; i < I; ++i) {
+        const float g = interleaved ? h[size_t(2 * i)] : h[size_t(i)];
+        const float u = interleaved ? h[size_t(2 * i + 1)] : h[size_t(I + i)];
+        const float v = act_override ? act_override(in.activation, g, u)
+                                     : float(activation(in.activation, g, u));
+        a[size_t(i)] = round_to(v, in.dtype);
+      }
+      const float sa = quantize_row(a.data(), I, qa.data());
+      dequant_gemv(qa.data(), sa, p.w2.data() + e * H * I, p.s2.data() + e * H,
+                   p.b2.empty() ? nullptr : p.b2.data() + e * H, H, I, y.data());
+      const float w = in.skip_weighted ? 1.0f : in.topk_weights[t * in.weights_stride + j];
+      for (int64_t c = 0; c < H; ++c) acc[size_t(c)] = acc[size_t(c)] + w * y[size_t(c)];
+    }
+    for (int64_t c = 0; c < H; ++c) out[size_t(t * H + c)] = round_to(acc[size_t(c)], in.dtype);
+  }
+  return out;
+}
+
+}  // namespace cpumoe_ref

@@ -1,0 +1,205 @@
+// Every qgemm microkernel in the registry against the naive int32 GEMM, bit for bit. Kernels the
+// CPU cannot run are skipped (they are compiled in, but executing them would SIGILL).
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cpumoe/cpu_features.h"
+#include "cpumoe/qgemm.h"
+#include "qgemm_tester.h"
+#include "reference/reference.h"
+
+namespace {
+
+using cpumoe::QGemmUkernel;
+using cpumoe_test::GuardedBuffer;
+using cpumoe_test::QGemmTester;
+
+class QGemmKernelTest : public testing::TestWithParam<const QGemmUkernel*> {
+ protected:
+  void SetUp() override {
+    if (!cpumoe::cpu_supports(kernel().isa))
+      GTEST_SKIP() << kernel().name << " needs " << cpumoe::isa_name(kernel().isa)
+                   << ", which this CPU lacks";
+  }
+  const QGemmUkernel& kernel() const { return *GetParam(); }
+};
+
+// m: every sub-tile of the 8-row tile and past it; n and k: at, below and above each tile edge
+// (nr = 4 and 8, kr = 8 and 16 in the current kernels).
+constexpr int64_t kMs[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 33};
+constexpr int64_t kNs[] = {1, 2, 3, 4, 7, 8, 9, 15, 16, 17, 33, 64};
+constexpr int64_t kKs[] = {1, 7, 8, 9, 15, 16, 17, 64, 72};
+
+TEST_P(QGemmKernelTest, SmallShapes) {
+  for (int64_t k : kKs)
+    for (int64_t m : kMs)
+      for (int64_t n : kNs) {
+        QGemmTester().m(m).n(n).k(k).Test(kernel());
+        if (HasFatalFailure()) return;
+      }
+}
+
+TEST_P(QGemmKernelTest, DeepK) {
+  struct Shape { int64_t m, n, k; };
+  for (Shape s : {Shape{1, 1, 2880}, {7, 17, 2880}, {16, 64, 2880}, {33, 9, 2880}, {1, 8, 4096},
+                  {9, 33, 4096}, {17, 16, 4096}}) {
+    QGemmTester().m(s.m).n(s.n).k(s.k).Test(kernel());
+    if (HasFatalFailure()) return;
+  }
+}
+
+// The extreme sum: 65536 products of 127 * -128 = -1065353216, which still fits int32. A kernel
+// that accumulates in int16 or saturates would fail.
+TEST_P(QGemmKernelTest, LargeKNoInt32Overflow) {
+  constexpr int64_t kK = 65536;
+  static_assert(-127LL * 128 * kK == -1065353216LL, "the extreme sum");
+  QGemmTester().m(3).n(9).k(kK).constant(127, -128).Test(kernel());
+  QGemmTester().m(2).n(5).k(kK).constant(-127, -128).Test(kernel());
+
+  // And directly, without the oracle in between.
+  const int64_t m = 2, n = 9;
+  std::vector<int8_t> a(size_t(m * kK), 127), b(size_t(n * kK), -128);
+  std::vector<const int8_t*> rows{a.data(), a.data() + kK};
+  GuardedBuffer lhs(kernel().lhs_packed_size(m, kK)), rhs(kernel().rhs_packed_size(n, kK));
+  kernel().pack_lhs(m, kK, rows.data(), lhs.data());
+  kernel().pack_rhs(n, kK, b.data(), kK, rhs.data());
+  std::vector<int32_t> c(size_t(m * n), 0);
+  kernel().run_s32(m, n, kK, lhs.data(), rhs.data(), c.data(), n);
+  for (int32_t v : c) ASSERT_EQ(v, -1065353216);
+  const std::vector<float> ones(size_t(n), 1.0f);
+  std::vector<float> f(size_t(m * n), 0.0f);
+  kernel().run_f32(m, n, kK, lhs.data(), rhs.data(), f.data(), n, {ones.data(), ones.data(), nullptr});
+  for (float v : f) ASSERT_EQ(v, -1065353216.0f);  // 127 * 2^23: exact in fp32
+}
+
+TEST_P(QGemmKernelTest, StridesAndPadding) {
+  struct Shape { int64_t m, n, k, row_pad, dst_pad; };
+  for (Shape s : {Shape{5, 9, 17, 0, 0}, {8, 8, 8, 0, 0}, {17, 33, 72, 0, 1}, {9, 17, 16, 64, 17},
+                  {33, 15, 9, 1, 64}, {16, 64, 64, 3, 0}}) {
+    QGemmTester().m(s.m).n(s.n).k(s.k).row_padding(s.row_pad).dst_padding(s.dst_pad).Test(kernel());
+    if (HasFatalFailure()) return;
+  }
+}
+
+TEST_P(QGemmKernelTest, EmptyShapesWriteNothing) {
+  const int64_t k = 16;
+  std::vector<int8_t> data(size_t(8 * k), 1);
+  std::vector<const int8_t*> rows(8, data.data());
+  GuardedBuffer lhs(kernel().lhs_packed_size(8, k)), rhs(kernel().rhs_packed_size(8, k));
+  kernel().pack_lhs(8, k, rows.data(), lhs.data());
+  kernel().pack_rhs(8, k, data.data(), k, rhs.data());
+  const std::vector<float> ones(8, 1.0f);
+  for (auto [m, n] : {std::pair<int64_t, int64_t>{0, 8}, {8, 0}, {0, 0}}) {
+    std::vector<int32_t> c(64, 77);
+    std::vector<float> f(64, 77.0f);
+    kernel().run_s32(m, n, k, lhs.data(), rhs.data(), c.data(), 8);
+    kernel().run_f32(m, n, k, lhs.data(), rhs.data(), f.data(), 8,
+                     {ones.data(), ones.data(), ones.data()});
+    for (int32_t v : c) ASSERT_EQ(v, 77) << "m=" << m << " n=" << n;
+    for (float v : f) ASSERT_EQ(v, 77.0f) << "m=" << m << " n=" << n;
+  }
+}
+
+// One-hot rows of A read the packed B back: C[i][j] = B[j][i]. Checks that packing keeps every
+// element (including -128) where the kernel expects it.
+TEST_P(QGemmKernelTest, PackRoundTripOneHot) {
+  std::mt19937 rng(3);
+  std::uniform_int_distribution<int> d(-128, 127);
+  for (int64_t k : {1, 7, 8, 9, 16, 17, 33}) {
+    for (int64_t n : {1, 3, 8, 9, 17}) {
+      SCOPED_TRACE(testing::Message() << "k=" << k << " n=" << n);
+      const int64_t ldb = k + 2;
+      std::vector<int8_t> b(size_t(n * ldb));
+      for (auto& v : b) v = int8_t(d(rng));
+      b[0] = -128;
+      std::vector<int8_t> onehot(size_t(k * k), 0);
+      std::vector<const int8_t*> rows(static_cast<size_t>(k));
+      for (int64_t i = 0; i < k; ++i) {
+        onehot[size_t(i * k + i)] = 1;
+        rows[size_t(i)] = onehot.data() + i * k;
+      }
+      GuardedBuffer lhs(kernel().lhs_packed_size(k, k)), rhs(kernel().rhs_packed_size(n, k));
+      kernel().pack_lhs(k, k, rows.data(), lhs.data());
+      kernel().pack_rhs(n, k, b.data(), ldb, rhs.data());
+      std::vector<int32_t> c(size_t(k * n));
+      kernel().run_s32(k, n, k, lhs.data(), rhs.data(), c.data(), n);
+      for (int64_t i = 0; i < k; ++i)
+        for (int64_t j = 0; j < n; ++j)
+          ASSERT_EQ(c[size_t(i * n + j)], int32_t(b[size_t(j * ldb + i)])) << i << " " << j;
+    }
+  }
+}
+
+// Packing writes every byte of the packed size (zero padding included): the result does not
+// depend on what the buffer held before, nor on the bytes between k and the row stride.
+TEST_P(QGemmKernelTest, PackingIsFullyDetermined) {
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<int> d(-128, 127);
+  for (int64_t k : {1, 9, 17, 72}) {
+    for (int64_t mn : {1, 3, 9, 17}) {
+      SCOPED_TRACE(testing::Message() << "k=" << k << " m=n=" << mn);
+      const int64_t ld = k + 7;
+      std::vector<int8_t> src(size_t(mn * ld)), src2;
+      for (auto& v : src) v = int8_t(d(rng));
+      src2 = src;
+      for (int64_t r = 0; r < mn; ++r)
+        for (int64_t x = k; x < ld; ++x) src2[size_t(r * ld + x)] = int8_t(d(rng));
+      std::vector<const int8_t*> rows(static_cast<size_t>(mn)), rows2(static_cast<size_t>(mn));
+      for (int64_t r = 0; r < mn; ++r) {
+        rows[size_t(r)] = src.data() + r * ld;
+        rows2[size_t(r)] = src2.data() + r * ld;
+      }
+      const size_t ls = kernel().lhs_packed_size(mn, k), rs = kernel().rhs_packed_size(mn, k);
+      std::vector<uint8_t> l0(ls, 0x00), l1(ls, 0xff), r0(rs, 0x00), r1(rs, 0xff);
+      kernel().pack_lhs(mn, k, rows.data(), l0.data());
+      kernel().pack_lhs(mn, k, rows2.data(), l1.data());
+      kernel().pack_rhs(mn, k, src.data(), ld, r0.data());
+      kernel().pack_rhs(mn, k, src2.data(), ld, r1.data());
+      EXPECT_EQ(l0, l1) << "pack_lhs left bytes unwritten or read past k";
+      EXPECT_EQ(r0, r1) << "pack_rhs left bytes unwritten or read past k";
+    }
+  }
+}
+
+TEST_P(QGemmKernelTest, PackedSizesAndOffsetsAreConsistent) {
+  const QGemmUkernel& kn = kernel();
+  EXPECT_GE(kn.mr, 1);
+  EXPECT_GE(kn.nr, 1);
+  EXPECT_GE(kn.kr, 1);
+  for (int64_t k : {1, 7, 8, 9, 16, 17, 64, 2880}) {
+    const int64_t kp = cpumoe::round_up(k, kn.kr);
+    for (int64_t m = 0; m <= 40; ++m) {
+      SCOPED_TRACE(testing::Message() << "k=" << k << " m=n=" << m);
+      const size_t lsize = kn.lhs_packed_size(m, k), rsize = kn.rhs_packed_size(m, k);
+      ASSERT_GE(lsize, size_t(m * kp));
+      ASSERT_GE(rsize, size_t(m * kp));
+      ASSERT_GE(kn.lhs_packed_size(m + 1, k), lsize);
+      ASSERT_GE(kn.rhs_packed_size(m + 1, k), rsize);
+      ASSERT_EQ(kn.lhs_packed_offset(0, k), 0u);
+      ASSERT_EQ(kn.rhs_packed_offset(0, k), 0u);
+      // A call at a tile offset reads a block of the shape's packed size for the remaining rows:
+      // it must lie inside the whole packed buffer.
+      for (int64_t i = kn.mr; i < m; i += kn.mr)
+        ASSERT_LE(kn.lhs_packed_offset(i, k) + kn.lhs_packed_size(m - i, k), lsize) << i;
+      for (int64_t j = kn.nr; j < m; j += kn.nr) {
+        ASSERT_LE(kn.rhs_packed_offset(j, k) + kn.rhs_packed_size(m - j, k), rsize) << j;
+        // The documented 64-byte alignment of packed B offsets (PackedMoe keeps whole blocks).
+        ASSERT_EQ(kn.rhs_packed_offset(j, k) % 64, 0u) << j;
+      }
+    }
+  }
+}
+
+std::string KernelName(const testing::TestParamInfo<const QGemmUkernel*>& info) {
+  return info.param->name;
+}
+
+INSTANTIATE_TEST_SUITE_P(Registry, QGemmKernelTest, testing::ValuesIn(cpumoe::qgemm_registry()),
+                         KernelName);
+
+}  // namespace
