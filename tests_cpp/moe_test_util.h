@@ -165,11 +165,9 @@ inline MoeData make_moe_data(MoeShape s, DType dtype, Activation act, bool bias,
 /// fully padded buffer for T = 0) pre-filled with kOutPattern.
 constexpr uint8_t kOutPattern = 0xcd;
 
-/// Runs the op; ids are passed as int64 or as a converted int32 copy.
-inline std::vector<uint8_t> run_moe(const cpumoe::PackedMoe& pk, const MoeData& d, int threads,
-                                    bool ids_int64 = true) {
-  std::vector<uint8_t> out(size_t(std::max<int64_t>(1, d.s.T * d.out_stride) * d.es()), kOutPattern);
-  std::vector<int32_t> ids32(d.ids.begin(), d.ids.end());
+/// A call of the op on d writing into `out`, with ids from `ids` (int64 or int32).
+inline cpumoe::MoeCall make_call(const MoeData& d, void* out, const void* ids, bool ids_int64,
+                                 int threads) {
   cpumoe::MoeCall c;
   c.num_tokens = d.s.T;
   c.topk = d.s.k;
@@ -178,15 +176,24 @@ inline std::vector<uint8_t> run_moe(const cpumoe::PackedMoe& pk, const MoeData& 
   c.dtype = d.dtype;
   c.topk_weights = d.topk_w.data();
   c.topk_weights_row_stride = d.w_stride;
-  c.topk_ids = ids_int64 ? static_cast<const void*>(d.ids.data()) : ids32.data();
+  c.topk_ids = ids;
   c.topk_ids_int64 = ids_int64;
   c.topk_ids_row_stride = d.id_stride;
   c.activation = d.act;
   c.skip_weighted = d.skip_weighted;
-  c.out = out.data();
+  c.out = out;
   c.out_row_stride = d.out_stride;
   c.num_threads = threads;
-  cpumoe::fused_moe_int8(pk, c);
+  return c;
+}
+
+/// Runs the op; ids are passed as int64 or as a converted int32 copy.
+inline std::vector<uint8_t> run_moe(const cpumoe::PackedMoe& pk, const MoeData& d, int threads,
+                                    bool ids_int64 = true) {
+  std::vector<uint8_t> out(size_t(std::max<int64_t>(1, d.s.T * d.out_stride) * d.es()), kOutPattern);
+  std::vector<int32_t> ids32(d.ids.begin(), d.ids.end());
+  const void* ids = ids_int64 ? static_cast<const void*>(d.ids.data()) : ids32.data();
+  cpumoe::fused_moe_int8(pk, make_call(d, out.data(), ids, ids_int64, threads));
   return out;
 }
 

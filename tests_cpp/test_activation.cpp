@@ -38,16 +38,6 @@ double magnitude(Activation a, double g, double u) {
   return std::fabs(g * u);
 }
 
-float vec_apply(Activation a, float g, float u) {
-  switch (a) {
-    case Activation::silu: return cpumoe::vec::silu_mul(g, u);
-    case Activation::gelu: return cpumoe::vec::gelu_mul(g, u);
-    case Activation::gelu_tanh: return cpumoe::vec::gelu_tanh_mul(g, u);
-    case Activation::swigluoai: return cpumoe::vec::swigluoai(g, u);
-  }
-  return 0.0f;
-}
-
 // Gates: a dense sweep of [-20, 20] (step 1e-3 hits every region of every f) plus large and small
 // magnitudes. Ups: inside and outside the swigluoai clamp, both signs, and 0.
 std::vector<float> gate_values() {
@@ -84,7 +74,7 @@ TEST(Activation, VecMatchesScalar) {
     for (float u : kUps) {
       for (float g : gates) {
         const float want = cpumoe::scalar::apply(a, g, u);
-        const float got = vec_apply(a, g, u);
+        const float got = cpumoe::vec::apply(a, g, u);
         ASSERT_TRUE(std::isfinite(got)) << "g=" << g << " u=" << u;
         ASSERT_NEAR(got, want, kVecTol * magnitude(a, g, u) + kSubnormalFloor)
             << "g=" << g << " u=" << u;
@@ -100,7 +90,7 @@ TEST(Activation, NanPropagates) {
     for (auto [g, u] : {std::pair<float, float>{nan, 1.0f}, {1.0f, nan}, {nan, nan}, {0.0f, nan},
                         {-3.0f, nan}, {nan, 20.0f}}) {
       EXPECT_TRUE(std::isnan(cpumoe::scalar::apply(a, g, u))) << g << " " << u;
-      EXPECT_TRUE(std::isnan(vec_apply(a, g, u))) << g << " " << u;
+      EXPECT_TRUE(std::isnan(cpumoe::vec::apply(a, g, u))) << g << " " << u;
       float out = 0.0f;
       cpumoe::vec::gated(a, &g, &u, 1, &out, 1);
       EXPECT_TRUE(std::isnan(out)) << g << " " << u;
@@ -148,7 +138,7 @@ TEST(Activation, GatedArrayEqualsElementwiseBitForBit) {
       for (auto& v : up) v = dist(rng);
       cpumoe::vec::gated(a, gate.data(), up.data(), stride, out.data(), n);
       for (int64_t i = 0; i < n; ++i) {
-        const float want = vec_apply(a, gate[size_t(i * stride)], up[size_t(i * stride)]);
+        const float want = cpumoe::vec::apply(a, gate[size_t(i * stride)], up[size_t(i * stride)]);
         ASSERT_EQ(std::memcmp(&out[size_t(i)], &want, 4), 0) << "i=" << i << " stride=" << stride;
       }
     }
@@ -184,7 +174,7 @@ TEST(Activation, GatedRowReadsTheDocumentedColumns) {
       const bool even_odd = a == Activation::swigluoai;
       const float g = row[size_t(even_odd ? 2 * i : i)];
       const float u = row[size_t(even_odd ? 2 * i + 1 : inter + i)];
-      const float want = vec_apply(a, g, u);
+      const float want = cpumoe::vec::apply(a, g, u);
       ASSERT_EQ(std::memcmp(&out[size_t(i)], &want, 4), 0) << "i=" << i;
     }
   }

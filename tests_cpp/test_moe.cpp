@@ -37,17 +37,6 @@ constexpr double kMoeTol = 2e-2;
 
 constexpr int kThreadCounts[] = {1, 2, 3};
 
-// The library's activation forms, handed to the oracle for the bit-exact comparison.
-float vec_activation(Activation a, float g, float u) {
-  switch (a) {
-    case Activation::silu: return cpumoe::vec::silu_mul(g, u);
-    case Activation::gelu: return cpumoe::vec::gelu_mul(g, u);
-    case Activation::gelu_tanh: return cpumoe::vec::gelu_tanh_mul(g, u);
-    case Activation::swigluoai: return cpumoe::vec::swigluoai(g, u);
-  }
-  return 0.0f;
-}
-
 double g_worst_error = 0.0;  // largest error seen vs the double oracle, relative to max|ref|
 
 // Runs d on every supported kernel and thread count and checks:
@@ -80,7 +69,7 @@ void check_all_paths(const MoeData& d) {
     for (uint8_t b : first) ASSERT_EQ(b, cpumoe_test::kOutPattern);
   }
   const std::vector<float> got = cpumoe_test::output_values(d, first);
-  const std::vector<float> exact = cpumoe_ref::fused_moe(d.ref, d.ref_inputs(), vec_activation);
+  const std::vector<float> exact = cpumoe_ref::fused_moe(d.ref, d.ref_inputs(), cpumoe::vec::apply);
   ASSERT_EQ(got.size(), exact.size());
   for (size_t i = 0; i < got.size(); ++i)
     ASSERT_EQ(std::memcmp(&got[i], &exact[i], 4), 0)
@@ -340,22 +329,7 @@ static_assert(std::is_base_of<std::invalid_argument, ArgumentError>::value,
 // A call built from d, writing into `out` (which the caller pre-fills).
 cpumoe::MoeCall make_call(const MoeData& d, std::vector<uint8_t>& out) {
   out.assign(size_t(d.s.T * d.out_stride * d.es()), cpumoe_test::kOutPattern);
-  cpumoe::MoeCall c;
-  c.num_tokens = d.s.T;
-  c.topk = d.s.k;
-  c.x = d.x.data();
-  c.x_row_stride = d.x_stride;
-  c.dtype = d.dtype;
-  c.topk_weights = d.topk_w.data();
-  c.topk_weights_row_stride = d.w_stride;
-  c.topk_ids = d.ids.data();
-  c.topk_ids_int64 = true;
-  c.topk_ids_row_stride = d.id_stride;
-  c.activation = d.act;
-  c.out = out.data();
-  c.out_row_stride = d.out_stride;
-  c.num_threads = 2;
-  return c;
+  return cpumoe_test::make_call(d, out.data(), d.ids.data(), true, 2);
 }
 
 // Expects an ArgumentError whose message starts with `arg`, and `out` untouched.

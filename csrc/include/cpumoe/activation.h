@@ -144,6 +144,17 @@ inline float swigluoai(float g, float u) {
   return (u + 1.0f) * g * vec::sigmoid(kSwigluAlpha * g);
 }
 
+/// One (gate, up) pair through activation @p a (for tests and scalar tails; loops use gated()).
+inline float apply(Activation a, float g, float u) {
+  switch (a) {
+    case Activation::silu: return silu_mul(g, u);
+    case Activation::gelu: return gelu_mul(g, u);
+    case Activation::gelu_tanh: return gelu_tanh_mul(g, u);
+    case Activation::swigluoai: return swigluoai(g, u);
+  }
+  return 0.0f;
+}
+
 /// out[i] = act(gate[i * stride], up[i * stride]) for i in [0, n). One loop per activation so
 /// each is a straight loop the compiler vectorizes.
 inline void gated(Activation a, const float* gate, const float* up, int64_t stride, float* out,
