@@ -154,7 +154,8 @@ PYBIND11_MODULE(_C, m) {
       [](const PackedMoe& packed, int64_t T, int64_t k, uintptr_t x, int64_t x_stride,
          const std::string& dtype, uintptr_t topk_weights, int64_t tw_stride, uintptr_t topk_ids,
          bool ids_int64, int64_t ids_stride, const std::string& activation, bool skip_weighted,
-         uintptr_t out, int64_t out_stride, int num_threads) {
+         uintptr_t out, int64_t out_stride, int num_threads, uintptr_t expert_map,
+         int64_t num_global_experts) {
         MoeCall c;
         c.num_tokens = T;
         c.topk = k;
@@ -171,6 +172,8 @@ PYBIND11_MODULE(_C, m) {
         c.out = ptr<void>(out);
         c.out_row_stride = out_stride;
         c.num_threads = num_threads;
+        c.expert_map = expert_map ? ptr<const int32_t>(expert_map) : nullptr;
+        c.num_global_experts = num_global_experts;
         py::gil_scoped_release nogil;
         fused_moe_int8(packed, c);
       },
@@ -178,7 +181,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("dtype"), py::arg("topk_weights"), py::arg("topk_weights_stride"),
       py::arg("topk_ids"), py::arg("topk_ids_int64"), py::arg("topk_ids_stride"),
       py::arg("activation"), py::arg("skip_weighted"), py::arg("out"), py::arg("out_stride"),
-      py::arg("num_threads"),
+      py::arg("num_threads"), py::arg("expert_map") = 0, py::arg("num_global_experts") = 0,
       "Runs the fused W8A8 MoE op on raw row-major buffers (row strides in elements).");
 
   m.def(

@@ -141,10 +141,18 @@ inline float quantize_typed(const T* x, int64_t n, int8_t* q, float (*load)(T)) 
 
 inline float load_f32(float v) { return v; }
 
-inline int64_t load_id(const MoeCall& c, int64_t t, int64_t j) {
+// The id as given (global when an expert map is set).
+inline int64_t load_raw_id(const MoeCall& c, int64_t t, int64_t j) {
   if (c.topk_ids_int64)
     return static_cast<const int64_t*>(c.topk_ids)[t * c.topk_ids_row_stride + j];
   return static_cast<const int32_t*>(c.topk_ids)[t * c.topk_ids_row_stride + j];
+}
+
+// The local expert of slot (t, j), or -1 when the expert map says it is elsewhere. Ids were
+// validated first.
+inline int64_t load_id(const MoeCall& c, int64_t t, int64_t j) {
+  const int64_t e = load_raw_id(c, t, j);
+  return c.expert_map != nullptr ? c.expert_map[e] : e;
 }
 
 void validate(const PackedMoe& pk, const MoeCall& c) {
@@ -170,12 +178,21 @@ void validate(const PackedMoe& pk, const MoeCall& c) {
   const int64_t span_o = ((c.num_tokens - 1) * c.out_row_stride + H) * es;
   if (ob < xb + span_x && xb < ob + span_o) fail("out: must not overlap x");
   const int64_t E = pk.num_experts();
+  const int64_t ids_bound = c.expert_map != nullptr ? c.num_global_experts : E;
+  if (c.expert_map != nullptr) {
+    if (c.num_global_experts < 1) fail("expert_map: num_global_experts must be >= 1");
+    for (int64_t g = 0; g < c.num_global_experts; ++g) {
+      if (c.expert_map[g] < -1 || c.expert_map[g] >= E)
+        fail("expert_map: entry " + std::to_string(g) + " is " + std::to_string(c.expert_map[g]) +
+             ", outside [-1, " + std::to_string(E) + ")");
+    }
+  }
   for (int64_t t = 0; t < c.num_tokens; ++t) {
     for (int64_t j = 0; j < c.topk; ++j) {
-      const int64_t e = load_id(c, t, j);
-      if (e < 0 || e >= E)
+      const int64_t e = load_raw_id(c, t, j);
+      if (e < 0 || e >= ids_bound)
         fail("topk_ids: expert id " + std::to_string(e) + " at [" + std::to_string(t) + ", " +
-             std::to_string(j) + "] is outside [0, " + std::to_string(E) + ")");
+             std::to_string(j) + "] is outside [0, " + std::to_string(ids_bound) + ")");
     }
   }
 }
@@ -202,21 +219,27 @@ struct Chunk {
   const MoeCall& c;
   const QGemmUkernel& kern;
   int threads;
-  int64_t t0, tc, P, E, H, I;
+  int64_t t0, tc;
+  int64_t P = 0;  // slots routed to a local expert (all of them without an expert map)
+  int64_t E, H, I;
   std::vector<int64_t> count, first;  // per expert: slots and first sorted position
   std::vector<int64_t> active;        // experts with count > 0, ascending
-  std::vector<int64_t> pos_of;        // slot (t*k + j, local t) -> sorted position
+  std::vector<int64_t> pos_of;        // slot (t*k + j, local t) -> sorted position, or -1
   std::vector<int64_t> token_of;      // sorted position -> local token
 
   Chunk(const PackedMoe& p, const MoeCall& call, int th, int64_t t_begin, int64_t t_count)
       : pk(p), c(call), kern(p.kernel()), threads(th), t0(t_begin), tc(t_count),
-        P(t_count * call.topk), E(p.num_experts()), H(p.hidden()), I(p.intermediate()) {}
+        E(p.num_experts()), H(p.hidden()), I(p.intermediate()) {}
 
   void route() {
     const int64_t k = c.topk;
     count.assign(size_t(E), 0);
-    for (int64_t t = 0; t < tc; ++t)
-      for (int64_t j = 0; j < k; ++j) ++count[size_t(load_id(c, t0 + t, j))];
+    for (int64_t t = 0; t < tc; ++t) {
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t e = load_id(c, t0 + t, j);
+        if (e >= 0) ++count[size_t(e)];
+      }
+    }
     first.assign(size_t(E), 0);
     int64_t acc = 0;
     for (int64_t e = 0; e < E; ++e) {
@@ -224,12 +247,18 @@ struct Chunk {
       acc += count[e];
       if (count[e] > 0) active.push_back(e);
     }
-    pos_of.resize(size_t(P));
+    P = acc;  // slots routed to a local expert
+    pos_of.resize(size_t(tc * k));
     token_of.resize(size_t(P));
     std::vector<int64_t> fill(first);
     for (int64_t t = 0; t < tc; ++t) {
       for (int64_t j = 0; j < k; ++j) {
-        const int64_t pos = fill[size_t(load_id(c, t0 + t, j))]++;
+        const int64_t e = load_id(c, t0 + t, j);
+        if (e < 0) {
+          pos_of[t * k + j] = -1;
+          continue;
+        }
+        const int64_t pos = fill[size_t(e)]++;
         pos_of[t * k + j] = pos;
         token_of[pos] = t;
       }
@@ -333,6 +362,7 @@ struct Chunk {
       float* acc = accs.data() + size_t(tid) * size_t(H);
       std::fill(acc, acc + H, 0.0f);
       for (int64_t j = 0; j < k; ++j) {
+        if (pos_of[t * k + j] < 0) continue;  // expert not on this rank
         const float w = c.skip_weighted ? 1.0f : c.topk_weights[(t0 + t) * c.topk_weights_row_stride + j];
         const float* yr = y.data() + pos_of[t * k + j] * H;
         for (int64_t i = 0; i < H; ++i) acc[i] += w * yr[i];

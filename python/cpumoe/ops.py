@@ -106,7 +106,7 @@ def prepack(w13: Any, w2: Any, s13: Any, s2: Any, b13: Any = None, b2: Any = Non
 
 def fused_moe_int8(x: Any, packed: PackedMoe, topk_weights: Any, topk_ids: Any,
                    activation: str = "silu", skip_weighted: bool = False, out: Any = None, *,
-                   num_threads: Optional[int] = None) -> Any:
+                   expert_map: Any = None, num_threads: Optional[int] = None) -> Any:
     """The fused W8A8 MoE: ``out[t] = sum_j topk_weights[t, j] * FFN_{topk_ids[t, j]}(x[t])``.
 
     Args:
@@ -117,6 +117,9 @@ def fused_moe_int8(x: Any, packed: PackedMoe, topk_weights: Any, topk_ids: Any,
       activation: "silu", "gelu", "gelu_tanh" or "swigluoai".
       skip_weighted: the router weight is already applied to x (only with k == 1).
       out: optional [T, H] of x's dtype, written in place and returned; must not overlap x.
+      expert_map: optional int32 [E_global] for expert parallelism: topk_ids are then global ids
+        in [0, E_global), expert_map[g] is the local expert of the packed weights or -1 when it
+        lives elsewhere; such slots contribute nothing (a token with none gets zeros).
     Returns ``out``, or a new tensor/array of x's kind, dtype and shape [T, H].
     Dynamic per-token int8 quantization of x and of the activation; fp32 accumulation.
     """
@@ -158,7 +161,18 @@ def fused_moe_int8(x: Any, packed: PackedMoe, topk_weights: Any, topk_ids: Any,
     if not ov.writable:
         raise ValueError("out: is read-only")
     out_stride = check_rows(ov, "out")
+    map_addr, num_global = 0, 0
+    if expert_map is not None:
+        mv = view("expert_map", expert_map)
+        check_dtype(mv, "expert_map", ("int32",))
+        if mv.ndim != 1 or (mv.shape[0] > 1 and mv.strides[0] != 1):
+            raise ValueError(f"expert_map: must be a contiguous 1-D [E_global] int32, got shape "
+                             f"{list(mv.shape)}")
+        map_addr, num_global = mv.address, mv.shape[0]
+        if num_global == 0:
+            raise ValueError("expert_map: must have at least one entry")
     _C.fused_moe_int8(packed, T, k, xv.address, x_stride, xv.dtype, wv.address, tw_stride,
                       iv.address, iv.dtype == "int64", ids_stride, activation, skip_weighted,
-                      ov.address, out_stride, _num_threads(num_threads, x))
+                      ov.address, out_stride, _num_threads(num_threads, x), map_addr,
+                      num_global)
     return out

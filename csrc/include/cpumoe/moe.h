@@ -103,6 +103,11 @@ struct MoeCall {
   const void* topk_ids = nullptr;       ///< [T, k], int32 or int64 (topk_ids_int64)
   bool topk_ids_int64 = false;
   int64_t topk_ids_row_stride = 0;
+  /// Expert parallelism: when set, topk_ids are global ids in [0, num_global_experts) and
+  /// expert_map[g] is the local expert (in [0, E) of the packed weights) or -1 for an expert that
+  /// is not here: such slots contribute nothing and cost nothing.
+  const int32_t* expert_map = nullptr;
+  int64_t num_global_experts = 0;
   Activation activation = Activation::silu;
   bool skip_weighted = false;  ///< only with k == 1: the router weight is already in x
   void* out = nullptr;         ///< [T, H] of type dtype; must not overlap x
