@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The full test suite (what README's test command and .ci/run call):
 #   native     CMake build + GoogleTest via ctest on this machine
-#   python     pip install . + pytest (torch backend)
+#   python     pip install . + pytest (torch backend, then numpy backend)
+#   python-local  the same tests on a cmake-built extension, nothing installed (for development;
+#              not in the default list)
 #   cross      aarch64 cross build; ctest under qemu-aarch64 for -cpu max (I8MM path),
 #              neoverse-n1 (no I8MM: must fall back, never SIGILL) and cortex-a57 (Armv8.0)
 #   cross-python  the cross-built extension + pytest on an aarch64 CPython under qemu (numpy
@@ -38,6 +40,27 @@ stage_python() {
   CPUMOE_TEST_BACKEND=numpy "$PY" -m pytest tests_py -q -p no:cacheprovider
 }
 
+# Stages the package from python/ plus a built _C*.so into $1/cpumoe (no pip install: several
+# builds can be tested side by side).
+stage_package() {
+  local dest=$1 so=$2
+  rm -rf "$dest" && mkdir -p "$dest/cpumoe"
+  cp python/cpumoe/*.py python/cpumoe/*.pyi "$dest/cpumoe/"
+  cp "$so" "$dest/cpumoe/"
+}
+
+stage_python_local() {
+  log "python-local: cmake-built extension, pytest without installing (torch, then numpy)"
+  cmake -S . -B "$BUILD/native-py" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCPUMOE_BUILD_TESTS=OFF \
+    -DCPUMOE_BUILD_PYTHON=ON -DPython_EXECUTABLE="$(command -v "$PY")" \
+    -Dpybind11_DIR="$("$PY" -m pybind11 --cmakedir)"
+  cmake --build "$BUILD/native-py" -j "$JOBS"
+  stage_package "$BUILD/native-py/pkg" "$(find "$BUILD/native-py/bindings" -maxdepth 1 -name '_C*.so' | head -n 1)"
+  PYTHONPATH="$BUILD/native-py/pkg" "$PY" -m pytest tests_py -q -p no:cacheprovider
+  CPUMOE_TEST_BACKEND=numpy PYTHONPATH="$BUILD/native-py/pkg" "$PY" -m pytest tests_py -q \
+    -p no:cacheprovider
+}
+
 aarch64_python() {
   local out
   out=$(bash ci/setup_aarch64_python.sh)
@@ -65,9 +88,7 @@ stage_cross_python() {
   local so
   so=$(find "$BUILD/aarch64/bindings" -maxdepth 1 -name '_C*.so' | head -n 1)
   [ -n "$so" ] || { echo "cross-python: run the cross stage first (no _C*.so)" >&2; exit 1; }
-  rm -rf "$pkg" && mkdir -p "$pkg/cpumoe"
-  cp python/cpumoe/*.py python/cpumoe/*.pyi "$pkg/cpumoe/" 2>/dev/null || cp python/cpumoe/*.py "$pkg/cpumoe/"
-  cp "$so" "$pkg/cpumoe/"
+  stage_package "$pkg" "$so"
   for cpu in max neoverse-n1; do
     log "cross-python: pytest with QEMU_CPU=$cpu"
     QEMU_CPU=$cpu CPUMOE_TEST_BACKEND=numpy PYTHONPATH="$pkg:$SITE" \
@@ -80,9 +101,10 @@ for s in "${stages[@]}"; do
   case "$s" in
     native) stage_native ;;
     python) stage_python ;;
+    python-local) stage_python_local ;;
     cross) stage_cross ;;
     cross-python) stage_cross_python ;;
-    *) echo "unknown stage: $s (native, python, cross, cross-python)" >&2; exit 2 ;;
+    *) echo "unknown stage: $s (native, python, python-local, cross, cross-python)" >&2; exit 2 ;;
   esac
 done
 log "all requested stages passed: ${stages[*]}"
