@@ -45,6 +45,21 @@ const QGemmUkernel* kernel_for(const std::optional<std::string>& isa) {
   return qgemm_select(&cap);
 }
 
+// The PackedMoe behind a Python object. An instance whose C++ object was never constructed
+// (PackedMoe.__new__ without prepack, a subclass skipping __init__) has no holder: refuse it with
+// a TypeError naming the argument, instead of reading uninitialised memory.
+std::shared_ptr<const PackedMoe> packed_of(py::handle h) {
+  std::shared_ptr<PackedMoe> p;
+  try {
+    p = py::cast<std::shared_ptr<PackedMoe>>(h);
+  } catch (const py::cast_error&) {
+    throw py::type_error("packed: not an initialised cpumoe.PackedMoe (create it with "
+                         "cpumoe.prepack())");
+  }
+  if (!p) throw py::type_error("packed: is None");
+  return p;
+}
+
 py::dict features_dict() {
   const CpuFeatures& f = cpu_features();
   py::dict d;
@@ -108,19 +123,34 @@ PYBIND11_MODULE(_C, m) {
         py::arg("isa") = py::none(),
         "Name of the kernel prepack would use (capped by isa and CPUMOE_ISA).");
 
-  py::class_<PackedMoe, std::shared_ptr<PackedMoe>>(m, "PackedMoe")
-      .def_property_readonly("num_experts", &PackedMoe::num_experts)
-      .def_property_readonly("hidden", &PackedMoe::hidden)
-      .def_property_readonly("intermediate", &PackedMoe::intermediate)
-      .def_property_readonly("has_bias13", &PackedMoe::has_bias13)
-      .def_property_readonly("has_bias2", &PackedMoe::has_bias2)
-      .def_property_readonly("kernel", [](const PackedMoe& p) { return p.kernel().name; })
-      .def_property_readonly("path", [](const PackedMoe& p) { return isa_name(p.kernel().isa); })
-      .def_property_readonly("packed_bytes", &PackedMoe::packed_bytes)
-      .def("__repr__", [](const PackedMoe& p) {
-        return "PackedMoe(E=" + std::to_string(p.num_experts()) + ", H=" +
-               std::to_string(p.hidden()) + ", I=" + std::to_string(p.intermediate()) +
-               ", path=" + isa_name(p.kernel().isa) + ", kernel=" + p.kernel().name + ")";
+  // Immutable and self-contained (prepack copies everything it needs): copies share the object,
+  // it cannot be subclassed, and it is not picklable (prepack again from the checkpoint).
+  py::class_<PackedMoe, std::shared_ptr<PackedMoe>>(m, "PackedMoe", py::is_final())
+      .def_property_readonly("num_experts",
+                             [](py::handle h) { return packed_of(h)->num_experts(); })
+      .def_property_readonly("hidden", [](py::handle h) { return packed_of(h)->hidden(); })
+      .def_property_readonly("intermediate",
+                             [](py::handle h) { return packed_of(h)->intermediate(); })
+      .def_property_readonly("has_bias13", [](py::handle h) { return packed_of(h)->has_bias13(); })
+      .def_property_readonly("has_bias2", [](py::handle h) { return packed_of(h)->has_bias2(); })
+      .def_property_readonly("kernel", [](py::handle h) { return packed_of(h)->kernel().name; })
+      .def_property_readonly("path",
+                             [](py::handle h) { return isa_name(packed_of(h)->kernel().isa); })
+      .def_property_readonly("packed_bytes",
+                             [](py::handle h) { return packed_of(h)->packed_bytes(); })
+      .def("__copy__", [](py::handle h) {
+        packed_of(h);
+        return py::reinterpret_borrow<py::object>(h);
+      })
+      .def("__deepcopy__", [](py::handle h, py::handle) {
+        packed_of(h);
+        return py::reinterpret_borrow<py::object>(h);
+      })
+      .def("__repr__", [](py::handle h) {
+        const auto p = packed_of(h);
+        return "PackedMoe(E=" + std::to_string(p->num_experts()) + ", H=" +
+               std::to_string(p->hidden()) + ", I=" + std::to_string(p->intermediate()) +
+               ", path=" + isa_name(p->kernel().isa) + ", kernel=" + p->kernel().name + ")";
       });
 
   m.def(
@@ -151,7 +181,7 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "fused_moe_int8",
-      [](const PackedMoe& packed, int64_t T, int64_t k, uintptr_t x, int64_t x_stride,
+      [](py::handle packed_obj, int64_t T, int64_t k, uintptr_t x, int64_t x_stride,
          const std::string& dtype, uintptr_t topk_weights, int64_t tw_stride, uintptr_t topk_ids,
          bool ids_int64, int64_t ids_stride, const std::string& activation, bool skip_weighted,
          uintptr_t out, int64_t out_stride, int num_threads, uintptr_t expert_map,
@@ -174,8 +204,9 @@ PYBIND11_MODULE(_C, m) {
         c.num_threads = num_threads;
         c.expert_map = expert_map ? ptr<const int32_t>(expert_map) : nullptr;
         c.num_global_experts = num_global_experts;
+        const std::shared_ptr<const PackedMoe> packed = packed_of(packed_obj);  // alive throughout
         py::gil_scoped_release nogil;
-        fused_moe_int8(packed, c);
+        fused_moe_int8(*packed, c);
       },
       py::arg("packed"), py::arg("T"), py::arg("k"), py::arg("x"), py::arg("x_stride"),
       py::arg("dtype"), py::arg("topk_weights"), py::arg("topk_weights_stride"),
@@ -183,6 +214,17 @@ PYBIND11_MODULE(_C, m) {
       py::arg("activation"), py::arg("skip_weighted"), py::arg("out"), py::arg("out_stride"),
       py::arg("num_threads"), py::arg("expert_map") = 0, py::arg("num_global_experts") = 0,
       "Runs the fused W8A8 MoE op on raw row-major buffers (row strides in elements).");
+
+  m.def(
+      "scratch_bytes",
+      [](py::handle packed, int64_t T, int64_t k, int num_threads) {
+        return fused_moe_scratch_bytes(*packed_of(packed), T, k, num_threads);
+      },
+      py::arg("packed"), py::arg("T"), py::arg("k"), py::arg("num_threads"),
+      "Upper bound of the scratch bytes of one call with T tokens and k slots each.");
+  m.def("thread_scratch_bytes", &thread_scratch_bytes,
+        "Scratch bytes the calling thread holds now (kept for its next call).");
+  m.def("release_thread_scratch", &release_thread_scratch, "Frees the calling thread's scratch.");
 
   m.def(
       "quantize_rows",

@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # The full test suite (what README's test command and .ci/run call):
-#   native     CMake build + GoogleTest via ctest on this machine
+#   native     CMake build + GoogleTest via ctest on this machine; on x86-64 also x86-haswell:
+#              the kernel and MoE test binaries under qemu-x86_64 -cpu Haswell (AVX2 path, no
+#              AVX-512), also runnable alone after native
 #   python     pip install . + pytest (torch backend, then numpy backend)
 #   python-local  the same tests on a cmake-built extension, nothing installed (for development;
 #              not in the default list)
 #   cross      aarch64 cross build; ctest under qemu-aarch64 for -cpu max (I8MM path),
-#              neoverse-n1 (no I8MM: must fall back, never SIGILL) and cortex-a57 (Armv8.0)
+#              neoverse-n1 (no I8MM: must fall back, never SIGILL) and cortex-a57 (Armv8.0),
+#              then on max with CPUMOE_ISA=neon_bf16 and =neon_dotprod
 #   cross-python  the cross-built extension + pytest on an aarch64 CPython under qemu (numpy
 #              backend), on max and neoverse-n1
+#   sanitize   CMakePresets.json preset asan (ASan + UBSan, every report fatal): the full ctest
+#              (LeakSanitizer on), then the op's pytest files through the ASan runtime
 # Usage: bash ci/test_all.sh [stage ...]   (default: all, in that order)
 # Env: CPUMOE_BUILD_DIR (default ./build), CPUMOE_JOBS (default 2).
 set -euo pipefail
@@ -17,7 +22,7 @@ BUILD=${CPUMOE_BUILD_DIR:-$root/build}
 JOBS=${CPUMOE_JOBS:-2}
 PY=${PYTHON:-python3}
 stages=("$@")
-((${#stages[@]})) || stages=(native python cross cross-python)
+((${#stages[@]})) || stages=(native python cross cross-python sanitize)
 
 log() { printf '\n=== [test_all] %s\n' "$*"; }
 
@@ -28,6 +33,31 @@ stage_native() {
   cmake -S . -B "$BUILD/native" -G Ninja -DCMAKE_BUILD_TYPE=Release
   cmake --build "$BUILD/native" -j "$JOBS"
   ctest --test-dir "$BUILD/native" --output-on-failure -j "$JOBS"
+  [ "$(uname -m)" != x86_64 ] || stage_x86_haswell
+}
+
+# x86-haswell (part of native on x86-64 hosts): the kernel and MoE test binaries again under
+# qemu-x86_64 -cpu Haswell (AVX2 + FMA; no AVX-512, AVX-VNNI or AMX). qemu's TCG has no AVX-512, so
+# an AVX-512 instruction reached on this CPU is a SIGILL, i.e. a failed run; the AVX2 kernel must be
+# the one selected, and the AVX-512 kernels' tests must be skipped (the CPU lacks them).
+stage_x86_haswell() {
+  log "native: x86-haswell, test binaries under qemu-x86_64 -cpu Haswell"
+  command -v qemu-x86_64 >/dev/null || { echo "x86-haswell: qemu-x86_64 missing (qemu-user)" >&2; exit 1; }
+  local t out
+  for t in cpumoe_qgemm_test cpumoe_moe_test; do
+    if ! out=$(OMP_WAIT_POLICY=PASSIVE qemu-x86_64 -cpu Haswell "$BUILD/native/tests_cpp/$t" 2>&1); then
+      tail -n 60 <<<"$out"
+      echo "x86-haswell: $t failed under qemu -cpu Haswell" >&2
+      exit 1
+    fi
+    grep -E '^\[ selected \]|^\[  (PASSED|SKIPPED) +\] [0-9]+ test' <<<"$out" || true
+    if [ "$t" = cpumoe_qgemm_test ]; then
+      grep -qE '^\[ selected \] qgemm_[a-z0-9_]+_avx2 \(isa avx2' <<<"$out" ||
+        { echo "x86-haswell: the AVX2 kernel was not selected" >&2; exit 1; }
+      ! grep -qE '^\[       OK \] .*(avx512|amx)' <<<"$out" ||
+        { echo "x86-haswell: an AVX-512/AMX kernel test ran instead of being skipped" >&2; exit 1; }
+    fi
+  done
 }
 
 stage_python() {
@@ -61,6 +91,33 @@ stage_python_local() {
     -p no:cacheprovider
 }
 
+# The pytest part preloads the ASan runtime into CPython, and libstdc++ with it (CPython does not
+# link libstdc++, and ASan's __cxa_throw interceptor must resolve it at start-up, else the first
+# C++ exception aborts). Leak checking is off there: CPython itself is not LeakSanitizer-clean;
+# ctest covers cpumoe's own leaks. The numpy backend: torch is not built for a preloaded ASan.
+# The subset is the Python/binding boundary (argument checks, the packed object, threads, NaN,
+# fuzz through the API); the kernels and the dispatcher are covered by the full ctest above.
+stage_sanitize() {
+  log "sanitize: ASan+UBSan build (preset asan, with the Python module), full ctest"
+  cmake --preset asan -B "$BUILD/asan" -DCPUMOE_BUILD_PYTHON=ON \
+    -DPython_EXECUTABLE="$(command -v "$PY")" -Dpybind11_DIR="$("$PY" -m pybind11 --cmakedir)"
+  cmake --build "$BUILD/asan" -j "$JOBS"
+  # The options of CMakePresets.json's asan test preset (ctest --preset would use the preset's
+  # binaryDir, not $BUILD/asan, and find no tests).
+  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:strict_string_checks=1:detect_stack_use_after_return=1:check_initialization_order=1 \
+    UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 OMP_WAIT_POLICY=PASSIVE \
+    ctest --test-dir "$BUILD/asan" --output-on-failure --no-tests=error -j "$JOBS"
+  log "sanitize: pytest (the bad-input matrix and the reliability tests, numpy backend) under ASan"
+  stage_package "$BUILD/asan/pkg" "$(find "$BUILD/asan/bindings" -maxdepth 1 -name '_C*.so' | head -n 1)"
+  local cxx
+  cxx=$(sed -n 's/^CMAKE_CXX_COMPILER:[A-Z]*=//p' "$BUILD/asan/CMakeCache.txt")
+  LD_PRELOAD="$("$cxx" -print-file-name=libasan.so) $("$cxx" -print-file-name=libstdc++.so)" \
+    ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:strict_string_checks=1 \
+    UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 OMP_WAIT_POLICY=PASSIVE \
+    CPUMOE_TEST_BACKEND=numpy PYTHONPATH="$BUILD/asan/pkg" "$PY" -m pytest -q -p no:cacheprovider \
+    tests_py/test_errors.py tests_py/test_reliability.py
+}
+
 aarch64_python() {
   local out
   out=$(bash ci/setup_aarch64_python.sh)
@@ -78,6 +135,14 @@ stage_cross() {
   for cpu in max neoverse-n1 cortex-a57; do
     log "cross: ctest with QEMU_CPU=$cpu"
     QEMU_CPU=$cpu ctest --test-dir "$BUILD/aarch64" --output-on-failure -j "$JOBS"
+  done
+  # The lower paths selected on -cpu max through the CPUMOE_ISA cap (what the dispatcher,
+  # selection and default PackedMoe then use). The kernel tester and the MoE grid run every
+  # supported kernel whatever the cap, so the max run above already covered them: skipped here.
+  for isa in neon_bf16 neon_dotprod; do
+    log "cross: ctest with QEMU_CPU=max CPUMOE_ISA=$isa"
+    QEMU_CPU=max CPUMOE_ISA=$isa ctest --test-dir "$BUILD/aarch64" --output-on-failure -j "$JOBS" \
+      -E 'QGemmKernelTest|MoeGridTest|Fuzz\.'
   done
 }
 
@@ -100,11 +165,13 @@ stage_cross_python() {
 for s in "${stages[@]}"; do
   case "$s" in
     native) stage_native ;;
+    x86-haswell) stage_x86_haswell ;;
     python) stage_python ;;
     python-local) stage_python_local ;;
     cross) stage_cross ;;
     cross-python) stage_cross_python ;;
-    *) echo "unknown stage: $s (native, python, python-local, cross, cross-python)" >&2; exit 2 ;;
+    sanitize) stage_sanitize ;;
+    *) echo "unknown stage: $s (native, x86-haswell, python, python-local, cross, cross-python, sanitize)" >&2; exit 2 ;;
   esac
 done
 log "all requested stages passed: ${stages[*]}"

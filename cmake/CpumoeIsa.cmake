@@ -46,3 +46,40 @@ if(CPUMOE_ARCH STREQUAL "aarch64")
                    a = vdotq_s32(a, b, b); return vgetq_lane_s32(a, 0) == 4 ? 0 : 1; }")
   endif()
 endif()
+
+# x86-64: per-file flags for the AVX2, AVX-512 VNNI and AMX kernels (never global).
+option(CPUMOE_ENABLE_AVX2 "Build the x86-64 AVX2 kernels when the compiler takes -mavx2" ON)
+option(CPUMOE_ENABLE_AVX512 "Build the x86-64 AVX-512 VNNI kernels when the compiler takes them" ON)
+# AMX is off by default: its kernel has not yet run on AMX hardware (only its tile logic, against a
+# software model of the tile instructions); turn it on where a Sapphire Rapids machine tests it.
+option(CPUMOE_ENABLE_AMX "Build the x86-64 AMX-INT8 kernel (needs the AVX-512 ones too)" OFF)
+set(CPUMOE_AVX2_FLAG -mavx2 -mfma)
+set(CPUMOE_AVX512VNNI_FLAG -mavx512f -mavx512bw -mavx512vl -mavx512vnni)
+set(CPUMOE_AMX_FLAG ${CPUMOE_AVX512VNNI_FLAG} -mamx-tile -mamx-int8)
+set(CPUMOE_HAVE_AVX2 OFF)
+set(CPUMOE_HAVE_AVX512VNNI OFF)
+set(CPUMOE_HAVE_AMX OFF)
+if(CPUMOE_ARCH STREQUAL "x86_64")
+  if(CPUMOE_ENABLE_AVX2)
+    cpumoe_check_isa(CPUMOE_HAVE_AVX2 "-mavx2 -mfma" "
+      #include <immintrin.h>
+      int main() { __m256i a = _mm256_set1_epi16(3);
+                   a = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_set1_epi8(1)), a);
+                   return _mm256_extract_epi32(a, 0) == 6 ? 0 : 1; }")
+  endif()
+  if(CPUMOE_ENABLE_AVX512)
+    cpumoe_check_isa(CPUMOE_HAVE_AVX512VNNI "-mavx512f -mavx512bw -mavx512vl -mavx512vnni" "
+      #include <immintrin.h>
+      int main() { __m512i a = _mm512_setzero_si512(), b = _mm512_set1_epi8(1);
+                   a = _mm512_dpbusd_epi32(a, b, b);
+                   return _mm_cvtsi128_si32(_mm512_castsi512_si128(a)) == 4 ? 0 : 1; }")
+  endif()
+  if(CPUMOE_ENABLE_AMX AND CPUMOE_HAVE_AVX512VNNI)
+    cpumoe_check_isa(CPUMOE_HAVE_AMX "-mavx512f -mavx512bw -mavx512vl -mavx512vnni -mamx-tile -mamx-int8" "
+      #include <immintrin.h>
+      int main(int argc, char**) { if (argc > 1) { _tile_loadd(0, nullptr, 64); _tile_dpbusd(2, 0, 1);
+                   _tile_release(); } return 0; }")
+  endif()
+  message(STATUS "cpumoe: x86 kernels avx2=${CPUMOE_HAVE_AVX2} avx512_vnni=${CPUMOE_HAVE_AVX512VNNI} "
+                 "amx=${CPUMOE_HAVE_AMX}")
+endif()

@@ -273,14 +273,10 @@ TEST(MoeThreads, ConcurrentCallsShareOnePackedMoe) {
 #if defined(_OPENMP)
 // Called from inside the caller's own OpenMP region (a framework's parallel loop over layers or
 // requests), every call must still give the serial answer and stay inside its own scratch.
-//
-// DISABLED: fails today with heap corruption ("malloc(): corrupted top size"; ASan:
-// heap-buffer-overflow in vec::gated via moe.cpp:318). Chunk::run indexes its per-thread scratch
-// (tmp, moe.cpp:318; accs, moe.cpp:339) with omp_get_thread_num(), but when parallel_for takes its
-// serial path (num_threads == 1, or a single task) that is the *caller's* thread number in the
-// enclosing region, which can exceed the scratch's `threads` slots. Enable once fixed.
-// (Run it on its own: the 3-thread outer team oversubscribes a 2-core machine and slows later
-// tests in the same process while libgomp's idle threads spin.)
+// (Regression test: per-thread scratch was once indexed with omp_get_thread_num(), the *caller's*
+// thread number on parallel_for's serial path, which overflowed it; parallel_for now passes its
+// own index, and each caller thread has its own scratch block. The sanitize stage runs it under
+// ASan.)
 TEST(MoeThreads, CalledFromInsideAnOpenMPRegion) {
   const MoeData d = make_moe_data({9, 4, 2, 16, 16}, DType::f32, Activation::silu, true, 19);
   const cpumoe::PackedMoe pk(d.weights());

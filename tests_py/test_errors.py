@@ -277,3 +277,246 @@ def test_reference_rejects_bad_input(backend, prob):
     with pytest.raises(TypeError, match="x"):
         ref_fused_moe_int8(backend.cast(prob.x, "int32"), prob.w13, prob.w2, prob.s13, prob.s2,
                            prob.topk_weights, prob.topk_ids)
+
+
+# --------------------------------------------------------------------------- the rest of the matrix
+# Layouts (broadcast, negative strides, misaligned), aliasing of out with any input, other devices,
+# expert_map, and the packed object itself. A case only one backend can express (negative strides
+# and misaligned data: numpy; other devices and lazy views: torch) skips on the other.
+def _numpy_only(b):
+    if b.torch is not None:
+        pytest.skip("numpy arrays only (torch has no negative strides / misaligned tensors)")
+
+
+def _torch_only(b):
+    if b.torch is None:
+        pytest.skip("torch tensors only")
+
+
+def _bcast_rows(b, t):
+    """Every row the same memory (row stride 0)."""
+    if b.torch is not None:
+        return t[:1].expand(t.shape[0], -1)
+    return np.broadcast_to(t[:1], t.shape)
+
+
+def _reversed(b, t, axis):
+    _numpy_only(b)
+    return t[::-1] if axis == 0 else t[:, ::-1]
+
+
+def _misaligned(b, t):
+    """A copy of numpy array t whose data starts one byte off its element alignment."""
+    _numpy_only(b)
+    raw = np.zeros(t.nbytes + t.itemsize, np.uint8)
+    m = raw[1:1 + t.nbytes].view(t.dtype).reshape(t.shape)
+    m[...] = t
+    assert not m.flags.aligned
+    return m
+
+
+def _meta(b, t):
+    _torch_only(b)
+    return t.to("meta")
+
+
+def _out_shifted_over_x(b, p):
+    """x and out one row apart in one buffer."""
+    big = b.asarray(np.zeros((T + 1, H), np.float32))
+    big[:T] = p.x
+    return dict(x=big[:T], out=big[1:])
+
+
+def _out_over_weights(b, p):
+    buf = b.full((T, H), 0.25, "float32")
+    return dict(out=buf, topk_weights=buf.reshape(-1)[:T * K].reshape(T, K))
+
+
+def _out_over_ids(b, p):
+    out = b.empty((T, H), "float32")
+    ids = out.view(b.dtype("int32"))[:, :K]
+    ids[...] = p.topk_ids
+    return dict(out=out, topk_ids=ids)
+
+
+def _out_over_expert_map(b, p):
+    out = b.empty((T, H), "float32")
+    emap = out.view(b.dtype("int32")).reshape(-1)[:E]
+    emap[...] = _arr(b, np.arange(E, dtype=np.int32))
+    return dict(out=out, expert_map=emap)
+
+
+def _emap(b, values, dtype=np.int32):
+    return _arr(b, np.array(values, dtype))
+
+
+def _other_arch_isa():
+    return "avx2" if cpumoe.cpu_features()["arch"] == "aarch64" else "neon_i8mm"
+
+
+MORE_CALL_CASES = {
+    # layouts
+    "x-rows-broadcast": (lambda b, p: dict(x=_bcast_rows(b, p.x)), ValueError, "x"),
+    "ids-rows-broadcast": (lambda b, p: dict(topk_ids=_bcast_rows(b, p.topk_ids)), ValueError,
+                           "topk_ids"),
+    "weights-rows-broadcast": (lambda b, p: dict(topk_weights=_bcast_rows(b, p.topk_weights)),
+                               ValueError, "topk_weights"),
+    "out-rows-broadcast": (lambda b, p: dict(out=_bcast_rows(b, b.empty((T, H), "float32"))),
+                           ValueError, "out"),
+    "x-rows-reversed": (lambda b, p: dict(x=_reversed(b, p.x, 0)), ValueError, "x"),
+    "x-columns-reversed": (lambda b, p: dict(x=_reversed(b, p.x, 1)), ValueError, "x"),
+    "ids-rows-reversed": (lambda b, p: dict(topk_ids=_reversed(b, p.topk_ids, 0)), ValueError,
+                          "topk_ids"),
+    "weights-columns-reversed": (lambda b, p: dict(topk_weights=_reversed(b, p.topk_weights, 1)),
+                                 ValueError, "topk_weights"),
+    "out-rows-reversed": (lambda b, p: dict(out=_reversed(b, b.empty((T, H), "float32"), 0)),
+                          ValueError, "out"),
+    "x-misaligned": (lambda b, p: dict(x=_misaligned(b, p.x)), ValueError, "x"),
+    "ids-misaligned": (lambda b, p: dict(topk_ids=_misaligned(b, p.topk_ids)), ValueError,
+                       "topk_ids"),
+    "out-misaligned": (lambda b, p: dict(out=_misaligned(b, b.empty((T, H), "float32"))),
+                       ValueError, "out"),
+    # ranks and types
+    "ids-rank3": (lambda b, p: dict(topk_ids=p.topk_ids[:, :, None]), ValueError, "topk_ids"),
+    "weights-rank1": (lambda b, p: dict(topk_weights=p.topk_weights[:, 0]), ValueError,
+                      "topk_weights"),
+    "x-bool": (lambda b, p: dict(x=b.cast(p.x, "bool")), TypeError, "x"),
+    "skip-weighted-int": (lambda b, p: dict(skip_weighted=1), TypeError, "skip_weighted"),
+    "num-threads-bool": (lambda b, p: dict(num_threads=True), ValueError, "num_threads"),
+    "num-threads-float": (lambda b, p: dict(num_threads=2.0), ValueError, "num_threads"),
+    # aliasing: out is written while later chunks still read every input
+    "out-overlaps-x-shifted": (_out_shifted_over_x, ValueError, "out"),
+    "out-aliases-topk_weights": (_out_over_weights, ValueError, "out"),
+    "out-aliases-topk_ids": (_out_over_ids, ValueError, "out"),
+    "out-aliases-expert_map": (_out_over_expert_map, ValueError, "out"),
+    # expert_map
+    "expert_map-int64": (lambda b, p: dict(expert_map=_emap(b, range(E), np.int64)), TypeError,
+                         "expert_map"),
+    "expert_map-2d": (lambda b, p: dict(expert_map=_emap(b, [[0, 1], [2, 3]])), ValueError,
+                      "expert_map"),
+    "expert_map-empty": (lambda b, p: dict(expert_map=_emap(b, [])), ValueError, "expert_map"),
+    "expert_map-entry-E": (lambda b, p: dict(expert_map=_emap(b, [0, 1, 2, E])), ValueError,
+                           "expert_map"),
+    "expert_map-entry-minus-2": (lambda b, p: dict(expert_map=_emap(b, [0, -2, 2, 3])),
+                                 ValueError, "expert_map"),
+    "expert_map-ids-beyond-global": (
+        lambda b, p: dict(expert_map=_emap(b, [0, 1, 2, 3, -1, -1]),
+                          topk_ids=_ids(b, [[0, 1], [5, 6], [0, 1], [0, 1]])),
+        ValueError, "topk_ids"),
+    "expert_map-list": (lambda b, p: dict(expert_map=[0, 1, 2, 3]), TypeError, "expert_map"),
+    # other devices and lazy views (torch)
+    "x-meta": (lambda b, p: dict(x=_meta(b, p.x)), ValueError, "x"),
+    "ids-meta": (lambda b, p: dict(topk_ids=_meta(b, p.topk_ids)), ValueError, "topk_ids"),
+    "weights-meta": (lambda b, p: dict(topk_weights=_meta(b, p.topk_weights)), ValueError,
+                     "topk_weights"),
+    "out-meta": (lambda b, p: dict(out=_meta(b, b.empty((T, H), "float32"))), ValueError, "out"),
+    "expert_map-meta": (lambda b, p: dict(expert_map=_meta(b, _emap(b, range(E)))), ValueError,
+                        "expert_map"),
+    "x-neg-view": (lambda b, p: (_torch_only(b), dict(x=b.torch._neg_view(p.x)))[1], ValueError,
+                   "x"),
+}
+
+
+@pytest.mark.parametrize("case", list(MORE_CALL_CASES), ids=list(MORE_CALL_CASES))
+def test_more_call_errors(backend, prob, packed, case):
+    make, exc, name = MORE_CALL_CASES[case]
+    overrides = make(backend, prob)
+    sentinel = backend.full((T, H), 7.0, "float32")
+    overrides.setdefault("out", sentinel)
+    with pytest.raises(exc, match=rf"^{name}\b") as info:
+        prob.run(packed, **overrides)
+    assert name in str(info.value)
+    assert (backend.numpy(sentinel) == 7.0).all(), "out written before the error"
+
+
+MORE_PREPACK_CASES = {
+    "s2-int": (lambda b, p: dict(s2=b.cast(p.s2, "int32")), TypeError, "s2"),
+    "b2-int": (lambda b, p: dict(b2=b.cast(p.b2, "int32")), TypeError, "b2"),
+    "b13-rank1": (lambda b, p: dict(b13=p.b13[0]), ValueError, "b13"),
+    "s2-rank3-not-1": (lambda b, p: dict(s2=_arr(b, np.repeat(b.numpy(p.s2)[:, :, None], 2, 2))),
+                       ValueError, "s2"),
+    "w13-meta": (lambda b, p: dict(w13=_meta(b, p.w13)), ValueError, "w13"),
+    "w2-meta": (lambda b, p: dict(w2=_meta(b, p.w2)), ValueError, "w2"),
+    "s13-meta": (lambda b, p: dict(s13=_meta(b, p.s13)), ValueError, "s13"),
+    "s2-meta": (lambda b, p: dict(s2=_meta(b, p.s2)), ValueError, "s2"),
+    "b13-meta": (lambda b, p: dict(b13=_meta(b, p.b13)), ValueError, "b13"),
+    "b2-meta": (lambda b, p: dict(b2=_meta(b, p.b2)), ValueError, "b2"),
+    "isa-other-arch": (lambda b, p: dict(isa=_other_arch_isa()), ValueError, "isa"),
+    "num-threads-bool": (lambda b, p: dict(num_threads=True), ValueError, "num_threads"),
+}
+
+
+@pytest.mark.parametrize("case", list(MORE_PREPACK_CASES), ids=list(MORE_PREPACK_CASES))
+def test_more_prepack_errors(backend, prob, case):
+    make, exc, name = MORE_PREPACK_CASES[case]
+    args = _prepack_args(backend, prob)
+    args.update(make(backend, prob))
+    with pytest.raises(exc, match=rf"^{name}\b") as info:
+        cpumoe.prepack(**args)
+    assert name in str(info.value)
+
+
+def test_prepack_copies_any_layout(backend, prob, packed):
+    """Weights are copied at prepack, so any layout is accepted: a negatively strided (numpy) or
+    transposed-back (both) copy of the same weights packs to the same results."""
+    w13 = prob.w13
+    if backend.torch is not None:
+        w13_odd = w13.transpose(1, 2).contiguous().transpose(1, 2)  # same values, strides permuted
+    else:
+        w13_odd = np.ascontiguousarray(w13[:, ::-1])[:, ::-1]  # negative stride on dim 1
+    args = _prepack_args(backend, prob)
+    args["w13"] = w13_odd
+    assert np.array_equal(backend.bits(prob.run(cpumoe.prepack(**args))),
+                          backend.bits(prob.run(packed)))
+
+
+# ---------------------------------------------------------------------------- the packed object
+def test_uninitialised_packed_is_refused(backend, prob):
+    """PackedMoe.__new__ without prepack has no C++ object: every use is a TypeError naming
+    packed, never a read of uninitialised memory."""
+    raw = cpumoe.PackedMoe.__new__(cpumoe.PackedMoe)
+    with pytest.raises(TypeError, match="^packed"):
+        prob.run(raw)
+    with pytest.raises(TypeError, match="^packed"):
+        raw.hidden
+    with pytest.raises(TypeError, match="^packed"):
+        repr(raw)
+    with pytest.raises(TypeError, match="^packed"):
+        cpumoe.scratch_bytes(T, K, raw)
+    with pytest.raises(TypeError):
+        cpumoe.PackedMoe()
+
+
+def test_packed_cannot_be_subclassed_or_modified(backend, packed):
+    with pytest.raises(TypeError):
+        type("MyPacked", (cpumoe.PackedMoe,), {})
+    for attr in ("hidden", "num_experts", "intermediate", "kernel", "path", "packed_bytes"):
+        with pytest.raises(AttributeError):
+            setattr(packed, attr, 1)
+    with pytest.raises(AttributeError):
+        packed.extra = 1  # no __dict__: nothing can be attached or swapped
+
+
+def test_packed_copy_shares_and_pickle_refuses(backend, prob, packed):
+    import copy
+    import pickle
+    assert copy.copy(packed) is packed and copy.deepcopy([packed])[0] is packed  # immutable
+    with pytest.raises(TypeError):
+        pickle.dumps(packed)
+
+
+def test_packed_independent_of_its_sources(backend, prob):
+    """prepack copies: overwriting and dropping the source tensors afterwards changes nothing."""
+    import gc
+    b = backend
+    src = {name: b.asarray(b.numpy(getattr(prob, name))) for name in
+           ("w13", "w2", "s13", "s2", "b13", "b2")}
+    src["w13"] = b.cast(src["w13"], "int8")
+    src["w2"] = b.cast(src["w2"], "int8")
+    packed = cpumoe.prepack(**src)
+    want = b.bits(prob.run(packed))
+    for t in src.values():
+        t[...] = 3 if b.dtype_name(t) == "int8" else float("nan")
+    del src, t
+    gc.collect()
+    assert np.array_equal(b.bits(prob.run(packed)), want)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+import cpumoe
 from cpumoe import __main__ as cli
 
 SMALL = ["--tokens", "1,5", "--experts", "8", "--topk", "2", "--hidden", "64", "--inter", "32",
@@ -17,11 +18,11 @@ def _argv(backend, *extra):
 def test_main_passes_and_prints_table(backend, capsys):
     assert cli.main(_argv(backend, "--activation", "swigluoai", "--bias")) == 0
     out = capsys.readouterr().out
-    assert out.count("PASS") == 2 and "FAIL" not in out
+    # Every path this CPU runs is checked at each T.
+    assert out.count("PASS") == 2 * len(cpumoe.available_paths()) and "FAIL" not in out
     assert "ms/call" in out and "tokens/s" in out
     assert "threads  1" in out
     rows = [ln.split() for ln in out.splitlines() if ln.split()[:1] in (["1"], ["5"])]
-    import cpumoe
     assert len(rows) == 2 and all(r[1] in cpumoe.available_paths() for r in rows)
 
 
@@ -29,6 +30,12 @@ def test_main_no_check_and_isa(backend, capsys):
     assert cli.main(_argv(backend, "--no-check", "--isa", "portable", "--dtype", "fp16")) == 0
     out = capsys.readouterr().out
     assert "PASS" not in out and "portable" in out
+
+
+def test_main_checks_only_paths_under_the_cap(backend, capsys):
+    assert cli.main(_argv(backend, "--isa", "portable")) == 0
+    checks = [ln for ln in capsys.readouterr().out.splitlines() if "PASS" in ln]
+    assert len(checks) == 2 and all(" portable " in ln for ln in checks)
 
 
 def test_main_fails_on_wrong_result(backend, capsys, monkeypatch):

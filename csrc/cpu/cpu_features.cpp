@@ -27,6 +27,10 @@
 #if defined(__x86_64__)
 #include <cpuid.h>
 #endif
+#if defined(__x86_64__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace cpumoe {
 namespace {
@@ -141,7 +145,21 @@ bool cpu_supports(Isa isa) {
     case Isa::neon_i8mm: return f.neon && f.i8mm;
     case Isa::avx2: return f.avx2 && f.fma;
     case Isa::avx512_vnni: return f.avx512f && f.avx512bw && f.avx512vl && f.avx512vnni;
-    case Isa::amx: return f.amx_tile && f.amx_int8;
+    case Isa::amx: {
+      // The AMX kernel also runs AVX-512 VNNI code (small M, epilogue). Linux hands out the tile
+      // data state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 18),
+      // once per process for all its threads; without it tile instructions fault. Asked only
+      // where the CPU and XCR0 report AMX.
+      if (!(f.amx_tile && f.amx_int8 && cpu_supports(Isa::avx512_vnni))) return false;
+      static const bool granted = [] {
+#if defined(__x86_64__) && defined(__linux__)
+        return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0;
+#else
+        return false;
+#endif
+      }();
+      return granted;
+    }
   }
   return false;
 }

@@ -10,14 +10,24 @@
 //   5. activation, round to the input dtype, requantize qa [P, I] int8, sa [P]; pack again
 //   6. GEMM2 tasks                                      y [P, H] fp32
 //   7. combine per token: out[t] = sum_j w[t,j] * y[slot(t,j)] in fp32, stored in the input dtype
-// Experts with no tokens appear in no task. Tokens are processed in chunks so scratch memory stays
-// bounded for any batch.
+// Experts with no tokens appear in no task. Tokens are processed in chunks of at most
+// kSlotsPerChunk slots, so scratch memory is bounded for any batch.
+//
+// Scratch: every buffer of a chunk is carved from one 64-byte aligned block owned by the *calling*
+// thread (thread_local), which grows to the largest chunk seen and is reused by later calls (no
+// allocation, no page faults in steady state). Concurrent callers each have their own block; the
+// OpenMP workers of a call only write into their caller's block. The layout of a chunk is computed
+// by one function, plan(), which the public fused_moe_scratch_bytes() evaluates at the worst-case
+// routing, so the reported bound and the real use cannot drift apart.
+//
+// Sizes and offsets are int64_t / size_t throughout (T * k * H exceeds 2^31 at real shapes).
 #include "cpumoe/moe.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -34,10 +44,14 @@ constexpr int64_t kSlotsPerChunk = 16384;
 // Row chunk of a GEMM task: large enough that weights are streamed once per call for any
 // realistic number of tokens per expert, small enough to split a huge expert across threads.
 constexpr int64_t kRowsPerTask = 256;
+// A thread count above this (and above both the processor count and OMP_NUM_THREADS) is capped:
+// results do not depend on it, and asking libgomp for a million threads would abort the process.
+constexpr int kMaxThreads = 256;
 
 int resolve_threads(int n) {
 #if defined(_OPENMP)
-  return n > 0 ? n : omp_get_max_threads();
+  if (n <= 0) return std::max(1, omp_get_max_threads());
+  return std::min(n, std::max({kMaxThreads, omp_get_num_procs(), omp_get_max_threads()}));
 #else
   (void)n;
   return 1;
@@ -51,7 +65,8 @@ template <class Fn>
 void parallel_for(int64_t n, int threads, const Fn& fn) {
 #if defined(_OPENMP)
   if (threads > 1 && n > 1) {
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    const int team = int(std::min<int64_t>(threads, n));  // no idle threads to wake
+#pragma omp parallel for schedule(dynamic, 1) num_threads(team)
     for (int64_t i = 0; i < n; ++i) fn(i, omp_get_thread_num());
     return;
   }
@@ -60,20 +75,45 @@ void parallel_for(int64_t n, int threads, const Fn& fn) {
   for (int64_t i = 0; i < n; ++i) fn(i, 0);
 }
 
-struct AlignedBuffer {
-  void* p = nullptr;
-  explicit AlignedBuffer(size_t bytes) {
-    p = std::aligned_alloc(kAlign, std::max(kAlign, size_t(round_up(int64_t(bytes), kAlign))));
-    if (p == nullptr) throw std::bad_alloc();
+inline size_t align_up(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
+
+// The calling thread's scratch block. Grows, never shrinks (release_thread_scratch() frees it).
+class ThreadScratch {
+ public:
+  ThreadScratch() = default;
+  ~ThreadScratch() { std::free(p_); }
+  ThreadScratch(const ThreadScratch&) = delete;
+  ThreadScratch& operator=(const ThreadScratch&) = delete;
+
+  // Makes the block at least `bytes` long; its first `keep` bytes survive a reallocation.
+  uint8_t* reserve(size_t bytes, size_t keep) {
+    if (bytes > cap_) {
+      const size_t cap = align_up(bytes);
+      auto* p = static_cast<uint8_t*>(std::aligned_alloc(kAlign, cap));
+      if (p == nullptr) throw std::bad_alloc();
+      if (keep > 0) std::memcpy(p, p_, std::min(keep, cap_));
+      std::free(p_);
+      p_ = p;
+      cap_ = cap;
+    }
+    return p_;
   }
-  ~AlignedBuffer() { std::free(p); }
-  AlignedBuffer(const AlignedBuffer&) = delete;
-  AlignedBuffer& operator=(const AlignedBuffer&) = delete;
-  template <class T>
-  T* as() const {
-    return static_cast<T*>(p);
+  size_t capacity() const { return cap_; }
+  void release() {
+    std::free(p_);
+    p_ = nullptr;
+    cap_ = 0;
   }
+
+ private:
+  uint8_t* p_ = nullptr;
+  size_t cap_ = 0;
 };
+
+ThreadScratch& thread_scratch() {
+  thread_local ThreadScratch s;
+  return s;
+}
 
 [[noreturn]] void fail(const std::string& msg) { throw ArgumentError(msg); }
 
@@ -92,34 +132,115 @@ std::unique_ptr<float[]> to_f32(const void* p, DType dt, int64_t n) {
   return out;
 }
 
-// Column tile of a GEMM: a multiple of nr, at most 256 columns (the weight tile then stays in L2
-// for any K we meet), and small enough that there are about 4 tasks per thread.
-int64_t choose_n_tile(int64_t n, int64_t nr, int64_t row_tasks, int threads) {
-  const int64_t want_tasks = 4 * int64_t(threads);
-  int64_t tiles = std::max<int64_t>(1, (want_tasks + row_tasks - 1) / row_tasks);
-  tiles = std::max(tiles, (n + 255) / 256);
-  const int64_t tile = round_up((n + tiles - 1) / tiles, nr);
-  return std::max(nr, tile);
-}
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 struct Task {
   int64_t e, m0, m, n0, n;
 };
 
-// Tasks over (expert, row chunk, column tile) for a GEMM with n output columns.
-std::vector<Task> make_tasks(const std::vector<int64_t>& active, const std::vector<int64_t>& count,
-                             int64_t n, int64_t mr, int64_t nr, int threads) {
-  const int64_t rows_per_task = round_up(kRowsPerTask, mr);
-  int64_t row_tasks = 0;
-  for (int64_t e : active) row_tasks += (count[e] + rows_per_task - 1) / rows_per_task;
-  const int64_t tile = choose_n_tile(n, nr, row_tasks, threads);
-  std::vector<Task> tasks;
-  tasks.reserve(size_t(row_tasks * ((n + tile - 1) / tile)));
-  for (int64_t e : active)
-    for (int64_t m0 = 0; m0 < count[e]; m0 += rows_per_task)
-      for (int64_t n0 = 0; n0 < n; n0 += tile)
-        tasks.push_back({e, m0, std::min(rows_per_task, count[e] - m0), n0, std::min(tile, n - n0)});
-  return tasks;
+// Column tile of a GEMM: a multiple of nr, at most 256 columns (the weight tile then stays in L2
+// for any K we meet), and small enough that there are about 4 tasks per thread.
+int64_t choose_n_tile(int64_t n, int64_t nr, int64_t row_tasks, int threads) {
+  const int64_t want_tasks = 4 * int64_t(threads);
+  int64_t tiles = std::max<int64_t>(1, ceil_div(want_tasks, std::max<int64_t>(1, row_tasks)));
+  tiles = std::max(tiles, ceil_div(n, 256));
+  const int64_t tile = round_up(ceil_div(n, tiles), nr);
+  return std::max(nr, tile);
+}
+
+// Upper bound of the number of tasks of a GEMM over P rows in at most `experts` non-empty
+// experts (each expert's last row chunk may be partial). choose_n_tile makes at most
+// max(ceil(4 threads / row_tasks), ceil(n / 256)) tiles.
+int64_t max_tasks(int64_t P, int64_t experts, int64_t n, int threads) {
+  const int64_t row_tasks = ceil_div(P, kRowsPerTask) + experts;
+  return std::max(4 * int64_t(threads) + row_tasks, row_tasks * ceil_div(n, 256));
+}
+
+// Bytes of the packed rows of one expert's slice of the lhs, as laid out in scratch.
+size_t lhs_bytes(const QGemmUkernel& kern, int64_t rows, int64_t depth) {
+  return align_up(kern.lhs_packed_size(rows, depth));
+}
+
+// Sizes that fix a chunk's scratch layout.
+struct ChunkSizes {
+  int64_t E = 0, H = 0, I = 0, tc = 0, k = 0, threads = 1;
+  int64_t P = 0;                  // routed slots
+  size_t lhs1 = 0, lhs2 = 0;      // packed activations, all experts
+  int64_t tasks1 = 0, tasks2 = 0; // GEMM tasks
+};
+
+// Byte offsets of every buffer of a chunk in its scratch block. The routing buffers come first:
+// their size is known before routing, the rest only after. Then the buffers of phases 1-5, which
+// are dead once GEMM2 starts, so GEMM2's output y reuses their space; then those that live on.
+struct ChunkPlan {
+  size_t count, first, fill, active, pos_of, token_of, route_end;
+  size_t xq, xs, rows, row_scale, off1, lhs1, tasks1, h, qa, tmp;  // phases 1-5
+  size_t y;                                                         // phases 6-7, over the above
+  size_t sa, off2, lhs2, tasks2, accs;                              // written in 5 / 6, read after
+  size_t total;
+};
+
+ChunkPlan plan(const ChunkSizes& s) {
+  ChunkPlan p{};
+  size_t at = 0;
+  auto take = [&at](int64_t n, size_t elem) {
+    const size_t o = at;
+    at += align_up(size_t(n) * elem);
+    return o;
+  };
+  const int64_t slots = s.tc * s.k;
+  p.count = take(s.E, 8);
+  p.first = take(s.E, 8);
+  p.fill = take(s.E, 8);
+  p.active = take(s.E, 8);
+  p.pos_of = take(slots, 8);
+  p.token_of = take(slots, 8);
+  p.route_end = at;
+  p.xq = take(s.tc * s.H, 1);
+  p.xs = take(s.tc, 4);
+  p.rows = take(s.P, sizeof(const int8_t*));
+  p.row_scale = take(s.P, 4);
+  p.off1 = take(s.E, sizeof(size_t));
+  p.lhs1 = take(int64_t(s.lhs1), 1);
+  p.tasks1 = take(s.tasks1, sizeof(Task));
+  p.h = take(s.P * 2 * s.I, 4);
+  p.qa = take(s.P * s.I, 1);
+  p.tmp = take(s.threads * s.I, 4);
+  const size_t dead_end = at;
+  at = p.route_end;
+  p.y = take(s.P * s.H, 4);
+  at = std::max(at, dead_end);
+  p.sa = take(s.P, 4);
+  p.off2 = take(s.E, sizeof(size_t));
+  p.lhs2 = take(int64_t(s.lhs2), 1);
+  p.tasks2 = take(s.tasks2, sizeof(Task));
+  p.accs = take(s.threads * s.H, 4);
+  p.total = at;
+  return p;
+}
+
+int64_t tokens_per_chunk(int64_t k) { return std::max<int64_t>(1, kSlotsPerChunk / k); }
+
+// The worst case over routings of a chunk of tc tokens: every slot routed to a local expert,
+// spread over as many experts as possible. Packed lhs: a kernel packs m rows in at most
+// lhs_packed_size(m) bytes and pads each expert's slice by less than one tile of mr rows
+// (every layout of qgemm.h does), plus the 64-byte alignment of each slice.
+ChunkSizes worst_case(const QGemmUkernel& kern, int64_t E, int64_t H, int64_t I, int64_t tc,
+                      int64_t k, int threads) {
+  ChunkSizes s;
+  s.E = E;
+  s.H = H;
+  s.I = I;
+  s.tc = tc;
+  s.k = k;
+  s.threads = threads;
+  s.P = tc * k;
+  const int64_t experts = std::min(E, s.P);
+  s.lhs1 = align_up(kern.lhs_packed_size(s.P, H)) + size_t(experts) * lhs_bytes(kern, kern.mr, H);
+  s.lhs2 = align_up(kern.lhs_packed_size(s.P, I)) + size_t(experts) * lhs_bytes(kern, kern.mr, I);
+  s.tasks1 = max_tasks(s.P, experts, 2 * I, threads);
+  s.tasks2 = max_tasks(s.P, experts, H, threads);
+  return s;
 }
 
 template <class T>
@@ -127,8 +248,11 @@ inline float quantize_typed(const T* x, int64_t n, int8_t* q, float (*load)(T)) 
   float amax = 0.0f;
   for (int64_t i = 0; i < n; ++i) {
     const float a = std::fabs(load(x[i]));
-    amax = a > amax ? a : amax;  // NaN never wins the max
+    amax = (a > amax || a != a) ? a : amax;  // a NaN sticks: the row's scale becomes NaN
   }
+  // NaN stays NaN (std::max returns its first argument when the comparison is false); an inf
+  // gives an inf scale. Either way every q is 0 and the row's results are NaN: non-finite input
+  // propagates, it is never silently replaced by finite values.
   const float s = std::max(amax, kAmaxFloor) / 127.0f;
   for (int64_t i = 0; i < n; ++i) {
     float v = load(x[i]) / s;
@@ -155,6 +279,17 @@ inline int64_t load_id(const MoeCall& c, int64_t t, int64_t j) {
   return c.expert_map != nullptr ? c.expert_map[e] : e;
 }
 
+// Bytes spanned by `rows` rows of `cols` elements of `elem` bytes at a row stride of `stride`.
+int64_t span_bytes(int64_t rows, int64_t cols, int64_t stride, int64_t elem) {
+  return ((rows - 1) * stride + cols) * elem;
+}
+
+bool overlap(const void* a, int64_t a_bytes, const void* b, int64_t b_bytes) {
+  const auto* pa = static_cast<const uint8_t*>(a);
+  const auto* pb = static_cast<const uint8_t*>(b);
+  return pa < pb + b_bytes && pb < pa + a_bytes;
+}
+
 void validate(const PackedMoe& pk, const MoeCall& c) {
   const int64_t H = pk.hidden();
   if (c.num_tokens < 0) fail("x: number of tokens must be >= 0");
@@ -171,16 +306,24 @@ void validate(const PackedMoe& pk, const MoeCall& c) {
   if (c.topk_ids_row_stride < c.topk) fail("topk_ids: row stride must be >= k");
   if (c.topk_weights != nullptr && c.topk_weights_row_stride < c.topk)
     fail("topk_weights: row stride must be >= k");
+  // out is written while later chunks still read the inputs: it may share memory with none.
+  const int64_t T = c.num_tokens;
   const int64_t es = dtype_size(c.dtype);
-  const auto* xb = static_cast<const uint8_t*>(c.x);
-  const auto* ob = static_cast<const uint8_t*>(c.out);
-  const int64_t span_x = ((c.num_tokens - 1) * c.x_row_stride + H) * es;
-  const int64_t span_o = ((c.num_tokens - 1) * c.out_row_stride + H) * es;
-  if (ob < xb + span_x && xb < ob + span_o) fail("out: must not overlap x");
+  const int64_t span_o = span_bytes(T, H, c.out_row_stride, es);
+  if (overlap(c.out, span_o, c.x, span_bytes(T, H, c.x_row_stride, es)))
+    fail("out: must not overlap x");
+  if (overlap(c.out, span_o, c.topk_ids,
+              span_bytes(T, c.topk, c.topk_ids_row_stride, c.topk_ids_int64 ? 8 : 4)))
+    fail("out: must not overlap topk_ids");
+  if (c.topk_weights != nullptr && !c.skip_weighted &&
+      overlap(c.out, span_o, c.topk_weights, span_bytes(T, c.topk, c.topk_weights_row_stride, 4)))
+    fail("out: must not overlap topk_weights");
   const int64_t E = pk.num_experts();
   const int64_t ids_bound = c.expert_map != nullptr ? c.num_global_experts : E;
   if (c.expert_map != nullptr) {
     if (c.num_global_experts < 1) fail("expert_map: num_global_experts must be >= 1");
+    if (overlap(c.out, span_o, c.expert_map, c.num_global_experts * 4))
+      fail("out: must not overlap expert_map");
     for (int64_t g = 0; g < c.num_global_experts; ++g) {
       if (c.expert_map[g] < -1 || c.expert_map[g] >= E)
         fail("expert_map: entry " + std::to_string(g) + " is " + std::to_string(c.expert_map[g]) +
@@ -213,44 +356,67 @@ void store_row(const float* acc, int64_t n, DType dt, void* dst) {
   }
 }
 
-// Scratch of one chunk of tokens, sized once per chunk.
+// One chunk of tokens [t0, t0 + tc), all of its buffers in the calling thread's scratch block.
 struct Chunk {
   const PackedMoe& pk;
   const MoeCall& c;
   const QGemmUkernel& kern;
   int threads;
   int64_t t0, tc;
-  int64_t P = 0;  // slots routed to a local expert (all of them without an expert map)
-  int64_t E, H, I;
-  std::vector<int64_t> count, first;  // per expert: slots and first sorted position
-  std::vector<int64_t> active;        // experts with count > 0, ascending
-  std::vector<int64_t> pos_of;        // slot (t*k + j, local t) -> sorted position, or -1
-  std::vector<int64_t> token_of;      // sorted position -> local token
+  int64_t E, H, I, k;
+  ChunkSizes sizes;
+  ChunkPlan pl{};
+  uint8_t* base = nullptr;
+  // Routing (valid after route()).
+  int64_t P = 0;                  // slots routed to a local expert (all without an expert map)
+  int64_t n_active = 0;           // experts with count > 0
+  int64_t* count = nullptr;       // [E] slots per expert
+  int64_t* first = nullptr;       // [E] first sorted position of each expert
+  int64_t* active = nullptr;      // [n_active] experts with slots, ascending
+  int64_t* pos_of = nullptr;      // [tc * k] slot (t * k + j, local t) -> sorted position or -1
+  int64_t* token_of = nullptr;    // [P] sorted position -> local token
 
   Chunk(const PackedMoe& p, const MoeCall& call, int th, int64_t t_begin, int64_t t_count)
       : pk(p), c(call), kern(p.kernel()), threads(th), t0(t_begin), tc(t_count),
-        E(p.num_experts()), H(p.hidden()), I(p.intermediate()) {}
+        E(p.num_experts()), H(p.hidden()), I(p.intermediate()), k(call.topk) {
+    sizes.E = E;
+    sizes.H = H;
+    sizes.I = I;
+    sizes.tc = tc;
+    sizes.k = k;
+    sizes.threads = threads;
+  }
+
+  template <class T>
+  T* at(size_t offset) const {
+    return reinterpret_cast<T*>(base + offset);
+  }
 
   void route() {
-    const int64_t k = c.topk;
-    count.assign(size_t(E), 0);
+    pl = plan(sizes);  // P = 0 etc.: only the routing offsets are used yet
+    base = thread_scratch().reserve(pl.route_end, 0);
+    count = at<int64_t>(pl.count);
+    first = at<int64_t>(pl.first);
+    active = at<int64_t>(pl.active);
+    pos_of = at<int64_t>(pl.pos_of);
+    int64_t* fill = at<int64_t>(pl.fill);
+    std::fill(count, count + E, int64_t(0));
     for (int64_t t = 0; t < tc; ++t) {
       for (int64_t j = 0; j < k; ++j) {
         const int64_t e = load_id(c, t0 + t, j);
-        if (e >= 0) ++count[size_t(e)];
+        if (e >= 0) ++count[e];
       }
     }
-    first.assign(size_t(E), 0);
     int64_t acc = 0;
+    n_active = 0;
     for (int64_t e = 0; e < E; ++e) {
       first[e] = acc;
+      fill[e] = acc;
       acc += count[e];
-      if (count[e] > 0) active.push_back(e);
+      if (count[e] > 0) active[n_active++] = e;
     }
-    P = acc;  // slots routed to a local expert
-    pos_of.resize(size_t(tc * k));
-    token_of.resize(size_t(P));
-    std::vector<int64_t> fill(first);
+    P = acc;
+    token_of = at<int64_t>(pl.token_of);
     for (int64_t t = 0; t < tc; ++t) {
       for (int64_t j = 0; j < k; ++j) {
         const int64_t e = load_id(c, t0 + t, j);
@@ -258,41 +424,77 @@ struct Chunk {
           pos_of[t * k + j] = -1;
           continue;
         }
-        const int64_t pos = fill[size_t(e)]++;
+        const int64_t pos = fill[e]++;
         pos_of[t * k + j] = pos;
         token_of[pos] = t;
       }
     }
   }
 
-  // Byte offsets of each active expert's packed rows for depth `depth`.
-  std::vector<size_t> lhs_offsets(int64_t depth, size_t* total) const {
-    std::vector<size_t> off(size_t(E), 0);
-    size_t acc = 0;
-    for (int64_t e : active) {
-      off[e] = acc;
-      acc += size_t(round_up(int64_t(kern.lhs_packed_size(count[e], depth)), kAlign));
+  // Tasks over (expert, row chunk, column tile) for a GEMM with n output columns; writes them to
+  // `out` when given, returns how many there are.
+  int64_t make_tasks(int64_t n, Task* out) const {
+    const int64_t rows_per_task = round_up(kRowsPerTask, kern.mr);
+    int64_t row_tasks = 0;
+    for (int64_t i = 0; i < n_active; ++i) row_tasks += ceil_div(count[active[i]], rows_per_task);
+    const int64_t tile = choose_n_tile(n, kern.nr, row_tasks, threads);
+    int64_t nt = 0;
+    for (int64_t i = 0; i < n_active; ++i) {
+      const int64_t e = active[i];
+      for (int64_t m0 = 0; m0 < count[e]; m0 += rows_per_task)
+        for (int64_t n0 = 0; n0 < n; n0 += tile) {
+          if (out != nullptr)
+            out[nt] = {e, m0, std::min(rows_per_task, count[e] - m0), n0, std::min(tile, n - n0)};
+          ++nt;
+        }
     }
-    *total = acc;
-    return off;
+    return nt;
+  }
+
+  // Byte offsets of each active expert's packed rows of depth `depth` (off[e]); returns the total.
+  size_t lhs_offsets(int64_t depth, size_t* off) const {
+    size_t acc = 0;
+    for (int64_t i = 0; i < n_active; ++i) {
+      off[active[i]] = acc;
+      acc += lhs_bytes(kern, count[active[i]], depth);
+    }
+    return acc;
+  }
+
+  // Lays out the rest of the chunk now that the routing is known.
+  void allocate() {
+    sizes.P = P;
+    for (int64_t i = 0; i < n_active; ++i) {
+      sizes.lhs1 += lhs_bytes(kern, count[active[i]], H);
+      sizes.lhs2 += lhs_bytes(kern, count[active[i]], I);
+    }
+    sizes.tasks1 = make_tasks(2 * I, nullptr);
+    sizes.tasks2 = make_tasks(H, nullptr);
+    const ChunkPlan full = plan(sizes);  // same routing offsets: they depend on E, tc, k only
+    base = thread_scratch().reserve(full.total, full.route_end);
+    pl = full;
+    count = at<int64_t>(pl.count);
+    first = at<int64_t>(pl.first);
+    active = at<int64_t>(pl.active);
+    pos_of = at<int64_t>(pl.pos_of);
+    token_of = at<int64_t>(pl.token_of);
   }
 
   // Packs, per active expert, the rows rows[first[e] .. first[e] + count[e]).
-  void pack_rows(const std::vector<const int8_t*>& rows, int64_t depth,
-                 const std::vector<size_t>& off, uint8_t* dst) const {
-    parallel_for(int64_t(active.size()), threads, [&](int64_t i, int) {
-      const int64_t e = active[size_t(i)];
-      kern.pack_lhs(count[e], depth, rows.data() + first[e], dst + off[e]);
+  void pack_rows(const int8_t* const* rows, int64_t depth, const size_t* off, uint8_t* dst) const {
+    parallel_for(n_active, threads, [&](int64_t i, int) {
+      const int64_t e = active[i];
+      kern.pack_lhs(count[e], depth, rows + first[e], dst + off[e]);
     });
   }
 
   template <class WeightsOf, class ScaleOf, class BiasOf>
-  void gemm(int64_t n, int64_t depth, const uint8_t* lhs, const std::vector<size_t>& off,
-            const float* row_scale, float* dst, const WeightsOf& weights, const ScaleOf& scale,
-            const BiasOf& bias) const {
-    const std::vector<Task> tasks = make_tasks(active, count, n, kern.mr, kern.nr, threads);
-    parallel_for(int64_t(tasks.size()), threads, [&](int64_t i, int) {
-      const Task& tk = tasks[size_t(i)];
+  void gemm(int64_t n, int64_t depth, const uint8_t* lhs, const size_t* off, Task* tasks,
+            int64_t n_tasks, const float* row_scale, float* dst, const WeightsOf& weights,
+            const ScaleOf& scale, const BiasOf& bias) const {
+    make_tasks(n, tasks);
+    parallel_for(n_tasks, threads, [&](int64_t i, int) {
+      const Task& tk = tasks[i];
       const int64_t row0 = first[tk.e] + tk.m0;
       const float* b = bias(tk.e);
       const QGemmEpilogue ep{row_scale + row0, scale(tk.e) + tk.n0, b ? b + tk.n0 : nullptr};
@@ -304,67 +506,67 @@ struct Chunk {
 
   void run() {
     route();
-    const int64_t k = c.topk;
+    allocate();
     const int64_t xes = dtype_size(c.dtype);
 
     // 1. Quantize each token once.
-    std::vector<int8_t> xq(static_cast<size_t>(tc * H));
-    std::vector<float> xs(static_cast<size_t>(tc));
+    int8_t* xq = at<int8_t>(pl.xq);
+    float* xs = at<float>(pl.xs);
     parallel_for(tc, threads, [&](int64_t t, int) {
       const auto* row = static_cast<const uint8_t*>(c.x) + (t0 + t) * c.x_row_stride * xes;
-      xs[t] = quantize_row(row, c.dtype, H, xq.data() + t * H);
+      xs[t] = quantize_row(row, c.dtype, H, xq + t * H);
     });
 
     // 3. Gather each expert's token rows and pack them.
-    std::vector<const int8_t*> rows(static_cast<size_t>(P));
-    std::vector<float> row_scale(static_cast<size_t>(P));
+    const int8_t** rows = at<const int8_t*>(pl.rows);
+    float* row_scale = at<float>(pl.row_scale);
     for (int64_t p = 0; p < P; ++p) {
-      rows[p] = xq.data() + token_of[p] * H;
+      rows[p] = xq + token_of[p] * H;
       row_scale[p] = xs[token_of[p]];
     }
-    size_t lhs1_bytes = 0;
-    const std::vector<size_t> off1 = lhs_offsets(H, &lhs1_bytes);
-    AlignedBuffer lhs1(lhs1_bytes);
-    pack_rows(rows, H, off1, lhs1.as<uint8_t>());
+    size_t* off1 = at<size_t>(pl.off1);
+    uint8_t* lhs1 = at<uint8_t>(pl.lhs1);
+    lhs_offsets(H, off1);
+    pack_rows(rows, H, off1, lhs1);
 
     // 4. GEMM1.
-    std::vector<float> h(static_cast<size_t>(P * 2 * I));
-    gemm(2 * I, H, lhs1.as<uint8_t>(), off1, row_scale.data(), h.data(),
+    float* h = at<float>(pl.h);
+    gemm(2 * I, H, lhs1, off1, at<Task>(pl.tasks1), sizes.tasks1, row_scale, h,
          [&](int64_t e) { return pk.w13(e); }, [&](int64_t e) { return pk.s13(e); },
          [&](int64_t e) { return pk.b13(e); });
 
     // 5. Activation, rounding to the input dtype, requantization.
-    std::vector<int8_t> qa(static_cast<size_t>(P * I));
-    std::vector<float> sa(static_cast<size_t>(P));
-    std::vector<float> tmp(static_cast<size_t>(threads) * size_t(I));
+    int8_t* qa = at<int8_t>(pl.qa);
+    float* sa = at<float>(pl.sa);
+    float* tmp = at<float>(pl.tmp);
     parallel_for(P, threads, [&](int64_t p, int tid) {
-      float* a = tmp.data() + size_t(tid) * size_t(I);
-      vec::gated_row(c.activation, h.data() + p * 2 * I, I, a);
+      float* a = tmp + int64_t(tid) * I;
+      vec::gated_row(c.activation, h + p * 2 * I, I, a);
       if (c.dtype != DType::f32)
         for (int64_t i = 0; i < I; ++i) a[i] = round_to_dtype(a[i], c.dtype);
-      sa[p] = quantize_row(a, DType::f32, I, qa.data() + p * I);
+      sa[p] = quantize_row(a, DType::f32, I, qa + p * I);
     });
-    for (int64_t p = 0; p < P; ++p) rows[p] = qa.data() + p * I;
-    size_t lhs2_bytes = 0;
-    const std::vector<size_t> off2 = lhs_offsets(I, &lhs2_bytes);
-    AlignedBuffer lhs2(lhs2_bytes);
-    pack_rows(rows, I, off2, lhs2.as<uint8_t>());
+    for (int64_t p = 0; p < P; ++p) rows[p] = qa + p * I;
+    size_t* off2 = at<size_t>(pl.off2);
+    uint8_t* lhs2 = at<uint8_t>(pl.lhs2);
+    lhs_offsets(I, off2);
+    pack_rows(rows, I, off2, lhs2);
 
     // 6. GEMM2.
-    std::vector<float> y(static_cast<size_t>(P * H));
-    gemm(H, I, lhs2.as<uint8_t>(), off2, sa.data(), y.data(),
+    float* y = at<float>(pl.y);
+    gemm(H, I, lhs2, off2, at<Task>(pl.tasks2), sizes.tasks2, sa, y,
          [&](int64_t e) { return pk.w2(e); }, [&](int64_t e) { return pk.s2(e); },
          [&](int64_t e) { return pk.b2(e); });
 
     // 7. Weighted combine, fp32, slots in their given order.
-    std::vector<float> accs(static_cast<size_t>(threads) * size_t(H));
+    float* accs = at<float>(pl.accs);
     parallel_for(tc, threads, [&](int64_t t, int tid) {
-      float* acc = accs.data() + size_t(tid) * size_t(H);
+      float* acc = accs + int64_t(tid) * H;
       std::fill(acc, acc + H, 0.0f);
       for (int64_t j = 0; j < k; ++j) {
         if (pos_of[t * k + j] < 0) continue;  // expert not on this rank
         const float w = c.skip_weighted ? 1.0f : c.topk_weights[(t0 + t) * c.topk_weights_row_stride + j];
-        const float* yr = y.data() + pos_of[t * k + j] * H;
+        const float* yr = y + pos_of[t * k + j] * H;
         for (int64_t i = 0; i < H; ++i) acc[i] += w * yr[i];
       }
       store_row(acc, H, c.dtype, static_cast<uint8_t*>(c.out) + (t0 + t) * c.out_row_stride * xes);
@@ -444,11 +646,35 @@ void fused_moe_int8(const PackedMoe& packed, const MoeCall& call) {
   validate(packed, call);
   if (call.num_tokens == 0) return;
   const int threads = resolve_threads(call.num_threads);
-  const int64_t tokens_per_chunk = std::max<int64_t>(1, kSlotsPerChunk / call.topk);
-  for (int64_t t0 = 0; t0 < call.num_tokens; t0 += tokens_per_chunk) {
-    Chunk chunk(packed, call, threads, t0, std::min(tokens_per_chunk, call.num_tokens - t0));
+  const int64_t per_chunk = tokens_per_chunk(call.topk);
+  for (int64_t t0 = 0; t0 < call.num_tokens; t0 += per_chunk) {
+    Chunk chunk(packed, call, threads, t0, std::min(per_chunk, call.num_tokens - t0));
     chunk.run();
   }
 }
+
+size_t fused_moe_scratch_bytes(const QGemmUkernel& kernel, int64_t num_experts, int64_t hidden,
+                               int64_t intermediate, int64_t num_tokens, int64_t topk,
+                               int num_threads) {
+  if (num_experts < 1 || hidden < 1 || intermediate < 1)
+    fail("packed: E, H and I must be >= 1");
+  if (num_tokens < 0) fail("num_tokens: must be >= 0");
+  if (topk < 1) fail("topk: must be >= 1, got " + std::to_string(topk));
+  if (num_tokens == 0) return 0;
+  const int64_t tc = std::min(num_tokens, tokens_per_chunk(topk));
+  return plan(worst_case(kernel, num_experts, hidden, intermediate, tc, topk,
+                         resolve_threads(num_threads)))
+      .total;
+}
+
+size_t fused_moe_scratch_bytes(const PackedMoe& packed, int64_t num_tokens, int64_t topk,
+                               int num_threads) {
+  return fused_moe_scratch_bytes(packed.kernel(), packed.num_experts(), packed.hidden(),
+                                 packed.intermediate(), num_tokens, topk, num_threads);
+}
+
+size_t thread_scratch_bytes() { return thread_scratch().capacity(); }
+
+void release_thread_scratch() { thread_scratch().release(); }
 
 }  // namespace cpumoe

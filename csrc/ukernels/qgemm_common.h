@@ -1,11 +1,15 @@
 // Helpers shared by every qgemm microkernel: the scalar tail stores. Kept in one place so all
 // kernels apply the epilogue in the same order, (acc * lhs_scale) * rhs_scale + bias, and their
 // fp32 results agree bit for bit (the build disables FMA contraction for the same reason).
+// Internal linkage on purpose: every kernel file is built with its own ISA flags, and one shared
+// inline copy (a weak symbol) could be taken by the linker from a file built for AVX-512 or I8MM
+// and then run, from the portable kernel, on a CPU without them.
 #pragma once
 
 #include <cstdint>
 
 namespace cpumoe {
+namespace {
 
 inline void store_s32_row(int32_t* dst, const int32_t* acc, int64_t n) {
   for (int64_t j = 0; j < n; ++j) dst[j] = acc[j];
@@ -20,4 +24,5 @@ inline void store_f32_row(float* dst, const int32_t* acc, int64_t n, float lhs_s
   }
 }
 
+}  // namespace
 }  // namespace cpumoe

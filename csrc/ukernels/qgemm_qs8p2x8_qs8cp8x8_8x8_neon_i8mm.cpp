@@ -21,7 +21,7 @@
 #include <cstring>
 
 #include "cpumoe/qgemm.h"
-#include "ukernels/qgemm_common.h"
+#include "ukernels/qgemm_neon_common.h"
 
 namespace cpumoe {
 namespace {
@@ -163,41 +163,15 @@ void run(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs, cons
 void run_s32(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs, int32_t* dst,
              int64_t dst_stride) {
   run(m, n, k, lhs, rhs, [&](int64_t i, int64_t j0, int64_t nc, int32x4_t lo, int32x4_t hi) {
-    int32_t* d = dst + i * dst_stride + j0;
-    if (nc == 8) {
-      vst1q_s32(d, lo);
-      vst1q_s32(d + 4, hi);
-      return;
-    }
-    int32_t tmp[8];
-    vst1q_s32(tmp, lo);
-    vst1q_s32(tmp + 4, hi);
-    store_s32_row(d, tmp, nc);
+    neon_store_s32(dst + i * dst_stride + j0, lo, hi, nc);
   });
 }
 
 void run_f32(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs, float* dst,
              int64_t dst_stride, const QGemmEpilogue& ep) {
   run(m, n, k, lhs, rhs, [&](int64_t i, int64_t j0, int64_t nc, int32x4_t lo, int32x4_t hi) {
-    float* d = dst + i * dst_stride + j0;
-    const float* rs = ep.rhs_scale + j0;
-    const float* bias = ep.bias ? ep.bias + j0 : nullptr;
-    if (nc == 8) {
-      const float32x4_t ls = vdupq_n_f32(ep.lhs_scale[i]);
-      float32x4_t f0 = vmulq_f32(vmulq_f32(vcvtq_f32_s32(lo), ls), vld1q_f32(rs));
-      float32x4_t f1 = vmulq_f32(vmulq_f32(vcvtq_f32_s32(hi), ls), vld1q_f32(rs + 4));
-      if (bias != nullptr) {
-        f0 = vaddq_f32(f0, vld1q_f32(bias));
-        f1 = vaddq_f32(f1, vld1q_f32(bias + 4));
-      }
-      vst1q_f32(d, f0);
-      vst1q_f32(d + 4, f1);
-      return;
-    }
-    int32_t tmp[8];
-    vst1q_s32(tmp, lo);
-    vst1q_s32(tmp + 4, hi);
-    store_f32_row(d, tmp, nc, ep.lhs_scale[i], rs, bias);
+    neon_store_f32(dst + i * dst_stride + j0, lo, hi, nc, ep.lhs_scale[i], ep.rhs_scale + j0,
+                   ep.bias ? ep.bias + j0 : nullptr);
   });
 }
 

@@ -12,12 +12,42 @@ namespace cpumoe {
 #if defined(CPUMOE_HAVE_I8MM)
 CPUMOE_DECLARE_QGEMM(qgemm_qs8p2x8_qs8cp8x8_8x8_neon_i8mm)
 #endif
+#if defined(CPUMOE_HAVE_BF16)
+CPUMOE_DECLARE_QGEMM(qgemm_bf16p2x4_bf16cp8x4_8x8_neon_bf16)
+#endif
+#if defined(CPUMOE_HAVE_DOTPROD)
+CPUMOE_DECLARE_QGEMM(qgemm_qs8r_qs8ci8x4_8x8_neon_dotprod)
+#endif
+#if defined(CPUMOE_HAVE_AMX)
+CPUMOE_DECLARE_QGEMM(qgemm_qu8r_qs8ci16x4s_16x16_amx)
+#endif
+#if defined(CPUMOE_HAVE_AVX512VNNI)
+CPUMOE_DECLARE_QGEMM(qgemm_qu8r_qs8ci16x4s_8x16_avx512_vnni)
+#endif
+#if defined(CPUMOE_HAVE_AVX2)
+CPUMOE_DECLARE_QGEMM(qgemm_qs16r_qs8ci8x2_4x8_avx2)
+#endif
 CPUMOE_DECLARE_QGEMM(qgemm_qs8r_qs8cr4_1x4_portable)
 
 const std::vector<const QGemmUkernel*>& qgemm_registry() {
   static const std::vector<const QGemmUkernel*> all = {
 #if defined(CPUMOE_HAVE_I8MM)
       &qgemm_qs8p2x8_qs8cp8x8_8x8_neon_i8mm,
+#endif
+#if defined(CPUMOE_HAVE_BF16)
+      &qgemm_bf16p2x4_bf16cp8x4_8x8_neon_bf16,
+#endif
+#if defined(CPUMOE_HAVE_DOTPROD)
+      &qgemm_qs8r_qs8ci8x4_8x8_neon_dotprod,
+#endif
+#if defined(CPUMOE_HAVE_AMX)
+      &qgemm_qu8r_qs8ci16x4s_16x16_amx,
+#endif
+#if defined(CPUMOE_HAVE_AVX512VNNI)
+      &qgemm_qu8r_qs8ci16x4s_8x16_avx512_vnni,
+#endif
+#if defined(CPUMOE_HAVE_AVX2)
+      &qgemm_qs16r_qs8ci8x2_4x8_avx2,
 #endif
       &qgemm_qs8r_qs8cr4_1x4_portable,
   };

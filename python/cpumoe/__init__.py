@@ -11,7 +11,7 @@ Works on torch tensors and on numpy arrays (``ml_dtypes.bfloat16`` for bf16); to
 from . import _C
 from . import reference
 from .ops import (ACTIVATIONS, PackedMoe, available_paths, cpu_features, fused_moe_int8, kernels,
-                  prepack, selected_path)
+                  prepack, scratch_bytes, selected_path)
 from .reference import quantize_per_channel, quantize_per_token
 
 __version__ = "0.1.0"
@@ -27,5 +27,17 @@ __all__ = [
     "quantize_per_channel",
     "quantize_per_token",
     "reference",
+    "scratch_bytes",
     "selected_path",
 ]
+
+# Engine integration, imported on first use (cpumoe.torch_ops imports torch; `import cpumoe`
+# never does): torch_ops (torch.ops.cpumoe.*), experts (Int8Experts), checkpoint (loading).
+_LAZY_SUBMODULES = ("checkpoint", "experts", "torch_ops")
+
+
+def __getattr__(name):
+    if name in _LAZY_SUBMODULES:
+        import importlib
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

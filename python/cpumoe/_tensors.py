@@ -51,15 +51,22 @@ def view(name: str, obj: Any) -> View:
             raise ValueError(f"{name}: must be a CPU tensor, got device {obj.device}")
         if obj.is_sparse or obj.layout != torch.strided:
             raise ValueError(f"{name}: must be a dense strided tensor")
+        if obj.is_neg() or obj.is_conj():  # lazy views: the memory does not hold the values
+            raise ValueError(f"{name}: is a lazy negated/conjugated view; call resolve_neg() / "
+                             f"resolve_conj() first")
         dtype = str(obj.dtype).replace("torch.", "")
-        return View(obj, obj.data_ptr(), tuple(obj.shape), tuple(obj.stride()), dtype, "torch",
-                    True)
+        address = obj.data_ptr()
+        if address % obj.element_size():
+            raise ValueError(f"{name}: data address must be aligned to the element size")
+        return View(obj, address, tuple(obj.shape), tuple(obj.stride()), dtype, "torch", True)
     if isinstance(obj, np.ndarray):
         if not obj.dtype.isnative:
             raise TypeError(f"{name}: byte order must be native, got dtype {obj.dtype.str}")
         item = obj.dtype.itemsize
         if any(s % item for s in obj.strides):
             raise ValueError(f"{name}: strides must be multiples of the element size")
+        if obj.__array_interface__["data"][0] % item:
+            raise ValueError(f"{name}: data address must be aligned to the element size")
         return View(obj, obj.__array_interface__["data"][0], tuple(obj.shape),
                     tuple(s // item for s in obj.strides), _numpy_dtype_name(obj.dtype), "numpy",
                     bool(obj.flags.writeable))

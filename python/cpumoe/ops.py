@@ -43,7 +43,7 @@ def _num_threads(num_threads: Optional[int], *tensors: Any) -> int:
     if num_threads is not None:
         if not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 1:
             raise ValueError(f"num_threads: must be a positive int, got {num_threads!r}")
-        return num_threads
+        return min(num_threads, 2**31 - 1)  # the native side caps it further (see moe.h)
     torch = sys.modules.get("torch")
     if torch is not None and any(isinstance(t, torch.Tensor) for t in tensors):
         return int(torch.get_num_threads())
@@ -104,6 +104,21 @@ def prepack(w13: Any, w2: Any, s13: Any, s2: Any, b13: Any = None, b2: Any = Non
                       b13_dt, b2_addr, b2_dt, isa, _num_threads(num_threads, w13))
 
 
+def scratch_bytes(T: int, k: int, packed: PackedMoe, *, num_threads: Optional[int] = None) -> int:
+    """Upper bound of the scratch memory (bytes) one :func:`fused_moe_int8` call with ``T`` tokens
+    and ``k`` experts per token takes, for any routing. It stops growing beyond one internal chunk
+    (16384 token-expert slots). The calling thread keeps its scratch for its next calls, so a
+    thread's steady-state use is this bound for its largest call; ``num_threads`` as in the op
+    (default: the OpenMP default; torch inputs use torch's count, which only changes a few KB)."""
+    if not isinstance(packed, PackedMoe):
+        raise TypeError(f"packed: expected cpumoe.PackedMoe from prepack(), got "
+                        f"{type(packed).__name__}")
+    for name, v, low in (("T", T, 0), ("k", k, 1)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < low:
+            raise ValueError(f"{name}: must be an int >= {low}, got {v!r}")
+    return int(_C.scratch_bytes(packed, T, k, _num_threads(num_threads)))
+
+
 def fused_moe_int8(x: Any, packed: PackedMoe, topk_weights: Any, topk_ids: Any,
                    activation: str = "silu", skip_weighted: bool = False, out: Any = None, *,
                    expert_map: Any = None, num_threads: Optional[int] = None) -> Any:
@@ -113,15 +128,20 @@ def fused_moe_int8(x: Any, packed: PackedMoe, topk_weights: Any, topk_ids: Any,
       x: [T, H] float32 / float16 / bfloat16, rows contiguous (row stride may exceed H).
       packed: from :func:`prepack`.
       topk_weights: float32 [T, k]. topk_ids: int32 or int64 [T, k], each in [0, E); an id that
-        repeats in a row counts twice.
+        repeats in a row counts twice (two slots, each with its weight), so k > E is allowed.
       activation: "silu", "gelu", "gelu_tanh" or "swigluoai".
       skip_weighted: the router weight is already applied to x (only with k == 1).
-      out: optional [T, H] of x's dtype, written in place and returned; must not overlap x.
+      out: optional [T, H] of x's dtype, written in place and returned; must share no memory
+        with x, topk_weights, topk_ids or expert_map.
       expert_map: optional int32 [E_global] for expert parallelism: topk_ids are then global ids
         in [0, E_global), expert_map[g] is the local expert of the packed weights or -1 when it
         lives elsewhere; such slots contribute nothing (a token with none gets zeros).
     Returns ``out``, or a new tensor/array of x's kind, dtype and shape [T, H].
     Dynamic per-token int8 quantization of x and of the activation; fp32 accumulation.
+    A token whose row of x holds a NaN or an inf gets an all-NaN output row (as the reference);
+    NaN/inf router weights or biases propagate through the fp32 arithmetic; an all-zero token
+    quantizes to zeros. Thread-safe: concurrent calls (the GIL is released) each use their own
+    thread's scratch, at most :func:`scratch_bytes` and kept for that thread's next call.
     """
     if not isinstance(packed, PackedMoe):
         raise TypeError(f"packed: expected cpumoe.PackedMoe from prepack(), got "

@@ -9,7 +9,8 @@ bfloat16 numpy arrays use ``ml_dtypes.bfloat16``; the reference itself does not 
 
 The op, per token t and each of its k experts e = topk_ids[t, j]:
   1. s_t = max(max|x_t|, 1e-7) / 127, q_t = round_half_even(x_t / s_t) clamped to +-127 (fp32,
-     x converted to fp32 first, a true division); each token is quantized once.
+     x converted to fp32 first, a true division); each token is quantized once. A NaN or inf in
+     x_t makes s_t NaN / inf and every q_t 0, so the token's output is all NaN.
   2. h = float32(q_t . w13[e]^T) * s_t * s13[e] + b13[e], in fp32, multiplied in that order.
   3. gate/up = first/second half of h (swigluoai: even/odd columns); a = act(gate, up).
   4. a is rounded to the input dtype, then quantized per row as in 1.
@@ -118,9 +119,7 @@ def _quantize_rows_np(x32: np.ndarray, amax_floor: float):
     if x32.shape[-1] == 0:
         amax = np.zeros(x32.shape[:-1], dtype=np.float32)
     else:
-        amax = np.max(np.abs(x32), axis=-1)
-        if np.isnan(amax).any():  # as the kernels do: NaN never wins the max
-            amax = np.fmax.reduce(np.abs(x32), axis=-1)
+        amax = np.max(np.abs(x32), axis=-1)  # a NaN wins (NaN scale): non-finite propagates
     s = np.maximum(amax, np.float32(amax_floor)) / np.float32(127)  # fp32 / fp32: fp32
     s = s.astype(np.float32)
     with np.errstate(invalid="ignore"):
@@ -200,11 +199,12 @@ def _int_matmul_t(q: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 def _linear(q, s, w, ws, b):
-    """(float32(q . w^T) * s) * ws + b, all fp32, in that order."""
-    y = _int_matmul_t(q, w) * s[:, None]
-    y = y * ws[None, :]
-    if b is not None:
-        y = y + b[None, :]
+    """(float32(q . w^T) * s) * ws + b, all fp32, in that order (NaN/inf propagate quietly)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        y = _int_matmul_t(q, w) * s[:, None]
+        y = y * ws[None, :]
+        if b is not None:
+            y = y + b[None, :]
     return y
 
 
@@ -274,8 +274,9 @@ def ref_fused_moe_int8(x, w13, w2, s13, s2, topk_weights, topk_ids, activation="
     # Weighted combine in fp32, j in order.
     y = y.reshape(T, k, H)
     out = np.zeros((T, H), dtype=np.float32)
-    for j in range(k):
-        out = out + wts[:, j:j + 1] * y[:, j, :]
+    with np.errstate(invalid="ignore", over="ignore"):
+        for j in range(k):
+            out = out + wts[:, j:j + 1] * y[:, j, :]
     return _cast_out(x, out, dtype_name)
 
 

@@ -30,13 +30,18 @@ void gemm_s32(int64_t m, int64_t n, int64_t k, const int8_t* a, int64_t lda, con
 }
 
 float quantize_row(const float* x, int64_t n, int8_t* q) {
+  // A NaN or inf anywhere makes the scale NaN / inf (non-finite input propagates to the output).
+  bool nan = false;
   float amax = 0.0f;
-  for (int64_t i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(x[i]));
-  const float s = std::fmax(amax, 1e-7f) / 127.0f;
   for (int64_t i = 0; i < n; ++i) {
-    // nearbyint rounds half to even in the default rounding mode.
+    nan = nan || std::isnan(x[i]);
+    amax = std::fmax(amax, std::fabs(x[i]));
+  }
+  const float s = nan ? std::numeric_limits<float>::quiet_NaN() : std::fmax(amax, 1e-7f) / 127.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    // nearbyint rounds half to even in the default rounding mode; NaN (x / NaN, inf / inf) is 0.
     const float r = std::nearbyint(x[i] / s);
-    q[i] = int8_t(std::fmin(127.0f, std::fmax(-127.0f, r)));
+    q[i] = std::isnan(r) ? int8_t(0) : int8_t(std::fmin(127.0f, std::fmax(-127.0f, r)));
   }
   return s;
 }
@@ -48,8 +53,9 @@ double activation(Activation a, double g, double u) {
     case Activation::gelu_tanh:
       return 0.5 * g * (1.0 + std::tanh(0.7978845608 * (g + 0.044715 * g * g * g))) * u;
     case Activation::swigluoai: {
-      const double gc = std::fmin(g, 7.0);
-      const double uc = std::fmin(std::fmax(u, -7.0), 7.0);
+      // Clamps that keep NaN (as torch.clamp and np.minimum do; std::fmin would drop it).
+      const double gc = g > 7.0 ? 7.0 : g;
+      const double uc = u > 7.0 ? 7.0 : (u < -7.0 ? -7.0 : u);
       return (uc + 1.0) * gc / (1.0 + std::exp(-1.702 * gc));
     }
   }

@@ -115,10 +115,35 @@ struct MoeCall {
   int num_threads = 0;         ///< <= 0: the OpenMP default (OMP_NUM_THREADS)
 };
 
-/// Runs the op. Deterministic: the result does not depend on num_threads.
+/// Runs the op. Deterministic: the result does not depend on num_threads (which is capped at
+/// max(256, processors, OMP_NUM_THREADS)).
 /// Throws ArgumentError for bad arguments (expert id outside [0, E), k < 1, skip_weighted with
-/// k > 1, ...) before writing anything.
+/// k > 1, out overlapping an input, ...) before writing anything.
+///
+/// Values: an id repeated in a row is two slots (its expert's output is added twice, with each
+/// weight); k > E is allowed that way. A token whose x holds a NaN or an infinity gets NaN in every
+/// element of its output (its quantization scale is NaN / inf; other tokens are unaffected); NaN or
+/// inf router weights and biases propagate through the fp32 arithmetic as written in the
+/// semantics. An all-zero token quantizes to zeros (scale from kAmaxFloor).
+///
+/// Scratch: the buffers of a call live in a block owned by the calling thread, grown to the
+/// largest call so far and reused by the next ones (at most fused_moe_scratch_bytes() of the
+/// largest call). Calls from different threads never share scratch.
 void fused_moe_int8(const PackedMoe& packed, const MoeCall& call);
+
+/// Upper bound of the scratch bytes one call of @p num_tokens tokens and @p topk slots each
+/// needs, whatever the routing (tokens are processed in chunks, so this stops growing beyond
+/// one chunk: 16384 slots). 0 for num_tokens == 0. @p num_threads as in MoeCall.
+size_t fused_moe_scratch_bytes(const PackedMoe& packed, int64_t num_tokens, int64_t topk,
+                               int num_threads = 0);
+/// The same bound for weights of E x H x I packed for @p kernel, without packing them.
+size_t fused_moe_scratch_bytes(const QGemmUkernel& kernel, int64_t num_experts, int64_t hidden,
+                               int64_t intermediate, int64_t num_tokens, int64_t topk,
+                               int num_threads = 0);
+/// Bytes of scratch the calling thread holds now (0 before its first call).
+size_t thread_scratch_bytes();
+/// Frees the calling thread's scratch (the next call allocates it again).
+void release_thread_scratch();
 
 /// Dynamic symmetric per-row int8 quantization, as the op does it:
 /// s = max(max|x|, kAmaxFloor) / 127, q = round_half_even(x / s) clamped to [-127, 127].

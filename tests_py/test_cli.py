@@ -1,0 +1,131 @@
+"""The ``cpumoe`` subcommands check, bench and info on a small problem (tests_py/test_main.py
+covers the command without a subcommand)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+import cpumoe
+from cpumoe import __main__ as cli
+from conftest import run_python
+
+SMALL = ["--experts", "8", "--topk", "2", "--hidden", "64", "--inter", "32", "--threads", "1"]
+
+
+def _args(backend, *extra):
+    return [*extra, *SMALL, "--backend", backend.name]
+
+
+# ---------------------------------------------------------------------------- check
+def test_check_passes_on_every_path(backend, capsys):
+    assert cli.main(["check", *_args(backend, "--tokens", "1,3")]) == 0
+    out = capsys.readouterr().out
+    paths = cpumoe.available_paths()
+    head = next(ln for ln in out.splitlines() if ln.strip().startswith("case"))
+    assert all(p in head for p in paths)
+    assert "FAIL" not in out and " NO" not in out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("PASS: ") and " 0 failed" in last and ", ".join(paths) in last
+    for name in ("expert_map", "skip_weighted", "int64 topk_ids", "strided x rows", "T=0",
+                 "swigluoai +bias"):
+        assert name in out
+    assert "T=3" in out  # the layer part
+
+
+def _few_cases(monkeypatch):
+    """Only three of check's small cases (the full list runs once, above; qemu is slow)."""
+    cases = cli._small_cases()[:3]
+    monkeypatch.setattr(cli, "_small_cases", lambda: cases)
+
+
+def test_check_fails_on_wrong_result(backend, capsys, monkeypatch):
+    import cpumoe.reference as ref
+    _few_cases(monkeypatch)
+    real = ref.ref_fused_moe_int8
+    monkeypatch.setattr(ref, "ref_fused_moe_int8", lambda *a, **k: real(*a, **k) * 2)
+    assert cli.main(["check", *_args(backend, "--no-layer", "--dtype", "fp32")]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out.splitlines()[-1]
+
+
+def test_check_isa_cap(backend, capsys, monkeypatch):
+    _few_cases(monkeypatch)
+    assert cli.main(["check", *_args(backend, "--no-layer", "--isa", "portable")]) == 0
+    head = next(ln for ln in capsys.readouterr().out.splitlines()
+                if ln.strip().startswith("case"))
+    assert head.split()[1:] == ["portable", "same", "bits"]
+
+
+# ---------------------------------------------------------------------------- bench
+def test_bench_table_json_plot(backend, capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    js, png = tmp_path / "b.json", tmp_path / "b.png"
+    argv = ["bench", *_args(backend, "--tokens", "1,4", "--iters", "2", "--warmup", "0",
+                            "--json", str(js), "--plot", str(png))]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    paths = cpumoe.available_paths()
+    rows = [ln.split() for ln in out.splitlines() if ln.split()[:1] in (["1"], ["4"])]
+    assert sorted((r[0], r[1]) for r in rows) == sorted(
+        (t, p) for t in ("1", "4") for p in paths)
+    doc = json.loads(js.read_text())
+    assert doc["problem"]["H"] == 64 and doc["problem"]["threads"] == 1
+    assert len(doc["results"]) == 2 * len(paths)
+    for r in doc["results"]:
+        assert r["calls"] == 2 and r["tokens_per_s"] > 0 and r["path"] in paths
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_without_tqdm_and_matplotlib(backend, capsys, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # makes `import tqdm` raise ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    png = tmp_path / "b.png"
+    argv = ["bench", *_args(backend, "--tokens", "2", "--iters", "1", "--paths", "selected",
+                            "--plot", str(png))]
+    assert cli.main(argv) == 0
+    cap = capsys.readouterr()
+    assert "tqdm is not installed" in cap.err and "pip install tqdm" in cap.err
+    assert "matplotlib is not installed" in cap.err and "pip install matplotlib" in cap.err
+    assert not png.exists()
+    assert "tokens/s" in cap.out and cpumoe.selected_path() in cap.out
+
+
+def test_bench_rejects_unknown_path(backend, capsys):
+    assert cli.main(["bench", *_args(backend, "--paths", "bogus")]) == 2
+    assert "--paths" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- info
+def test_info_text_and_json(capsys):
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    for word in ("cpu", "paths", "kernels", "build", "versions", cpumoe.selected_path()):
+        assert word in out
+    for k in cpumoe.kernels():
+        assert k["name"] in out
+    assert cli.main(["info", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["paths"]["selected"] == cpumoe.selected_path()
+    assert d["paths"]["available"] == cpumoe.available_paths()
+    assert sum(k["selected"] for k in d["kernels"]) == 1
+    assert d["build"]["target_arch"] == cpumoe.cpu_features()["arch"]
+
+
+def test_help_of_each_subcommand(capsys):
+    for argv in (["--help"], ["check", "--help"], ["bench", "--help"], ["info", "--help"]):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "check | bench | info" in out and "--plot" in out and "--no-layer" in out
+
+
+def test_python_dash_m_info_json():
+    r = run_python("import sys; from cpumoe.__main__ import main; sys.exit(main(['info', "
+                   "'--json']))", env_update={"CPUMOE_ISA": "portable"})
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["paths"]["CPUMOE_ISA"] == "portable" and d["paths"]["selected"] == "portable"
