@@ -28,6 +28,7 @@
 #include <cstring>
 
 #include "cpumoe/qgemm.h"
+#include "ukernels/qgemm_avx512_common.h"
 #include "ukernels/qgemm_x86_vnni.h"
 
 namespace cpumoe {
@@ -77,30 +78,6 @@ struct TileScope {
   ~TileScope() { _tile_release(); }
   TileScope(const TileScope&) = delete;
   TileScope& operator=(const TileScope&) = delete;
-};
-
-inline __mmask16 mask16(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1); }
-
-struct StoreS32 {
-  int32_t* dst;
-  int64_t ld;
-  void operator()(int64_t i, int64_t j0, int64_t nc, __m512i v) const {
-    _mm512_mask_storeu_epi32(dst + i * ld + j0, mask16(nc), v);
-  }
-};
-
-struct StoreF32 {
-  float* dst;
-  int64_t ld;
-  const QGemmEpilogue* ep;
-  void operator()(int64_t i, int64_t j0, int64_t nc, __m512i v) const {
-    const __mmask16 mk = mask16(nc);
-    __m512 f = _mm512_cvtepi32_ps(v);
-    f = _mm512_mul_ps(f, _mm512_set1_ps(ep->lhs_scale[i]));
-    f = _mm512_mul_ps(f, _mm512_maskz_loadu_ps(mk, ep->rhs_scale + j0));
-    if (ep->bias != nullptr) f = _mm512_add_ps(f, _mm512_maskz_loadu_ps(mk, ep->bias + j0));
-    _mm512_mask_storeu_ps(dst + i * ld + j0, mk, f);
-  }
 };
 
 // RT row tiles (16 rows each) x CT column blocks, the whole depth; tile indices are immediates.

@@ -33,6 +33,7 @@
 
 #include "cpumoe/qgemm.h"
 #include "ukernels/qgemm_common.h"
+#include "ukernels/qgemm_avx512_common.h"
 #include "ukernels/qgemm_x86_vnni.h"
 
 namespace cpumoe {
@@ -44,8 +45,6 @@ constexpr int64_t kNr = 16;
 inline __mmask64 mask64(int64_t n) {
   return n >= 64 ? __mmask64(~0ULL) : __mmask64((1ULL << n) - 1);
 }
-inline __mmask16 mask16(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1); }
-
 inline int32_t load_u32(const uint8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -106,29 +105,6 @@ inline void tile_store(int64_t i0, int64_t j0, int64_t n, const uint8_t* a, int6
 #undef CPUMOE_ACC_DECL
 #undef CPUMOE_ACC_ROW
 #undef CPUMOE_ACC_SPILL
-
-struct StoreS32 {
-  int32_t* dst;
-  int64_t ld;
-  // Row i of the call, columns [j0, j0 + 16) of which the first nc are real.
-  void operator()(int64_t i, int64_t j0, int64_t nc, __m512i v) const {
-    _mm512_mask_storeu_epi32(dst + i * ld + j0, mask16(nc), v);
-  }
-};
-
-struct StoreF32 {
-  float* dst;
-  int64_t ld;
-  const QGemmEpilogue* ep;
-  void operator()(int64_t i, int64_t j0, int64_t nc, __m512i v) const {
-    const __mmask16 mk = mask16(nc);
-    __m512 f = _mm512_cvtepi32_ps(v);
-    f = _mm512_mul_ps(f, _mm512_set1_ps(ep->lhs_scale[i]));
-    f = _mm512_mul_ps(f, _mm512_maskz_loadu_ps(mk, ep->rhs_scale + j0));
-    if (ep->bias != nullptr) f = _mm512_add_ps(f, _mm512_maskz_loadu_ps(mk, ep->bias + j0));
-    _mm512_mask_storeu_ps(dst + i * ld + j0, mk, f);
-  }
-};
 
 template <int NB, class Store>
 void rows_dispatch(int64_t rows, int64_t i0, int64_t j0, int64_t n, const uint8_t* a, int64_t kp,
