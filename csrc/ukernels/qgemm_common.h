@@ -7,9 +7,19 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 namespace cpumoe {
 namespace {
+
+/// The `qs8r` lhs layout: row i at i * kp bytes, zero-padded from k to kp.
+inline void pack_lhs_qs8r(int64_t m, int64_t k, int64_t kp, const int8_t* const* rows,
+                          int8_t* dst) {
+  for (int64_t i = 0; i < m; ++i) {
+    std::memcpy(dst + i * kp, rows[i], size_t(k));
+    std::memset(dst + i * kp + k, 0, size_t(kp - k));
+  }
+}
 
 inline void store_s32_row(int32_t* dst, const int32_t* acc, int64_t n) {
   for (int64_t j = 0; j < n; ++j) dst[j] = acc[j];

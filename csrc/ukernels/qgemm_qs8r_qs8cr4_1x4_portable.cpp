@@ -24,12 +24,7 @@ size_t lhs_size(int64_t m, int64_t k) { return size_t(m) * size_t(padded_k(k)); 
 size_t lhs_offset(int64_t m_idx, int64_t k) { return size_t(m_idx) * size_t(padded_k(k)); }
 
 void pack_lhs(int64_t m, int64_t k, const int8_t* const* rows, void* packed) {
-  const int64_t kp = padded_k(k);
-  auto* dst = static_cast<int8_t*>(packed);
-  for (int64_t i = 0; i < m; ++i) {
-    std::memcpy(dst + i * kp, rows[i], size_t(k));
-    std::memset(dst + i * kp + k, 0, size_t(kp - k));
-  }
+  pack_lhs_qs8r(m, k, padded_k(k), rows, static_cast<int8_t*>(packed));
 }
 
 size_t rhs_size(int64_t n, int64_t k) { return size_t(round_up(n, kNr)) * size_t(padded_k(k)); }
