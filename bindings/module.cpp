@@ -9,6 +9,7 @@
 #include <optional>
 #include <string>
 
+#include "cpumoe/bgemm.h"
 #include "cpumoe/cpu_features.h"
 #include "cpumoe/moe.h"
 #include "cpumoe/qgemm.h"
@@ -39,25 +40,133 @@ Activation parse_act(const std::string& name) {
   return a;
 }
 
-const QGemmUkernel* kernel_for(const std::optional<std::string>& isa) {
-  if (!isa) return qgemm_select();
+// The kernel of a family that prepack would use under the cap `isa`.
+template <class Kernel>
+const Kernel* kernel_for(const std::optional<std::string>& isa,
+                         const Kernel* (*select)(const Isa*)) {
+  if (!isa) return select(nullptr);
   const Isa cap = parse_isa(*isa, "isa");
-  return qgemm_select(&cap);
+  return select(&cap);
 }
 
-// The PackedMoe behind a Python object. An instance whose C++ object was never constructed
+// Python names of the two packed kinds.
+template <class P>
+struct PackedNames;
+template <>
+struct PackedNames<PackedMoe> {
+  static constexpr const char* cls = "PackedMoe";
+  static constexpr const char* maker = "prepack";
+};
+template <>
+struct PackedNames<PackedMoeBf16> {
+  static constexpr const char* cls = "PackedMoeBf16";
+  static constexpr const char* maker = "prepack_bf16";
+};
+
+// The packed weights behind a Python object. An instance whose C++ object was never constructed
 // (PackedMoe.__new__ without prepack, a subclass skipping __init__) has no holder: refuse it with
 // a TypeError naming the argument, instead of reading uninitialised memory.
-std::shared_ptr<const PackedMoe> packed_of(py::handle h) {
-  std::shared_ptr<PackedMoe> p;
+template <class P>
+std::shared_ptr<const P> packed_of(py::handle h) {
+  std::shared_ptr<P> p;
   try {
-    p = py::cast<std::shared_ptr<PackedMoe>>(h);
+    p = py::cast<std::shared_ptr<P>>(h);
   } catch (const py::cast_error&) {
-    throw py::type_error("packed: not an initialised cpumoe.PackedMoe (create it with "
-                         "cpumoe.prepack())");
+    throw py::type_error(std::string("packed: not an initialised cpumoe.") + PackedNames<P>::cls +
+                         " (create it with cpumoe." + PackedNames<P>::maker + "())");
   }
   if (!p) throw py::type_error("packed: is None");
   return p;
+}
+
+// Immutable and self-contained (prepack copies everything it needs): copies share the object,
+// it cannot be subclassed, and it is not picklable (prepack again from the checkpoint).
+template <class P>
+void def_packed(py::module_& m) {
+  py::class_<P, std::shared_ptr<P>>(m, PackedNames<P>::cls, py::is_final())
+      .def_property_readonly("num_experts",
+                             [](py::handle h) { return packed_of<P>(h)->num_experts(); })
+      .def_property_readonly("hidden", [](py::handle h) { return packed_of<P>(h)->hidden(); })
+      .def_property_readonly("intermediate",
+                             [](py::handle h) { return packed_of<P>(h)->intermediate(); })
+      .def_property_readonly("has_bias13",
+                             [](py::handle h) { return packed_of<P>(h)->has_bias13(); })
+      .def_property_readonly("has_bias2", [](py::handle h) { return packed_of<P>(h)->has_bias2(); })
+      .def_property_readonly("kernel", [](py::handle h) { return packed_of<P>(h)->kernel().name; })
+      .def_property_readonly("path",
+                             [](py::handle h) { return isa_name(packed_of<P>(h)->kernel().isa); })
+      .def_property_readonly("packed_bytes",
+                             [](py::handle h) { return packed_of<P>(h)->packed_bytes(); })
+      .def("__copy__", [](py::handle h) {
+        packed_of<P>(h);
+        return py::reinterpret_borrow<py::object>(h);
+      })
+      .def("__deepcopy__", [](py::handle h, py::handle) {
+        packed_of<P>(h);
+        return py::reinterpret_borrow<py::object>(h);
+      })
+      .def("__repr__", [](py::handle h) {
+        const auto p = packed_of<P>(h);
+        return std::string(PackedNames<P>::cls) + "(E=" + std::to_string(p->num_experts()) +
+               ", H=" + std::to_string(p->hidden()) + ", I=" + std::to_string(p->intermediate()) +
+               ", path=" + isa_name(p->kernel().isa) + ", kernel=" + p->kernel().name + ")";
+      });
+}
+
+template <class Kernel>
+py::list kernel_list(const std::vector<const Kernel*>& registry) {
+  py::list out;
+  for (const Kernel* k : registry) {
+    py::dict d;
+    d["name"] = k->name;
+    d["isa"] = isa_name(k->isa);
+    d["mr"] = k->mr;
+    d["nr"] = k->nr;
+    d["kr"] = k->kr;
+    d["supported"] = cpu_supports(k->isa);
+    out.append(d);
+  }
+  return out;
+}
+
+// Both ops take the same call arguments; runs op(*packed, call) without the GIL.
+template <class P>
+void def_op(py::module_& m, const char* name, void (*op)(const P&, const MoeCall&),
+            const char* doc) {
+  m.def(
+      name,
+      [op](py::handle packed_obj, int64_t T, int64_t k, uintptr_t x, int64_t x_stride,
+           const std::string& dtype, uintptr_t topk_weights, int64_t tw_stride, uintptr_t topk_ids,
+           bool ids_int64, int64_t ids_stride, const std::string& activation, bool skip_weighted,
+           uintptr_t out, int64_t out_stride, int num_threads, uintptr_t expert_map,
+           int64_t num_global_experts) {
+        MoeCall c;
+        c.num_tokens = T;
+        c.topk = k;
+        c.x = ptr<const void>(x);
+        c.x_row_stride = x_stride;
+        c.dtype = parse_dtype(dtype, "x");
+        c.topk_weights = ptr<const float>(topk_weights);
+        c.topk_weights_row_stride = tw_stride;
+        c.topk_ids = ptr<const void>(topk_ids);
+        c.topk_ids_int64 = ids_int64;
+        c.topk_ids_row_stride = ids_stride;
+        c.activation = parse_act(activation);
+        c.skip_weighted = skip_weighted;
+        c.out = ptr<void>(out);
+        c.out_row_stride = out_stride;
+        c.num_threads = num_threads;
+        c.expert_map = expert_map ? ptr<const int32_t>(expert_map) : nullptr;
+        c.num_global_experts = num_global_experts;
+        const std::shared_ptr<const P> packed = packed_of<P>(packed_obj);  // alive throughout
+        py::gil_scoped_release nogil;
+        op(*packed, c);
+      },
+      py::arg("packed"), py::arg("T"), py::arg("k"), py::arg("x"), py::arg("x_stride"),
+      py::arg("dtype"), py::arg("topk_weights"), py::arg("topk_weights_stride"),
+      py::arg("topk_ids"), py::arg("topk_ids_int64"), py::arg("topk_ids_stride"),
+      py::arg("activation"), py::arg("skip_weighted"), py::arg("out"), py::arg("out_stride"),
+      py::arg("num_threads"), py::arg("expert_map") = 0, py::arg("num_global_experts") = 0, doc);
 }
 
 py::dict features_dict() {
@@ -105,53 +214,21 @@ PYBIND11_MODULE(_C, m) {
     if (cap == nullptr) return std::nullopt;
     return std::string(isa_name(*cap));
   }, "The cap set by CPUMOE_ISA, or None.");
-  m.def("kernels", [] {
-    py::list out;
-    for (const QGemmUkernel* k : qgemm_registry()) {
-      py::dict d;
-      d["name"] = k->name;
-      d["isa"] = isa_name(k->isa);
-      d["mr"] = k->mr;
-      d["nr"] = k->nr;
-      d["kr"] = k->kr;
-      d["supported"] = cpu_supports(k->isa);
-      out.append(d);
-    }
-    return out;
-  }, "The int8 GEMM kernels compiled in, best first.");
-  m.def("select_kernel", [](std::optional<std::string> isa) { return kernel_for(isa)->name; },
+  m.def("kernels", [] { return kernel_list(qgemm_registry()); },
+        "The int8 GEMM kernels compiled in, best first.");
+  m.def("bf16_kernels", [] { return kernel_list(bgemm_registry()); },
+        "The bf16 GEMM kernels compiled in, best first.");
+  m.def("select_kernel",
+        [](std::optional<std::string> isa) { return kernel_for(isa, qgemm_select)->name; },
         py::arg("isa") = py::none(),
         "Name of the kernel prepack would use (capped by isa and CPUMOE_ISA).");
+  m.def("select_bf16_kernel",
+        [](std::optional<std::string> isa) { return kernel_for(isa, bgemm_select)->name; },
+        py::arg("isa") = py::none(),
+        "Name of the kernel prepack_bf16 would use (capped by isa and CPUMOE_ISA).");
 
-  // Immutable and self-contained (prepack copies everything it needs): copies share the object,
-  // it cannot be subclassed, and it is not picklable (prepack again from the checkpoint).
-  py::class_<PackedMoe, std::shared_ptr<PackedMoe>>(m, "PackedMoe", py::is_final())
-      .def_property_readonly("num_experts",
-                             [](py::handle h) { return packed_of(h)->num_experts(); })
-      .def_property_readonly("hidden", [](py::handle h) { return packed_of(h)->hidden(); })
-      .def_property_readonly("intermediate",
-                             [](py::handle h) { return packed_of(h)->intermediate(); })
-      .def_property_readonly("has_bias13", [](py::handle h) { return packed_of(h)->has_bias13(); })
-      .def_property_readonly("has_bias2", [](py::handle h) { return packed_of(h)->has_bias2(); })
-      .def_property_readonly("kernel", [](py::handle h) { return packed_of(h)->kernel().name; })
-      .def_property_readonly("path",
-                             [](py::handle h) { return isa_name(packed_of(h)->kernel().isa); })
-      .def_property_readonly("packed_bytes",
-                             [](py::handle h) { return packed_of(h)->packed_bytes(); })
-      .def("__copy__", [](py::handle h) {
-        packed_of(h);
-        return py::reinterpret_borrow<py::object>(h);
-      })
-      .def("__deepcopy__", [](py::handle h, py::handle) {
-        packed_of(h);
-        return py::reinterpret_borrow<py::object>(h);
-      })
-      .def("__repr__", [](py::handle h) {
-        const auto p = packed_of(h);
-        return "PackedMoe(E=" + std::to_string(p->num_experts()) + ", H=" +
-               std::to_string(p->hidden()) + ", I=" + std::to_string(p->intermediate()) +
-               ", path=" + isa_name(p->kernel().isa) + ", kernel=" + p->kernel().name + ")";
-      });
+  def_packed<PackedMoe>(m);
+  def_packed<PackedMoeBf16>(m);
 
   m.def(
       "prepack",
@@ -170,7 +247,7 @@ PYBIND11_MODULE(_C, m) {
         w.b2 = b2 ? ptr<const void>(b2) : nullptr;
         if (b13) w.b13_dtype = parse_dtype(b13_dtype, "b13");
         if (b2) w.b2_dtype = parse_dtype(b2_dtype, "b2");
-        const QGemmUkernel* kernel = kernel_for(isa);
+        const QGemmUkernel* kernel = kernel_for(isa, qgemm_select);
         py::gil_scoped_release nogil;
         return std::make_shared<PackedMoe>(w, kernel, num_threads);
       },
@@ -180,45 +257,40 @@ PYBIND11_MODULE(_C, m) {
       "Packs dense int8 expert weights (addresses of contiguous buffers).");
 
   m.def(
-      "fused_moe_int8",
-      [](py::handle packed_obj, int64_t T, int64_t k, uintptr_t x, int64_t x_stride,
-         const std::string& dtype, uintptr_t topk_weights, int64_t tw_stride, uintptr_t topk_ids,
-         bool ids_int64, int64_t ids_stride, const std::string& activation, bool skip_weighted,
-         uintptr_t out, int64_t out_stride, int num_threads, uintptr_t expert_map,
-         int64_t num_global_experts) {
-        MoeCall c;
-        c.num_tokens = T;
-        c.topk = k;
-        c.x = ptr<const void>(x);
-        c.x_row_stride = x_stride;
-        c.dtype = parse_dtype(dtype, "x");
-        c.topk_weights = ptr<const float>(topk_weights);
-        c.topk_weights_row_stride = tw_stride;
-        c.topk_ids = ptr<const void>(topk_ids);
-        c.topk_ids_int64 = ids_int64;
-        c.topk_ids_row_stride = ids_stride;
-        c.activation = parse_act(activation);
-        c.skip_weighted = skip_weighted;
-        c.out = ptr<void>(out);
-        c.out_row_stride = out_stride;
-        c.num_threads = num_threads;
-        c.expert_map = expert_map ? ptr<const int32_t>(expert_map) : nullptr;
-        c.num_global_experts = num_global_experts;
-        const std::shared_ptr<const PackedMoe> packed = packed_of(packed_obj);  // alive throughout
+      "prepack_bf16",
+      [](int64_t E, int64_t H, int64_t I, uintptr_t w13, uintptr_t w2, uintptr_t b13,
+         const std::string& b13_dtype, uintptr_t b2, const std::string& b2_dtype,
+         std::optional<std::string> isa, int num_threads) {
+        MoeWeightsBf16 w;
+        w.num_experts = E;
+        w.hidden = H;
+        w.intermediate = I;
+        w.w13 = ptr<const uint16_t>(w13);
+        w.w2 = ptr<const uint16_t>(w2);
+        w.b13 = b13 ? ptr<const void>(b13) : nullptr;
+        w.b2 = b2 ? ptr<const void>(b2) : nullptr;
+        if (b13) w.b13_dtype = parse_dtype(b13_dtype, "b13");
+        if (b2) w.b2_dtype = parse_dtype(b2_dtype, "b2");
+        const BGemmUkernel* kernel = kernel_for(isa, bgemm_select);
         py::gil_scoped_release nogil;
-        fused_moe_int8(*packed, c);
+        return std::make_shared<PackedMoeBf16>(w, kernel, num_threads);
       },
-      py::arg("packed"), py::arg("T"), py::arg("k"), py::arg("x"), py::arg("x_stride"),
-      py::arg("dtype"), py::arg("topk_weights"), py::arg("topk_weights_stride"),
-      py::arg("topk_ids"), py::arg("topk_ids_int64"), py::arg("topk_ids_stride"),
-      py::arg("activation"), py::arg("skip_weighted"), py::arg("out"), py::arg("out_stride"),
-      py::arg("num_threads"), py::arg("expert_map") = 0, py::arg("num_global_experts") = 0,
-      "Runs the fused W8A8 MoE op on raw row-major buffers (row strides in elements).");
+      py::arg("E"), py::arg("H"), py::arg("I"), py::arg("w13"), py::arg("w2"), py::arg("b13"),
+      py::arg("b13_dtype"), py::arg("b2"), py::arg("b2_dtype"), py::arg("isa"),
+      py::arg("num_threads"), "Packs dense bf16 expert weights (addresses of contiguous buffers).");
+
+  def_op<PackedMoe>(m, "fused_moe_int8", fused_moe_int8,
+                    "Runs the fused W8A8 MoE op on raw row-major buffers (row strides in elements).");
+  def_op<PackedMoeBf16>(m, "fused_moe_bf16", fused_moe_bf16,
+                        "Runs the fused BF16 MoE op on raw row-major buffers (row strides in "
+                        "elements).");
 
   m.def(
       "scratch_bytes",
       [](py::handle packed, int64_t T, int64_t k, int num_threads) {
-        return fused_moe_scratch_bytes(*packed_of(packed), T, k, num_threads);
+        if (py::isinstance<PackedMoeBf16>(packed))
+          return fused_moe_scratch_bytes(*packed_of<PackedMoeBf16>(packed), T, k, num_threads);
+        return fused_moe_scratch_bytes(*packed_of<PackedMoe>(packed), T, k, num_threads);
       },
       py::arg("packed"), py::arg("T"), py::arg("k"), py::arg("num_threads"),
       "Upper bound of the scratch bytes of one call with T tokens and k slots each.");

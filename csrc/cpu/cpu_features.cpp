@@ -110,6 +110,7 @@ const char* isa_name(Isa isa) {
     case Isa::neon_i8mm: return "neon_i8mm";
     case Isa::avx2: return "avx2";
     case Isa::avx512_vnni: return "avx512_vnni";
+    case Isa::avx512_bf16: return "avx512_bf16";
     case Isa::amx: return "amx";
   }
   return "?";
@@ -119,7 +120,7 @@ std::vector<Isa> isa_ladder() {
 #if defined(__aarch64__)
   return {Isa::neon_i8mm, Isa::neon_bf16, Isa::neon_dotprod, Isa::portable};
 #elif defined(__x86_64__)
-  return {Isa::amx, Isa::avx512_vnni, Isa::avx2, Isa::portable};
+  return {Isa::amx, Isa::avx512_bf16, Isa::avx512_vnni, Isa::avx2, Isa::portable};
 #else
   return {Isa::portable};
 #endif
@@ -145,6 +146,7 @@ bool cpu_supports(Isa isa) {
     case Isa::neon_i8mm: return f.neon && f.i8mm;
     case Isa::avx2: return f.avx2 && f.fma;
     case Isa::avx512_vnni: return f.avx512f && f.avx512bw && f.avx512vl && f.avx512vnni;
+    case Isa::avx512_bf16: return cpu_supports(Isa::avx512_vnni) && f.avx512bf16;
     case Isa::amx: {
       // The AMX kernel also runs AVX-512 VNNI code (small M, epilogue). Linux hands out the tile
       // data state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 18),

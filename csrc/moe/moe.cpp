@@ -1,13 +1,16 @@
 // The MoE dispatcher: routing, quantization, packing and the GEMM1 -> activation -> requantize ->
-// GEMM2 -> combine pipeline, over whatever QGemmUkernel the weights were packed for.
+// GEMM2 -> combine pipeline, over whatever kernel the weights were packed for: a QGemmUkernel
+// (the W8A8 op) or a BGemmUkernel (the BF16 op). One pipeline serves both; the two differ only in
+// how a GEMM input row is made (int8 + scale, or bf16) and in the GEMM epilogue.
 //
 // Phases of one call (each parallel over independent tasks; every output element is computed by
 // exactly one task in a fixed order, so results do not depend on the thread count):
-//   1. quantize each token once                        xq [T, H] int8, xs [T]
+//   1. quantize each token once                        xq [T, H] int8, xs [T]  (bf16: xq bf16)
 //   2. route: stable counting sort of the T*k slots by expert
 //   3. gather + pack each active expert's token rows for the kernel
 //   4. GEMM1 tasks (expert, row chunk, column tile)     h [P, 2I] fp32 (P = T*k, in expert order)
-//   5. activation, round to the input dtype, requantize qa [P, I] int8, sa [P]; pack again
+//   5. activation, round to the input dtype, requantize qa [P, I] int8, sa [P]  (bf16: round to
+//      bf16, qa bf16); pack again
 //   6. GEMM2 tasks                                      y [P, H] fp32
 //   7. combine per token: out[t] = sum_j w[t,j] * y[slot(t,j)] in fp32, stored in the input dtype
 // Experts with no tokens appear in no task. Tokens are processed in chunks of at most
@@ -29,6 +32,7 @@
 #include <cstring>
 #include <new>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(_OPENMP)
@@ -157,12 +161,30 @@ int64_t max_tasks(int64_t P, int64_t experts, int64_t n, int threads) {
 }
 
 // Bytes of the packed rows of one expert's slice of the lhs, as laid out in scratch.
-size_t lhs_bytes(const QGemmUkernel& kern, int64_t rows, int64_t depth) {
+template <class Kernel>
+size_t lhs_bytes(const Kernel& kern, int64_t rows, int64_t depth) {
   return align_up(kern.lhs_packed_size(rows, depth));
 }
 
+// What the dispatcher needs to know about a kernel family besides its interface struct.
+template <class Kernel>
+struct Family;
+template <>
+struct Family<QGemmUkernel> {
+  using Elem = int8_t;  // a GEMM input element: quantized
+  using Packed = PackedMoe;
+  static constexpr bool kQuantized = true;
+};
+template <>
+struct Family<BGemmUkernel> {
+  using Elem = uint16_t;  // bf16 bits
+  using Packed = PackedMoeBf16;
+  static constexpr bool kQuantized = false;
+};
+
 // Sizes that fix a chunk's scratch layout.
 struct ChunkSizes {
+  int64_t elem = 1;  // bytes of a GEMM input element (int8: 1, bf16: 2)
   int64_t E = 0, H = 0, I = 0, tc = 0, k = 0, threads = 1;
   int64_t P = 0;                  // routed slots
   size_t lhs1 = 0, lhs2 = 0;      // packed activations, all experts
@@ -196,15 +218,15 @@ ChunkPlan plan(const ChunkSizes& s) {
   p.pos_of = take(slots, 8);
   p.token_of = take(slots, 8);
   p.route_end = at;
-  p.xq = take(s.tc * s.H, 1);
+  p.xq = take(s.tc * s.H, size_t(s.elem));
   p.xs = take(s.tc, 4);
-  p.rows = take(s.P, sizeof(const int8_t*));
+  p.rows = take(s.P, sizeof(const void*));
   p.row_scale = take(s.P, 4);
   p.off1 = take(s.E, sizeof(size_t));
   p.lhs1 = take(int64_t(s.lhs1), 1);
   p.tasks1 = take(s.tasks1, sizeof(Task));
   p.h = take(s.P * 2 * s.I, 4);
-  p.qa = take(s.P * s.I, 1);
+  p.qa = take(s.P * s.I, size_t(s.elem));
   p.tmp = take(s.threads * s.I, 4);
   const size_t dead_end = at;
   at = p.route_end;
@@ -225,9 +247,11 @@ int64_t tokens_per_chunk(int64_t k) { return std::max<int64_t>(1, kSlotsPerChunk
 // spread over as many experts as possible. Packed lhs: a kernel packs m rows in at most
 // lhs_packed_size(m) bytes and pads each expert's slice by less than one tile of mr rows
 // (every layout of qgemm.h does), plus the 64-byte alignment of each slice.
-ChunkSizes worst_case(const QGemmUkernel& kern, int64_t E, int64_t H, int64_t I, int64_t tc,
+template <class Kernel>
+ChunkSizes worst_case(const Kernel& kern, int64_t E, int64_t H, int64_t I, int64_t tc,
                       int64_t k, int threads) {
   ChunkSizes s;
+  s.elem = sizeof(typename Family<Kernel>::Elem);
   s.E = E;
   s.H = H;
   s.I = I;
@@ -290,7 +314,8 @@ bool overlap(const void* a, int64_t a_bytes, const void* b, int64_t b_bytes) {
   return pa < pb + b_bytes && pb < pa + a_bytes;
 }
 
-void validate(const PackedMoe& pk, const MoeCall& c) {
+template <class Packed>
+void validate(const Packed& pk, const MoeCall& c) {
   const int64_t H = pk.hidden();
   if (c.num_tokens < 0) fail("x: number of tokens must be >= 0");
   if (c.topk < 1) fail("topk_ids: k (columns of topk_ids) must be >= 1, got " + std::to_string(c.topk));
@@ -357,10 +382,15 @@ void store_row(const float* acc, int64_t n, DType dt, void* dst) {
 }
 
 // One chunk of tokens [t0, t0 + tc), all of its buffers in the calling thread's scratch block.
+template <class Kernel>
 struct Chunk {
-  const PackedMoe& pk;
+  using Elem = typename Family<Kernel>::Elem;
+  using Packed = typename Family<Kernel>::Packed;
+  static constexpr bool kQuantized = Family<Kernel>::kQuantized;
+
+  const Packed& pk;
   const MoeCall& c;
-  const QGemmUkernel& kern;
+  const Kernel& kern;
   int threads;
   int64_t t0, tc;
   int64_t E, H, I, k;
@@ -376,9 +406,10 @@ struct Chunk {
   int64_t* pos_of = nullptr;      // [tc * k] slot (t * k + j, local t) -> sorted position or -1
   int64_t* token_of = nullptr;    // [P] sorted position -> local token
 
-  Chunk(const PackedMoe& p, const MoeCall& call, int th, int64_t t_begin, int64_t t_count)
+  Chunk(const Packed& p, const MoeCall& call, int th, int64_t t_begin, int64_t t_count)
       : pk(p), c(call), kern(p.kernel()), threads(th), t0(t_begin), tc(t_count),
         E(p.num_experts()), H(p.hidden()), I(p.intermediate()), k(call.topk) {
+    sizes.elem = sizeof(Elem);
     sizes.E = E;
     sizes.H = H;
     sizes.I = I;
@@ -481,13 +512,14 @@ struct Chunk {
   }
 
   // Packs, per active expert, the rows rows[first[e] .. first[e] + count[e]).
-  void pack_rows(const int8_t* const* rows, int64_t depth, const size_t* off, uint8_t* dst) const {
+  void pack_rows(const Elem* const* rows, int64_t depth, const size_t* off, uint8_t* dst) const {
     parallel_for(n_active, threads, [&](int64_t i, int) {
       const int64_t e = active[i];
       kern.pack_lhs(count[e], depth, rows + first[e], dst + off[e]);
     });
   }
 
+  // scale(e) is only called for the quantized family (row_scale is null otherwise).
   template <class WeightsOf, class ScaleOf, class BiasOf>
   void gemm(int64_t n, int64_t depth, const uint8_t* lhs, const size_t* off, Task* tasks,
             int64_t n_tasks, const float* row_scale, float* dst, const WeightsOf& weights,
@@ -497,11 +529,31 @@ struct Chunk {
       const Task& tk = tasks[i];
       const int64_t row0 = first[tk.e] + tk.m0;
       const float* b = bias(tk.e);
-      const QGemmEpilogue ep{row_scale + row0, scale(tk.e) + tk.n0, b ? b + tk.n0 : nullptr};
-      kern.run_f32(tk.m, tk.n, depth, lhs + off[tk.e] + kern.lhs_packed_offset(tk.m0, depth),
-                   static_cast<const uint8_t*>(weights(tk.e)) + kern.rhs_packed_offset(tk.n0, depth),
-                   dst + row0 * n + tk.n0, n, ep);
+      const uint8_t* lp = lhs + off[tk.e] + kern.lhs_packed_offset(tk.m0, depth);
+      const uint8_t* rp =
+          static_cast<const uint8_t*>(weights(tk.e)) + kern.rhs_packed_offset(tk.n0, depth);
+      float* d = dst + row0 * n + tk.n0;
+      if constexpr (kQuantized) {
+        const QGemmEpilogue ep{row_scale + row0, scale(tk.e) + tk.n0, b ? b + tk.n0 : nullptr};
+        kern.run_f32(tk.m, tk.n, depth, lp, rp, d, n, ep);
+      } else {
+        (void)row_scale;
+        (void)scale;
+        kern.run_f32(tk.m, tk.n, depth, lp, rp, d, n, b ? b + tk.n0 : nullptr);
+      }
     });
+  }
+
+  // Scales of expert e's output channels (quantized family only).
+  const float* scale13(int64_t e) const {
+    if constexpr (kQuantized) return pk.s13(e);
+    (void)e;
+    return nullptr;
+  }
+  const float* scale2(int64_t e) const {
+    if constexpr (kQuantized) return pk.s2(e);
+    (void)e;
+    return nullptr;
   }
 
   void run() {
@@ -509,20 +561,31 @@ struct Chunk {
     allocate();
     const int64_t xes = dtype_size(c.dtype);
 
-    // 1. Quantize each token once.
-    int8_t* xq = at<int8_t>(pl.xq);
+    // 1. Quantize (bf16: round) each token once. A bf16 x is used in place.
+    Elem* xq = at<Elem>(pl.xq);
     float* xs = at<float>(pl.xs);
-    parallel_for(tc, threads, [&](int64_t t, int) {
-      const auto* row = static_cast<const uint8_t*>(c.x) + (t0 + t) * c.x_row_stride * xes;
-      xs[t] = quantize_row(row, c.dtype, H, xq + t * H);
-    });
+    const auto* x_bytes = static_cast<const uint8_t*>(c.x);
+    const bool x_in_place = !kQuantized && c.dtype == DType::bf16;
+    if (!x_in_place) {
+      parallel_for(tc, threads, [&](int64_t t, int) {
+        const uint8_t* row = x_bytes + (t0 + t) * c.x_row_stride * xes;
+        if constexpr (kQuantized) {
+          xs[t] = quantize_row(row, c.dtype, H, xq + t * H);
+        } else {
+          for (int64_t i = 0; i < H; ++i) xq[t * H + i] = f32_to_bf16(load_as_f32(row, c.dtype, i));
+        }
+      });
+    }
 
     // 3. Gather each expert's token rows and pack them.
-    const int8_t** rows = at<const int8_t*>(pl.rows);
+    const Elem** rows = at<const Elem*>(pl.rows);
     float* row_scale = at<float>(pl.row_scale);
     for (int64_t p = 0; p < P; ++p) {
-      rows[p] = xq + token_of[p] * H;
-      row_scale[p] = xs[token_of[p]];
+      const int64_t t = token_of[p];
+      rows[p] = x_in_place
+                    ? reinterpret_cast<const Elem*>(x_bytes + (t0 + t) * c.x_row_stride * xes)
+                    : xq + t * H;
+      if constexpr (kQuantized) row_scale[p] = xs[t];
     }
     size_t* off1 = at<size_t>(pl.off1);
     uint8_t* lhs1 = at<uint8_t>(pl.lhs1);
@@ -532,19 +595,23 @@ struct Chunk {
     // 4. GEMM1.
     float* h = at<float>(pl.h);
     gemm(2 * I, H, lhs1, off1, at<Task>(pl.tasks1), sizes.tasks1, row_scale, h,
-         [&](int64_t e) { return pk.w13(e); }, [&](int64_t e) { return pk.s13(e); },
+         [&](int64_t e) { return pk.w13(e); }, [&](int64_t e) { return scale13(e); },
          [&](int64_t e) { return pk.b13(e); });
 
-    // 5. Activation, rounding to the input dtype, requantization.
-    int8_t* qa = at<int8_t>(pl.qa);
+    // 5. Activation, then rounding to the input dtype and requantization (bf16: rounding to bf16).
+    Elem* qa = at<Elem>(pl.qa);
     float* sa = at<float>(pl.sa);
     float* tmp = at<float>(pl.tmp);
     parallel_for(P, threads, [&](int64_t p, int tid) {
       float* a = tmp + int64_t(tid) * I;
       vec::gated_row(c.activation, h + p * 2 * I, I, a);
-      if (c.dtype != DType::f32)
-        for (int64_t i = 0; i < I; ++i) a[i] = round_to_dtype(a[i], c.dtype);
-      sa[p] = quantize_row(a, DType::f32, I, qa + p * I);
+      if constexpr (kQuantized) {
+        if (c.dtype != DType::f32)
+          for (int64_t i = 0; i < I; ++i) a[i] = round_to_dtype(a[i], c.dtype);
+        sa[p] = quantize_row(a, DType::f32, I, qa + p * I);
+      } else {
+        for (int64_t i = 0; i < I; ++i) qa[p * I + i] = f32_to_bf16(a[i]);
+      }
     });
     for (int64_t p = 0; p < P; ++p) rows[p] = qa + p * I;
     size_t* off2 = at<size_t>(pl.off2);
@@ -555,7 +622,7 @@ struct Chunk {
     // 6. GEMM2.
     float* y = at<float>(pl.y);
     gemm(H, I, lhs2, off2, at<Task>(pl.tasks2), sizes.tasks2, sa, y,
-         [&](int64_t e) { return pk.w2(e); }, [&](int64_t e) { return pk.s2(e); },
+         [&](int64_t e) { return pk.w2(e); }, [&](int64_t e) { return scale2(e); },
          [&](int64_t e) { return pk.b2(e); });
 
     // 7. Weighted combine, fp32, slots in their given order.
@@ -585,11 +652,18 @@ float quantize_row(const void* x, DType dt, int64_t n, int8_t* q) {
   return 1.0f;
 }
 
-void PackedMoe::AlignedFree::operator()(void* p) const { std::free(p); }
+template <class Kernel>
+void PackedExperts<Kernel>::AlignedFree::operator()(void* p) const {
+  std::free(p);
+}
 
-PackedMoe::PackedMoe(const MoeWeights& w, const QGemmUkernel* kernel, int num_threads)
-    : e_(w.num_experts), h_(w.hidden), i_(w.intermediate),
-      kernel_(kernel ? kernel : qgemm_select()) {
+template <class Kernel>
+template <class Elem>
+PackedExperts<Kernel>::PackedExperts(int64_t e, int64_t h, int64_t i, const Kernel* kernel,
+                                     const Elem* w13, const Elem* w2, const void* b13,
+                                     DType b13_dtype, const void* b2, DType b2_dtype,
+                                     int num_threads)
+    : e_(e), h_(h), i_(i), kernel_(kernel) {
   if (e_ < 1) fail("w13: number of experts must be >= 1");
   if (h_ < kDimMultiple || h_ % kDimMultiple != 0)
     fail("w13: hidden size H = " + std::to_string(h_) + " must be a positive multiple of " +
@@ -597,65 +671,100 @@ PackedMoe::PackedMoe(const MoeWeights& w, const QGemmUkernel* kernel, int num_th
   if (i_ < kDimMultiple || i_ % kDimMultiple != 0)
     fail("w2: intermediate size I = " + std::to_string(i_) + " must be a positive multiple of " +
          std::to_string(kDimMultiple));
-  if (w.w13 == nullptr) fail("w13: missing");
-  if (w.w2 == nullptr) fail("w2: missing");
-  check_scales(w.s13, e_ * 2 * i_, "s13");
-  check_scales(w.s2, e_ * h_, "s2");
+  if (w13 == nullptr) fail("w13: missing");
+  if (w2 == nullptr) fail("w2: missing");
   if (!cpu_supports(kernel_->isa))
     fail(std::string("isa: kernel ") + kernel_->name + " needs " + isa_name(kernel_->isa) +
          ", which this CPU lacks");
 
   const int threads = resolve_threads(num_threads);
-  const QGemmUkernel& k = *kernel_;
-  w13_stride_ = size_t(round_up(int64_t(k.rhs_packed_size(2 * i_, h_)), int64_t(kAlign)));
-  w2_stride_ = size_t(round_up(int64_t(k.rhs_packed_size(h_, i_)), int64_t(kAlign)));
+  const Kernel& k = *kernel_;
+  w13_stride_ = align_up(k.rhs_packed_size(2 * i_, h_));
+  w2_stride_ = align_up(k.rhs_packed_size(h_, i_));
   w13_.reset(static_cast<uint8_t*>(std::aligned_alloc(kAlign, w13_stride_ * size_t(e_))));
   w2_.reset(static_cast<uint8_t*>(std::aligned_alloc(kAlign, w2_stride_ * size_t(e_))));
   if (!w13_ || !w2_) throw std::bad_alloc();
-  parallel_for(e_, threads, [&](int64_t e, int) {
-    k.pack_rhs(2 * i_, h_, w.w13 + e * 2 * i_ * h_, h_, w13_.get() + size_t(e) * w13_stride_);
-    k.pack_rhs(h_, i_, w.w2 + e * h_ * i_, i_, w2_.get() + size_t(e) * w2_stride_);
+  parallel_for(e_, threads, [&](int64_t x, int) {
+    k.pack_rhs(2 * i_, h_, w13 + x * 2 * i_ * h_, h_, w13_.get() + size_t(x) * w13_stride_);
+    k.pack_rhs(h_, i_, w2 + x * h_ * i_, i_, w2_.get() + size_t(x) * w2_stride_);
   });
-  s13_.reset(new float[size_t(e_ * 2 * i_)]);
-  s2_.reset(new float[size_t(e_ * h_)]);
-  std::memcpy(s13_.get(), w.s13, size_t(e_ * 2 * i_) * 4);
-  std::memcpy(s2_.get(), w.s2, size_t(e_ * h_) * 4);
-  if (w.b13 != nullptr) {
-    b13_ = to_f32(w.b13, w.b13_dtype, e_ * 2 * i_);
+  if (b13 != nullptr) {
+    b13_ = to_f32(b13, b13_dtype, e_ * 2 * i_);
     has_b13_ = true;
   }
-  if (w.b2 != nullptr) {
-    b2_ = to_f32(w.b2, w.b2_dtype, e_ * h_);
+  if (b2 != nullptr) {
+    b2_ = to_f32(b2, b2_dtype, e_ * h_);
     has_b2_ = true;
   }
 }
 
-PackedMoe::~PackedMoe() = default;
+template <class Kernel>
+PackedExperts<Kernel>::~PackedExperts() = default;
 
-size_t PackedMoe::packed_bytes() const {
-  size_t n = (w13_stride_ + w2_stride_) * size_t(e_) + size_t(e_ * (2 * i_ + h_)) * 4;
+template <class Kernel>
+size_t PackedExperts<Kernel>::packed_bytes() const {
+  size_t n = (w13_stride_ + w2_stride_) * size_t(e_) + extra_bytes_;
   if (has_b13_) n += size_t(e_ * 2 * i_) * 4;
   if (has_b2_) n += size_t(e_ * h_) * 4;
   return n;
 }
 
-const void* PackedMoe::w13(int64_t e) const { return w13_.get() + size_t(e) * w13_stride_; }
-const void* PackedMoe::w2(int64_t e) const { return w2_.get() + size_t(e) * w2_stride_; }
+template <class Kernel>
+const void* PackedExperts<Kernel>::w13(int64_t e) const {
+  return w13_.get() + size_t(e) * w13_stride_;
+}
+template <class Kernel>
+const void* PackedExperts<Kernel>::w2(int64_t e) const {
+  return w2_.get() + size_t(e) * w2_stride_;
+}
 
-void fused_moe_int8(const PackedMoe& packed, const MoeCall& call) {
+template class PackedExperts<QGemmUkernel>;
+template class PackedExperts<BGemmUkernel>;
+
+// The scales are checked before anything is packed (the base class packs in its constructor, so
+// the check runs in the argument list).
+static const MoeWeights& checked(const MoeWeights& w) {
+  if (w.num_experts >= 1 && w.intermediate >= 1 && w.hidden >= 1) {
+    check_scales(w.s13, w.num_experts * 2 * w.intermediate, "s13");
+    check_scales(w.s2, w.num_experts * w.hidden, "s2");
+  }
+  return w;
+}
+
+PackedMoe::PackedMoe(const MoeWeights& w, const QGemmUkernel* kernel, int num_threads)
+    : PackedExperts(checked(w).num_experts, w.hidden, w.intermediate,
+                    kernel ? kernel : qgemm_select(), w.w13, w.w2, w.b13, w.b13_dtype, w.b2,
+                    w.b2_dtype, num_threads) {
+  const int64_t E = num_experts(), H = hidden(), I = intermediate();
+  s13_.reset(new float[size_t(E * 2 * I)]);
+  s2_.reset(new float[size_t(E * H)]);
+  std::memcpy(s13_.get(), w.s13, size_t(E * 2 * I) * 4);
+  std::memcpy(s2_.get(), w.s2, size_t(E * H) * 4);
+  extra_bytes_ = size_t(E * (2 * I + H)) * 4;
+}
+
+PackedMoeBf16::PackedMoeBf16(const MoeWeightsBf16& w, const BGemmUkernel* kernel, int num_threads)
+    : PackedExperts(w.num_experts, w.hidden, w.intermediate, kernel ? kernel : bgemm_select(),
+                    w.w13, w.w2, w.b13, w.b13_dtype, w.b2, w.b2_dtype, num_threads) {}
+
+namespace {
+
+template <class Packed>
+void run_op(const Packed& packed, const MoeCall& call) {
+  using Kernel = std::decay_t<decltype(packed.kernel())>;
   validate(packed, call);
   if (call.num_tokens == 0) return;
   const int threads = resolve_threads(call.num_threads);
   const int64_t per_chunk = tokens_per_chunk(call.topk);
   for (int64_t t0 = 0; t0 < call.num_tokens; t0 += per_chunk) {
-    Chunk chunk(packed, call, threads, t0, std::min(per_chunk, call.num_tokens - t0));
+    Chunk<Kernel> chunk(packed, call, threads, t0, std::min(per_chunk, call.num_tokens - t0));
     chunk.run();
   }
 }
 
-size_t fused_moe_scratch_bytes(const QGemmUkernel& kernel, int64_t num_experts, int64_t hidden,
-                               int64_t intermediate, int64_t num_tokens, int64_t topk,
-                               int num_threads) {
+template <class Kernel>
+size_t scratch_bound(const Kernel& kernel, int64_t num_experts, int64_t hidden,
+                     int64_t intermediate, int64_t num_tokens, int64_t topk, int num_threads) {
   if (num_experts < 1 || hidden < 1 || intermediate < 1)
     fail("packed: E, H and I must be >= 1");
   if (num_tokens < 0) fail("num_tokens: must be >= 0");
@@ -667,10 +776,34 @@ size_t fused_moe_scratch_bytes(const QGemmUkernel& kernel, int64_t num_experts, 
       .total;
 }
 
+}  // namespace
+
+void fused_moe_int8(const PackedMoe& packed, const MoeCall& call) { run_op(packed, call); }
+
+void fused_moe_bf16(const PackedMoeBf16& packed, const MoeCall& call) { run_op(packed, call); }
+
+size_t fused_moe_scratch_bytes(const QGemmUkernel& kernel, int64_t num_experts, int64_t hidden,
+                               int64_t intermediate, int64_t num_tokens, int64_t topk,
+                               int num_threads) {
+  return scratch_bound(kernel, num_experts, hidden, intermediate, num_tokens, topk, num_threads);
+}
+
+size_t fused_moe_scratch_bytes(const BGemmUkernel& kernel, int64_t num_experts, int64_t hidden,
+                               int64_t intermediate, int64_t num_tokens, int64_t topk,
+                               int num_threads) {
+  return scratch_bound(kernel, num_experts, hidden, intermediate, num_tokens, topk, num_threads);
+}
+
 size_t fused_moe_scratch_bytes(const PackedMoe& packed, int64_t num_tokens, int64_t topk,
                                int num_threads) {
-  return fused_moe_scratch_bytes(packed.kernel(), packed.num_experts(), packed.hidden(),
-                                 packed.intermediate(), num_tokens, topk, num_threads);
+  return scratch_bound(packed.kernel(), packed.num_experts(), packed.hidden(),
+                       packed.intermediate(), num_tokens, topk, num_threads);
+}
+
+size_t fused_moe_scratch_bytes(const PackedMoeBf16& packed, int64_t num_tokens, int64_t topk,
+                               int num_threads) {
+  return scratch_bound(packed.kernel(), packed.num_experts(), packed.hidden(),
+                       packed.intermediate(), num_tokens, topk, num_threads);
 }
 
 size_t thread_scratch_bytes() { return thread_scratch().capacity(); }

@@ -1,9 +1,11 @@
-// The qgemm registry: every variant this build compiled, best first. Adding an ISA is one kernel
-// file, one source-list entry in CMake and one line here. Built without ISA flags.
+// The qgemm (int8) and bgemm (bf16) registries: every variant this build compiled, best first.
+// Adding an ISA is one kernel file, one source-list entry in CMake and one line here. Built
+// without ISA flags.
 #include <cstring>
 #include <stdexcept>
 #include <string>
 
+#include "cpumoe/bgemm.h"
 #include "cpumoe/qgemm.h"
 
 namespace cpumoe {
@@ -54,21 +56,44 @@ const std::vector<const QGemmUkernel*>& qgemm_registry() {
   return all;
 }
 
-const QGemmUkernel* qgemm_select(const Isa* cap) {
+namespace {
+
+// The first kernel of a registry (best first) this CPU runs within both caps.
+template <class Kernel>
+const Kernel* select_from(const std::vector<const Kernel*>& registry, const Isa* cap) {
   const Isa* env = env_isa_cap();
-  for (const QGemmUkernel* k : qgemm_registry()) {
+  for (const Kernel* k : registry) {
     if (cap != nullptr && int(k->isa) > int(*cap)) continue;
     if (env != nullptr && int(k->isa) > int(*env)) continue;
     if (cpu_supports(k->isa)) return k;
   }
   // The portable kernel is always compiled in and always supported.
-  throw std::logic_error("cpumoe: no qgemm kernel registered (build is broken)");
+  throw std::logic_error("cpumoe: no portable kernel registered (build is broken)");
 }
 
-const QGemmUkernel* qgemm_find(const char* name) {
-  for (const QGemmUkernel* k : qgemm_registry())
+template <class Kernel>
+const Kernel* find_in(const std::vector<const Kernel*>& registry, const char* name) {
+  for (const Kernel* k : registry)
     if (std::strcmp(k->name, name) == 0) return k;
   return nullptr;
 }
+
+}  // namespace
+
+const QGemmUkernel* qgemm_select(const Isa* cap) { return select_from(qgemm_registry(), cap); }
+const QGemmUkernel* qgemm_find(const char* name) { return find_in(qgemm_registry(), name); }
+
+#define CPUMOE_DECLARE_BGEMM(name) extern const BGemmUkernel name;
+CPUMOE_DECLARE_BGEMM(bgemm_f32r_bf16ck8_4x8_portable)
+
+const std::vector<const BGemmUkernel*>& bgemm_registry() {
+  static const std::vector<const BGemmUkernel*> all = {
+      &bgemm_f32r_bf16ck8_4x8_portable,
+  };
+  return all;
+}
+
+const BGemmUkernel* bgemm_select(const Isa* cap) { return select_from(bgemm_registry(), cap); }
+const BGemmUkernel* bgemm_find(const char* name) { return find_in(bgemm_registry(), name); }
 
 }  // namespace cpumoe

@@ -1,4 +1,4 @@
-"""The public ops: prepack the expert weights once, run the fused W8A8 MoE."""
+"""The public ops: prepack the expert weights once, run the fused W8A8 (or BF16) MoE."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from ._tensors import (FLOAT_DTYPES, View, as_float32, check_dtype, check_rows, 
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
 PackedMoe = _C.PackedMoe
+PackedMoeBf16 = _C.PackedMoeBf16
 
 
 def cpu_features() -> Dict[str, Any]:
@@ -23,19 +24,35 @@ def kernels() -> List[Dict[str, Any]]:
     return [dict(k) for k in _C.kernels()]
 
 
-def available_paths() -> List[str]:
-    """Paths (ISA levels) this CPU runs, best first, ``"portable"`` last, capped by CPUMOE_ISA."""
+def bf16_kernels() -> List[Dict[str, Any]]:
+    """The bf16 GEMM kernels (of :func:`fused_moe_bf16`) compiled in, best first."""
+    return [dict(k) for k in _C.bf16_kernels()]
+
+
+def _family(op: str):
+    if op == "int8":
+        return _C.kernels, _C.select_kernel
+    if op == "bf16":
+        return _C.bf16_kernels, _C.select_bf16_kernel
+    raise ValueError(f"op: must be 'int8' or 'bf16', got {op!r}")
+
+
+def available_paths(op: str = "int8") -> List[str]:
+    """Paths (ISA levels) this CPU runs for ``op`` ("int8" or "bf16"), best first,
+    ``"portable"`` last, capped by CPUMOE_ISA."""
+    kernels_of, _ = _family(op)
     cap = _C.env_isa_cap()
     ladder = _C.isa_ladder()
     allowed = ladder[ladder.index(cap):] if cap is not None else ladder
-    compiled = {k["isa"] for k in _C.kernels() if k["supported"]}
+    compiled = {k["isa"] for k in kernels_of() if k["supported"]}
     return [p for p in allowed if p in compiled]
 
 
-def selected_path(isa: Optional[str] = None) -> str:
-    """The path prepack picks by default (or under the cap ``isa``)."""
-    name = _C.select_kernel(isa)
-    return next(k["isa"] for k in _C.kernels() if k["name"] == name)
+def selected_path(isa: Optional[str] = None, op: str = "int8") -> str:
+    """The path prepack (``op="bf16"``: prepack_bf16) picks by default, or under the cap ``isa``."""
+    kernels_of, select = _family(op)
+    name = select(isa)
+    return next(k["isa"] for k in kernels_of() if k["name"] == name)
 
 
 def _num_threads(num_threads: Optional[int], *tensors: Any) -> int:
@@ -104,15 +121,46 @@ def prepack(w13: Any, w2: Any, s13: Any, s2: Any, b13: Any = None, b2: Any = Non
                       b13_dt, b2_addr, b2_dt, isa, _num_threads(num_threads, w13))
 
 
-def scratch_bytes(T: int, k: int, packed: PackedMoe, *, num_threads: Optional[int] = None) -> int:
+def prepack_bf16(w13: Any, w2: Any, b13: Any = None, b2: Any = None, *,
+                 isa: Optional[str] = None, num_threads: Optional[int] = None) -> PackedMoeBf16:
+    """Packs a layer's bf16 expert weights once, for :func:`fused_moe_bf16`.
+
+    Args:
+      w13: bfloat16 [E, 2I, H]: gate rows [0, I), up rows [I, 2I) (swigluoai: even / odd rows).
+      w2: bfloat16 [E, H, I].
+      b13, b2: optional biases [E, 2I] / [E, H], any float dtype (kept as float32).
+      isa: cap the path, as in :func:`prepack`.
+    H and I must be multiples of 8. The inputs are copied; they can be freed afterwards.
+    """
+    w13 = contiguous("w13", w13)
+    w2 = contiguous("w2", w2)
+    v13, v2 = view("w13", w13), view("w2", w2)
+    check_dtype(v13, "w13", ("bfloat16",))
+    check_dtype(v2, "w2", ("bfloat16",))
+    if v13.ndim != 3:
+        raise ValueError(f"w13: shape must be [E, 2I, H], got {list(v13.shape)}")
+    E, I2, H = v13.shape
+    if I2 % 2:
+        raise ValueError(f"w13: dim 1 must be 2*I (even), got {I2}")
+    I = I2 // 2
+    check_shape(v2, "w2", (E, H, I), " to match w13 [E, 2I, H]")
+    b13, b13_addr, b13_dt = _bias("b13", b13, E, 2 * I)
+    b2, b2_addr, b2_dt = _bias("b2", b2, E, H)
+    if isa is not None and not isinstance(isa, str):
+        raise TypeError(f"isa: must be a str or None, got {type(isa).__name__}")
+    return _C.prepack_bf16(E, H, I, v13.address, v2.address, b13_addr, b13_dt, b2_addr, b2_dt,
+                           isa, _num_threads(num_threads, w13))
+
+
+def scratch_bytes(T: int, k: int, packed: Any, *, num_threads: Optional[int] = None) -> int:
     """Upper bound of the scratch memory (bytes) one :func:`fused_moe_int8` call with ``T`` tokens
     and ``k`` experts per token takes, for any routing. It stops growing beyond one internal chunk
     (16384 token-expert slots). The calling thread keeps its scratch for its next calls, so a
     thread's steady-state use is this bound for its largest call; ``num_threads`` as in the op
     (default: the OpenMP default; torch inputs use torch's count, which only changes a few KB)."""
-    if not isinstance(packed, PackedMoe):
-        raise TypeError(f"packed: expected cpumoe.PackedMoe from prepack(), got "
-                        f"{type(packed).__name__}")
+    if not isinstance(packed, (PackedMoe, PackedMoeBf16)):
+        raise TypeError(f"packed: expected cpumoe.PackedMoe from prepack() or "
+                        f"cpumoe.PackedMoeBf16 from prepack_bf16(), got {type(packed).__name__}")
     for name, v, low in (("T", T, 0), ("k", k, 1)):
         if not isinstance(v, int) or isinstance(v, bool) or v < low:
             raise ValueError(f"{name}: must be an int >= {low}, got {v!r}")
@@ -146,6 +194,32 @@ def fused_moe_int8(x: Any, packed: PackedMoe, topk_weights: Any, topk_ids: Any,
     if not isinstance(packed, PackedMoe):
         raise TypeError(f"packed: expected cpumoe.PackedMoe from prepack(), got "
                         f"{type(packed).__name__}")
+    return _run(_C.fused_moe_int8, x, packed, topk_weights, topk_ids, activation, skip_weighted,
+                out, expert_map, num_threads)
+
+
+def fused_moe_bf16(x: Any, packed: PackedMoeBf16, topk_weights: Any, topk_ids: Any,
+                   activation: str = "silu", skip_weighted: bool = False, out: Any = None, *,
+                   expert_map: Any = None, num_threads: Optional[int] = None) -> Any:
+    """The fused BF16 MoE: ``out[t] = sum_j topk_weights[t, j] * FFN_{topk_ids[t, j]}(x[t])``
+    with bf16 weights from :func:`prepack_bf16` and no quantization.
+
+    Arguments as in :func:`fused_moe_int8`. Both GEMMs take bf16 inputs: x (if not bf16) and the
+    activation output are rounded to bf16 (nearest even); products are exact and summed in fp32;
+    the combine is fp32 and the result is stored in x's dtype. Non-finite values propagate as IEEE
+    arithmetic makes them (a NaN in a row of x gives a NaN output row). Paths of different ISAs
+    may differ in the last bits of their fp32 sums; each is deterministic for any thread count.
+    """
+    if not isinstance(packed, PackedMoeBf16):
+        raise TypeError(f"packed: expected cpumoe.PackedMoeBf16 from prepack_bf16(), got "
+                        f"{type(packed).__name__}")
+    return _run(_C.fused_moe_bf16, x, packed, topk_weights, topk_ids, activation, skip_weighted,
+                out, expert_map, num_threads)
+
+
+def _run(op, x, packed, topk_weights, topk_ids, activation, skip_weighted, out, expert_map,
+         num_threads):
+    """Checks the call's arguments (shared by both ops) and runs ``op`` on raw buffers."""
     xv = view("x", x)
     check_dtype(xv, "x", FLOAT_DTYPES)
     check_shape(xv, "x", (None, packed.hidden), f" (H = {packed.hidden} of the packed weights)")
@@ -191,8 +265,7 @@ def fused_moe_int8(x: Any, packed: PackedMoe, topk_weights: Any, topk_ids: Any,
         map_addr, num_global = mv.address, mv.shape[0]
         if num_global == 0:
             raise ValueError("expert_map: must have at least one entry")
-    _C.fused_moe_int8(packed, T, k, xv.address, x_stride, xv.dtype, wv.address, tw_stride,
-                      iv.address, iv.dtype == "int64", ids_stride, activation, skip_weighted,
-                      ov.address, out_stride, _num_threads(num_threads, x), map_addr,
-                      num_global)
+    op(packed, T, k, xv.address, x_stride, xv.dtype, wv.address, tw_stride, iv.address,
+       iv.dtype == "int64", ids_stride, activation, skip_weighted, ov.address, out_stride,
+       _num_threads(num_threads, x), map_addr, num_global)
     return out

@@ -1,4 +1,5 @@
-"""Naive reference of the W8A8 fused-MoE op: the oracle the kernels are tested against.
+"""Naive references of the fused-MoE ops (W8A8 and BF16): the oracles the kernels are tested
+against.
 
 Written to be obviously right rather than fast: plain numpy, one expert at a time, integer
 matrix products done in float64 (exact: |sum| <= K * 127 * 127 < 2**53 for any K we meet).
@@ -17,6 +18,10 @@ The op, per token t and each of its k experts e = topk_ids[t, j]:
   5. y = float32(q_a . w2[e]^T) * s_a * s2[e] + b2[e];
      out[t] = sum_j topk_weights[t, j] * y_j (weight 1 with skip_weighted), fp32, j in order,
      stored in the input dtype.
+
+The BF16 op (``ref_fused_moe_bf16``) is the same with no quantization: x is rounded to bf16,
+h = x_bf16 . w13[e]^T + b13[e] (products exact, summed here in float64, rounded once to fp32),
+a = act(gate, up) rounded to bf16, y = a_bf16 . w2[e]^T + b2[e], and the same combine.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ __all__ = [
     "ACTIVATIONS",
     "quantize_per_token",
     "quantize_per_channel",
+    "ref_fused_moe_bf16",
     "ref_fused_moe_int8",
     "round_to_dtype",
 ]
@@ -208,30 +214,21 @@ def _linear(q, s, w, ws, b):
     return y
 
 
-def ref_fused_moe_int8(x, w13, w2, s13, s2, topk_weights, topk_ids, activation="silu",
-                       b13=None, b2=None, skip_weighted=False):
-    """The op, naively: returns [T, H] in x's dtype and framework (torch tensor or numpy array).
-
-    x [T, H] fp32/fp16/bf16; w13 int8 [E, 2I, H]; w2 int8 [E, H, I]; s13 [E, 2I], s2 [E, H] fp32;
-    b13 [E, 2I], b2 [E, H] optional (any float dtype, widened to fp32); topk_ids int [T, k];
-    topk_weights fp32 [T, k] (ignored, and may be None, with skip_weighted, which needs k == 1).
-    Only the experts that some token uses are computed.
-    """
+def _check_activation(activation):
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation: must be one of {', '.join(ACTIVATIONS)}; got {activation!r}")
+
+
+def _run_moe(x, w13, w2, topk_weights, topk_ids, skip_weighted, expert_ffn):
+    """Routing and combine shared by both ops: ``expert_ffn(e, x_rows_f32, w13n, w2n)`` gives the
+    expert's fp32 outputs for its token rows. Returns [T, H] in x's dtype and framework."""
     dtype_name = _dtype_name(x)
     if dtype_name not in _FLOAT_DTYPES:
         raise TypeError(f"x: dtype must be one of {_FLOAT_DTYPES}, got {dtype_name}")
-
     xf = _to_numpy(x, float32=True)
-    w13n = _to_numpy(w13)
-    w2n = _to_numpy(w2)
-    s13n = _to_numpy(s13, float32=True)
-    s2n = _to_numpy(s2, float32=True)
-    b13n = _to_numpy(b13, float32=True)
-    b2n = _to_numpy(b2, float32=True)
+    w13n = _to_numpy(w13, float32=True)  # int8 stays int8, bf16 widens exactly
+    w2n = _to_numpy(w2, float32=True)
     ids = _to_numpy(topk_ids).astype(np.int64)
-
     if xf.ndim != 2:
         raise ValueError(f"x: expected [T, H], got shape {xf.shape}")
     T, H = xf.shape
@@ -253,23 +250,13 @@ def ref_fused_moe_int8(x, w13, w2, s13, s2, topk_weights, topk_ids, activation="
     if ids.size and (ids.min() < 0 or ids.max() >= E):
         raise ValueError(f"topk_ids: expert ids must be in [0, {E})")
 
-    # 1. Each token quantized once.
-    qx, sx = _quantize_rows_np(xf, TOKEN_AMAX_FLOOR)
-
     # Slots p = t * k + j, each computed by its expert.
     slot_token = np.repeat(np.arange(T), k)
     slot_expert = ids.reshape(-1)
     y = np.zeros((T * k, H), dtype=np.float32)
     for e in np.unique(slot_expert):
         rows = np.nonzero(slot_expert == e)[0]
-        tok = slot_token[rows]
-        # 2. GEMM1 with its epilogue.
-        h = _linear(qx[tok], sx[tok], w13n[e], s13n[e], None if b13n is None else b13n[e])
-        # 3. Activation; 4. round to the input dtype, requantize per row.
-        a = round_to_dtype(_activation(activation, h, inter), dtype_name)
-        qa, sa = _quantize_rows_np(a, TOKEN_AMAX_FLOOR)
-        # 5. GEMM2 with its epilogue.
-        y[rows] = _linear(qa, sa, w2n[e], s2n[e], None if b2n is None else b2n[e])
+        y[rows] = expert_ffn(e, xf[slot_token[rows]], w13n, w2n)
 
     # Weighted combine in fp32, j in order.
     y = y.reshape(T, k, H)
@@ -278,6 +265,68 @@ def ref_fused_moe_int8(x, w13, w2, s13, s2, topk_weights, topk_ids, activation="
         for j in range(k):
             out = out + wts[:, j:j + 1] * y[:, j, :]
     return _cast_out(x, out, dtype_name)
+
+
+def ref_fused_moe_int8(x, w13, w2, s13, s2, topk_weights, topk_ids, activation="silu",
+                       b13=None, b2=None, skip_weighted=False):
+    """The W8A8 op, naively: returns [T, H] in x's dtype and framework (torch tensor or numpy).
+
+    x [T, H] fp32/fp16/bf16; w13 int8 [E, 2I, H]; w2 int8 [E, H, I]; s13 [E, 2I], s2 [E, H] fp32;
+    b13 [E, 2I], b2 [E, H] optional (any float dtype, widened to fp32); topk_ids int [T, k];
+    topk_weights fp32 [T, k] (ignored, and may be None, with skip_weighted, which needs k == 1).
+    Only the experts that some token uses are computed.
+    """
+    _check_activation(activation)
+    dtype_name = _dtype_name(x)
+    s13n = _to_numpy(s13, float32=True)
+    s2n = _to_numpy(s2, float32=True)
+    b13n = _to_numpy(b13, float32=True)
+    b2n = _to_numpy(b2, float32=True)
+
+    def ffn(e, x_rows, w13n, w2n):
+        inter = w2n.shape[2]
+        # 1. Quantize each token (per row: the same as once per token). 2. GEMM1 + epilogue.
+        qx, sx = _quantize_rows_np(x_rows, TOKEN_AMAX_FLOOR)
+        h = _linear(qx, sx, w13n[e], s13n[e], None if b13n is None else b13n[e])
+        # 3. Activation; 4. round to the input dtype, requantize per row.
+        a = round_to_dtype(_activation(activation, h, inter), dtype_name)
+        qa, sa = _quantize_rows_np(a, TOKEN_AMAX_FLOOR)
+        # 5. GEMM2 with its epilogue.
+        return _linear(qa, sa, w2n[e], s2n[e], None if b2n is None else b2n[e])
+
+    return _run_moe(x, w13, w2, topk_weights, topk_ids, skip_weighted, ffn)
+
+
+def _bf16_linear(a32, w32, b):
+    """float32(bf16(a) . w^T) + b: exact products, float64 sums, one rounding, then the bias."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        a64 = round_to_dtype(a32, "bfloat16").astype(np.float64)
+        y = (a64 @ w32.astype(np.float64).T).astype(np.float32)
+        if b is not None:
+            y = y + b[None, :]
+    return y
+
+
+def ref_fused_moe_bf16(x, w13, w2, topk_weights, topk_ids, activation="silu", b13=None, b2=None,
+                       skip_weighted=False):
+    """The BF16 op, naively: returns [T, H] in x's dtype and framework.
+
+    x [T, H] fp32/fp16/bf16; w13 [E, 2I, H] and w2 [E, H, I] bf16 (any float dtype is taken as
+    its values rounded to bf16); b13, b2 optional; topk_* and skip_weighted as in the int8 op.
+    """
+    _check_activation(activation)
+    b13n = _to_numpy(b13, float32=True)
+    b2n = _to_numpy(b2, float32=True)
+
+    def ffn(e, x_rows, w13n, w2n):
+        inter = w2n.shape[2]
+        w13e = round_to_dtype(w13n[e], "bfloat16")
+        w2e = round_to_dtype(w2n[e], "bfloat16")
+        h = _bf16_linear(x_rows, w13e, None if b13n is None else b13n[e])
+        a = _activation(activation, h, inter)
+        return _bf16_linear(a, w2e, None if b2n is None else b2n[e])
+
+    return _run_moe(x, w13, w2, topk_weights, topk_ids, skip_weighted, ffn)
 
 
 def _cast_out(x, out32: np.ndarray, dtype_name: str):

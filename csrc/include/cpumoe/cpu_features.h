@@ -48,10 +48,12 @@ enum class Isa : int {
   neon_dotprod = 10,
   neon_bf16 = 11,
   neon_i8mm = 12,
-  // x86-64 ladder: amx -> avx512_vnni -> avx2 -> portable
+  // x86-64 ladder: amx -> avx512_bf16 -> avx512_vnni -> avx2 -> portable. avx512_bf16 (VNNI plus
+  // VDPBF16PS) only has bf16-op kernels: the int8 op under that cap runs avx512_vnni.
   avx2 = 20,
   avx512_vnni = 21,
-  amx = 22,
+  avx512_bf16 = 22,
+  amx = 23,
 };
 
 const char* isa_name(Isa isa);

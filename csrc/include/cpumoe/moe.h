@@ -1,9 +1,11 @@
 /// @file moe.h
-/// The W8A8 fused-MoE op: prepack the experts' int8 weights once, then run
+/// The fused-MoE ops: prepack the experts' weights once, then run
 ///   out[t] = sum_j w[t,j] * FFN_{ids[t,j]}(x[t])
-/// with dynamic per-token int8 quantization of the activations, GEMM1 (w13), a gated activation,
-/// requantization, GEMM2 (w2) and the weighted combine. The kernel is chosen once, at prepack, for
-/// this CPU (see qgemm_select); the MoE code knows it only through QGemmUkernel.
+/// W8A8 (fused_moe_int8): int8 weights with per-channel scales, dynamic per-token int8
+/// quantization of the activations, GEMM1 (w13), a gated activation, requantization, GEMM2 (w2)
+/// and the weighted combine. BF16 (fused_moe_bf16): bf16 weights, the same pipeline with the
+/// GEMM inputs rounded to bf16 instead of quantized. The kernel is chosen once, at prepack, for
+/// this CPU (qgemm_select / bgemm_select); the MoE code knows it only through its interface.
 ///
 /// Errors in the arguments throw cpumoe::ArgumentError (a std::invalid_argument) whose message
 /// names the argument; nothing is written to the output then.
@@ -16,6 +18,7 @@
 #include <string>
 
 #include "cpumoe/activation.h"
+#include "cpumoe/bgemm.h"
 #include "cpumoe/dtype.h"
 #include "cpumoe/qgemm.h"
 
@@ -34,7 +37,7 @@ constexpr int64_t kDimMultiple = 8;
 /// all-zero row gets a finite scale and quantizes to zeros.
 constexpr float kAmaxFloor = 1e-7f;
 
-/// Plain (unpacked) expert weights as given by a checkpoint; all arrays dense and row-major.
+/// Plain (unpacked) int8 expert weights as given by a checkpoint; all arrays dense, row-major.
 struct MoeWeights {
   int64_t num_experts = 0;   ///< E
   int64_t hidden = 0;        ///< H
@@ -49,45 +52,87 @@ struct MoeWeights {
   DType b2_dtype = DType::f32;
 };
 
-/// Expert weights packed for one kernel. Immutable after construction; safe to share between
-/// threads and calls.
-class PackedMoe {
+/// Plain bf16 expert weights (raw bf16 bit patterns), the layout of MoeWeights without scales.
+struct MoeWeightsBf16 {
+  int64_t num_experts = 0;
+  int64_t hidden = 0;
+  int64_t intermediate = 0;
+  const uint16_t* w13 = nullptr;  ///< [E, 2I, H] bf16
+  const uint16_t* w2 = nullptr;   ///< [E, H, I] bf16
+  const void* b13 = nullptr;      ///< [E, 2I] or nullptr, of type b13_dtype
+  DType b13_dtype = DType::f32;
+  const void* b2 = nullptr;       ///< [E, H] or nullptr, of type b2_dtype
+  DType b2_dtype = DType::f32;
+};
+
+/// Expert weights packed for one kernel of a family (QGemmUkernel: int8, BGemmUkernel: bf16):
+/// the part both packed kinds share. Immutable after construction; safe to share between threads
+/// and calls.
+template <class Kernel>
+class PackedExperts {
  public:
-  /// Packs @p w for @p kernel (nullptr: qgemm_select() for this CPU, capped by CPUMOE_ISA).
-  /// @pre E >= 1; H, I >= kDimMultiple and multiples of it; scales finite and > 0.
-  /// Throws ArgumentError otherwise. Threads: up to @p num_threads (<= 0: the OpenMP default).
-  PackedMoe(const MoeWeights& w, const QGemmUkernel* kernel = nullptr, int num_threads = 0);
-  ~PackedMoe();
-  PackedMoe(const PackedMoe&) = delete;
-  PackedMoe& operator=(const PackedMoe&) = delete;
+  ~PackedExperts();
+  PackedExperts(const PackedExperts&) = delete;
+  PackedExperts& operator=(const PackedExperts&) = delete;
 
   int64_t num_experts() const { return e_; }
   int64_t hidden() const { return h_; }
   int64_t intermediate() const { return i_; }
   bool has_bias13() const { return has_b13_; }
   bool has_bias2() const { return has_b2_; }
-  const QGemmUkernel& kernel() const { return *kernel_; }
+  const Kernel& kernel() const { return *kernel_; }
   /// Bytes held by the packed weights, scales and biases.
   size_t packed_bytes() const;
 
-  // For the dispatcher: expert e's packed w13 / w2, scales and biases (fp32).
+  // For the dispatcher: expert e's packed w13 / w2 and biases (fp32).
   const void* w13(int64_t e) const;
   const void* w2(int64_t e) const;
-  const float* s13(int64_t e) const { return s13_.get() + e * 2 * i_; }
-  const float* s2(int64_t e) const { return s2_.get() + e * h_; }
   const float* b13(int64_t e) const { return has_b13_ ? b13_.get() + e * 2 * i_ : nullptr; }
   const float* b2(int64_t e) const { return has_b2_ ? b2_.get() + e * h_ : nullptr; }
+
+ protected:
+  /// Checks the sizes and the CPU, packs w13 [E, 2I, H] and w2 [E, H, I] (elements of the
+  /// kernel's weight type) and converts the biases. Throws ArgumentError.
+  template <class Elem>
+  PackedExperts(int64_t e, int64_t h, int64_t i, const Kernel* kernel, const Elem* w13,
+                const Elem* w2, const void* b13, DType b13_dtype, const void* b2, DType b2_dtype,
+                int num_threads);
+  size_t extra_bytes_ = 0;  ///< bytes a derived class holds besides the packed weights
 
  private:
   struct AlignedFree {
     void operator()(void* p) const;
   };
   int64_t e_, h_, i_;
-  const QGemmUkernel* kernel_;
+  const Kernel* kernel_;
   size_t w13_stride_ = 0, w2_stride_ = 0;  // bytes per expert
   std::unique_ptr<uint8_t, AlignedFree> w13_, w2_;
-  std::unique_ptr<float[]> s13_, s2_, b13_, b2_;
+  std::unique_ptr<float[]> b13_, b2_;
   bool has_b13_ = false, has_b2_ = false;
+};
+
+/// Int8 expert weights packed for one QGemmUkernel, with their per-output-channel scales.
+class PackedMoe : public PackedExperts<QGemmUkernel> {
+ public:
+  /// Packs @p w for @p kernel (nullptr: qgemm_select() for this CPU, capped by CPUMOE_ISA).
+  /// @pre E >= 1; H, I >= kDimMultiple and multiples of it; scales finite and > 0.
+  /// Throws ArgumentError otherwise. Threads: up to @p num_threads (<= 0: the OpenMP default).
+  PackedMoe(const MoeWeights& w, const QGemmUkernel* kernel = nullptr, int num_threads = 0);
+
+  const float* s13(int64_t e) const { return s13_.get() + e * 2 * intermediate(); }
+  const float* s2(int64_t e) const { return s2_.get() + e * hidden(); }
+
+ private:
+  std::unique_ptr<float[]> s13_, s2_;
+};
+
+/// Bf16 expert weights packed for one BGemmUkernel.
+class PackedMoeBf16 : public PackedExperts<BGemmUkernel> {
+ public:
+  /// Packs @p w for @p kernel (nullptr: bgemm_select() for this CPU, capped by CPUMOE_ISA).
+  /// @pre E >= 1; H, I >= kDimMultiple and multiples of it. Throws ArgumentError otherwise.
+  PackedMoeBf16(const MoeWeightsBf16& w, const BGemmUkernel* kernel = nullptr,
+                int num_threads = 0);
 };
 
 /// One call of the op. Rows of x and out may be strided (row stride >= H); elements within a row
@@ -131,6 +176,16 @@ struct MoeCall {
 /// largest call). Calls from different threads never share scratch.
 void fused_moe_int8(const PackedMoe& packed, const MoeCall& call);
 
+/// The BF16 op: the same routing, activation, combine, strides, validation, expert map, thread
+/// and scratch behaviour as fused_moe_int8, with no quantization:
+///   h = bf16(x) . w13^T + b13 (fp32 accumulation), a = act(h) in fp32,
+///   y = bf16(a) . w2^T + b2, out[t] = sum_j w[t,j] * y[slot(t,j)] in fp32, stored in x's dtype.
+/// bf16(v) rounds to nearest even (x of dtype bf16 is used as is). Deterministic for a given
+/// kernel and thread-count independent; kernels of different ISAs may differ in the last bits of
+/// their fp32 sums. Non-finite values propagate as IEEE arithmetic makes them (a NaN in x gives
+/// a NaN row). Throws ArgumentError for bad arguments before writing anything.
+void fused_moe_bf16(const PackedMoeBf16& packed, const MoeCall& call);
+
 /// Upper bound of the scratch bytes one call of @p num_tokens tokens and @p topk slots each
 /// needs, whatever the routing (tokens are processed in chunks, so this stops growing beyond
 /// one chunk: 16384 slots). 0 for num_tokens == 0. @p num_threads as in MoeCall.
@@ -138,6 +193,12 @@ size_t fused_moe_scratch_bytes(const PackedMoe& packed, int64_t num_tokens, int6
                                int num_threads = 0);
 /// The same bound for weights of E x H x I packed for @p kernel, without packing them.
 size_t fused_moe_scratch_bytes(const QGemmUkernel& kernel, int64_t num_experts, int64_t hidden,
+                               int64_t intermediate, int64_t num_tokens, int64_t topk,
+                               int num_threads = 0);
+/// The bounds of fused_moe_bf16 calls.
+size_t fused_moe_scratch_bytes(const PackedMoeBf16& packed, int64_t num_tokens, int64_t topk,
+                               int num_threads = 0);
+size_t fused_moe_scratch_bytes(const BGemmUkernel& kernel, int64_t num_experts, int64_t hidden,
                                int64_t intermediate, int64_t num_tokens, int64_t topk,
                                int num_threads = 0);
 /// Bytes of scratch the calling thread holds now (0 before its first call).

@@ -1,0 +1,223 @@
+// Every bgemm (bf16 -> fp32) microkernel in the registry against the naive double GEMM, plus the
+// registry's own rules. Kernels the CPU cannot run are skipped.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <iostream>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "bgemm_tester.h"
+#include "cpumoe/bgemm.h"
+#include "cpumoe/cpu_features.h"
+#include "cpumoe/dtype.h"
+
+namespace {
+
+using cpumoe::BGemmUkernel;
+using cpumoe::Isa;
+using cpumoe_test::BGemmTester;
+using cpumoe_test::GuardedBuffer;
+
+class BGemmKernelTest : public testing::TestWithParam<const BGemmUkernel*> {
+ protected:
+  void SetUp() override {
+    if (!cpumoe::cpu_supports(kernel().isa))
+      GTEST_SKIP() << kernel().name << " needs " << cpumoe::isa_name(kernel().isa)
+                   << ", which this CPU lacks";
+  }
+  const BGemmUkernel& kernel() const { return *GetParam(); }
+};
+
+constexpr int64_t kMs[] = {1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33};
+constexpr int64_t kNs[] = {1, 3, 4, 7, 8, 9, 15, 16, 17, 33, 48, 64, 65};
+constexpr int64_t kKs[] = {1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 64, 72};
+
+TEST_P(BGemmKernelTest, SmallShapesExact) {
+  for (int64_t k : kKs)
+    for (int64_t m : kMs)
+      for (int64_t n : kNs) {
+        BGemmTester().m(m).n(n).k(k).Test(kernel());
+        if (HasFatalFailure()) return;
+      }
+}
+
+TEST_P(BGemmKernelTest, RealValuesWithinTheFp32Bound) {
+  for (int64_t k : {1, 9, 64, 768, 2048})
+    for (int64_t m : {1, 2, 5, 8, 17})
+      for (int64_t n : {1, 8, 33, 64}) {
+        BGemmTester().m(m).n(n).k(k).reals().offsets(false).Test(kernel());
+        if (HasFatalFailure()) return;
+      }
+}
+
+TEST_P(BGemmKernelTest, DeepKExact) {
+  struct Shape { int64_t m, n, k; };
+  for (Shape s : {Shape{1, 1, 2880}, {7, 17, 2880}, {16, 64, 2880}, {1, 8, 4096}, {9, 33, 4096},
+                  {3, 5, 16384}}) {
+    BGemmTester().m(s.m).n(s.n).k(s.k).offsets(false).Test(kernel());
+    if (HasFatalFailure()) return;
+  }
+}
+
+TEST_P(BGemmKernelTest, StridesAndPadding) {
+  struct Shape { int64_t m, n, k, row_pad, dst_pad; };
+  for (Shape s : {Shape{5, 9, 17, 0, 0}, {8, 8, 8, 0, 0}, {17, 33, 72, 0, 1}, {9, 17, 16, 64, 17},
+                  {33, 15, 9, 1, 64}, {16, 64, 64, 3, 0}}) {
+    BGemmTester().m(s.m).n(s.n).k(s.k).row_padding(s.row_pad).dst_padding(s.dst_pad).Test(kernel());
+    if (HasFatalFailure()) return;
+  }
+}
+
+TEST_P(BGemmKernelTest, EmptyShapesWriteNothing) {
+  const int64_t k = 16;
+  std::vector<uint16_t> data(size_t(8 * k), cpumoe::f32_to_bf16(1.0f));
+  std::vector<const uint16_t*> rows(8, data.data());
+  GuardedBuffer lhs(kernel().lhs_packed_size(8, k)), rhs(kernel().rhs_packed_size(8, k));
+  kernel().pack_lhs(8, k, rows.data(), lhs.data());
+  kernel().pack_rhs(8, k, data.data(), k, rhs.data());
+  const std::vector<float> ones(8, 1.0f);
+  for (auto [m, n] : {std::pair<int64_t, int64_t>{0, 8}, {8, 0}, {0, 0}}) {
+    std::vector<float> f(64, 77.0f);
+    kernel().run_f32(m, n, k, lhs.data(), rhs.data(), f.data(), 8, ones.data());
+    for (float v : f) ASSERT_EQ(v, 77.0f) << "m=" << m << " n=" << n;
+  }
+}
+
+// One-hot rows of A read packed B back: C[i][j] = B[j][i], for every bf16 bit pattern class that
+// is a normal number (signs, large and small exponents).
+TEST_P(BGemmKernelTest, PackRoundTripOneHot) {
+  std::mt19937 rng(3);
+  std::uniform_int_distribution<int> e(-60, 60);
+  std::uniform_int_distribution<int> mant(0, 127);
+  for (int64_t k : {1, 3, 4, 5, 8, 9, 16, 17, 33}) {
+    for (int64_t n : {1, 3, 8, 9, 17, 33}) {
+      SCOPED_TRACE(testing::Message() << "k=" << k << " n=" << n);
+      const int64_t ldb = k + 2;
+      std::vector<uint16_t> b(size_t(n * ldb));
+      for (auto& v : b)
+        v = cpumoe::f32_to_bf16(std::ldexp(1.0f + float(mant(rng)) / 128.0f, e(rng)) *
+                                (rng() % 2 ? -1.0f : 1.0f));
+      std::vector<uint16_t> onehot(size_t(k * k), 0);
+      std::vector<const uint16_t*> rows(static_cast<size_t>(k));
+      for (int64_t i = 0; i < k; ++i) {
+        onehot[size_t(i * k + i)] = cpumoe::f32_to_bf16(1.0f);
+        rows[size_t(i)] = onehot.data() + i * k;
+      }
+      GuardedBuffer lhs(kernel().lhs_packed_size(k, k)), rhs(kernel().rhs_packed_size(n, k));
+      kernel().pack_lhs(k, k, rows.data(), lhs.data());
+      kernel().pack_rhs(n, k, b.data(), ldb, rhs.data());
+      std::vector<float> c(size_t(k * n));
+      kernel().run_f32(k, n, k, lhs.data(), rhs.data(), c.data(), n, nullptr);
+      for (int64_t i = 0; i < k; ++i)
+        for (int64_t j = 0; j < n; ++j)
+          ASSERT_EQ(c[size_t(i * n + j)], cpumoe::bf16_to_f32(b[size_t(j * ldb + i)])) << i << " " << j;
+    }
+  }
+}
+
+// A NaN in a row of A makes that row's outputs NaN and leaves the other rows finite.
+TEST_P(BGemmKernelTest, NaNStaysInItsRow) {
+  const int64_t m = 9, n = 17, k = 40;
+  std::vector<uint16_t> a(size_t(m * k), cpumoe::f32_to_bf16(0.5f)), b(size_t(n * k),
+                                                                       cpumoe::f32_to_bf16(-2.0f));
+  a[size_t(4 * k + 13)] = 0x7fc0;
+  std::vector<const uint16_t*> rows(static_cast<size_t>(m));
+  for (int64_t i = 0; i < m; ++i) rows[size_t(i)] = a.data() + i * k;
+  GuardedBuffer lhs(kernel().lhs_packed_size(m, k)), rhs(kernel().rhs_packed_size(n, k));
+  kernel().pack_lhs(m, k, rows.data(), lhs.data());
+  kernel().pack_rhs(n, k, b.data(), k, rhs.data());
+  std::vector<float> c(size_t(m * n));
+  kernel().run_f32(m, n, k, lhs.data(), rhs.data(), c.data(), n, nullptr);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      if (i == 4) {
+        EXPECT_TRUE(std::isnan(c[size_t(i * n + j)])) << j;
+      } else {
+        EXPECT_EQ(c[size_t(i * n + j)], -40.0f) << i << " " << j;
+      }
+    }
+}
+
+TEST_P(BGemmKernelTest, PackedSizesAndOffsetsAreConsistent) {
+  const BGemmUkernel& kn = kernel();
+  EXPECT_GE(kn.mr, 1);
+  EXPECT_GE(kn.nr, 1);
+  EXPECT_GE(kn.kr, 1);
+  for (int64_t k : {1, 7, 8, 9, 16, 17, 64, 2880}) {
+    const int64_t kp = cpumoe::round_up(k, kn.kr);
+    for (int64_t m = 0; m <= 40; ++m) {
+      SCOPED_TRACE(testing::Message() << "k=" << k << " m=n=" << m);
+      const size_t lsize = kn.lhs_packed_size(m, k), rsize = kn.rhs_packed_size(m, k);
+      ASSERT_GE(lsize, size_t(m * kp) * 2);
+      ASSERT_GE(rsize, size_t(m * kp) * 2);
+      ASSERT_GE(kn.lhs_packed_size(m + 1, k), lsize);
+      ASSERT_GE(kn.rhs_packed_size(m + 1, k), rsize);
+      ASSERT_EQ(kn.lhs_packed_offset(0, k), 0u);
+      ASSERT_EQ(kn.rhs_packed_offset(0, k), 0u);
+      for (int64_t i = kn.mr; i < m; i += kn.mr)
+        ASSERT_LE(kn.lhs_packed_offset(i, k) + kn.lhs_packed_size(m - i, k), lsize) << i;
+      for (int64_t j = kn.nr; j < m; j += kn.nr) {
+        ASSERT_LE(kn.rhs_packed_offset(j, k) + kn.rhs_packed_size(m - j, k), rsize) << j;
+        ASSERT_EQ(kn.rhs_packed_offset(j, k) % 64, 0u) << j;
+      }
+    }
+  }
+}
+
+std::string KernelName(const testing::TestParamInfo<const BGemmUkernel*>& info) {
+  return info.param->name;
+}
+
+INSTANTIATE_TEST_SUITE_P(Registry, BGemmKernelTest, testing::ValuesIn(cpumoe::bgemm_registry()),
+                         KernelName);
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+TEST(BGemmRegistry, BestFirstPortableLastNamesFollowTheGrammar) {
+  const auto& reg = cpumoe::bgemm_registry();
+  ASSERT_FALSE(reg.empty());
+  EXPECT_EQ(reg.back()->isa, Isa::portable);
+  const std::vector<Isa> ladder = cpumoe::isa_ladder();
+  std::set<std::string> names;
+  for (size_t i = 0; i < reg.size(); ++i) {
+    const std::string name = reg[i]->name;
+    EXPECT_TRUE(names.insert(name).second) << "duplicate " << name;
+    EXPECT_EQ(name.rfind("bgemm_", 0), 0u) << name;
+    EXPECT_TRUE(ends_with(name, std::string("_") + cpumoe::isa_name(reg[i]->isa))) << name;
+    const std::string tile = "_" + std::to_string(reg[i]->mr) + "x" + std::to_string(reg[i]->nr) + "_";
+    EXPECT_NE(name.find(tile), std::string::npos) << name << " lacks its tile " << tile;
+    EXPECT_NE(std::find(ladder.begin(), ladder.end(), reg[i]->isa), ladder.end()) << name;
+    EXPECT_EQ(cpumoe::bgemm_find(reg[i]->name), reg[i]);
+    if (i + 1 < reg.size()) {
+      EXPECT_GT(int(reg[i]->isa), int(reg[i + 1]->isa)) << name << " before " << reg[i + 1]->name;
+    }
+  }
+  EXPECT_EQ(cpumoe::bgemm_find("bgemm_no_such_kernel"), nullptr);
+}
+
+TEST(BGemmRegistry, SelectIsTheBestSupportedWithinTheCap) {
+  const Isa* env = cpumoe::env_isa_cap();
+  for (Isa cap : cpumoe::isa_ladder()) {
+    const BGemmUkernel* k = cpumoe::bgemm_select(&cap);
+    ASSERT_NE(k, nullptr);
+    const BGemmUkernel* want = nullptr;
+    for (const BGemmUkernel* c : cpumoe::bgemm_registry())
+      if (int(c->isa) <= int(cap) && (env == nullptr || int(c->isa) <= int(*env)) &&
+          cpumoe::cpu_supports(c->isa)) {
+        want = c;
+        break;
+      }
+    EXPECT_EQ(k, want) << cpumoe::isa_name(cap);
+  }
+  const BGemmUkernel* sel = cpumoe::bgemm_select();
+  std::cout << "[ selected ] " << sel->name << " (isa " << cpumoe::isa_name(sel->isa) << ")"
+            << std::endl;
+}
+
+}  // namespace
