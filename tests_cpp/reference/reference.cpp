@@ -131,4 +131,47 @@ std::vector<float> fused_moe(const MoeProblem& p, const MoeInputs& in, Activatio
   return out;
 }
 
+namespace {
+
+// y[j] = float(sum_x bf16(a[x]) * w[j][x]) (+ b[j]): exact products, double sum.
+void bf16_gemv(const float* a, const uint16_t* w, const float* b, int64_t n, int64_t k, float* y) {
+  for (int64_t j = 0; j < n; ++j) {
+    double acc = 0.0;
+    for (int64_t x = 0; x < k; ++x)
+      acc += double(round_to(a[x], DType::bf16)) * double(cpumoe::bf16_to_f32(w[j * k + x]));
+    y[j] = b != nullptr ? float(acc) + b[j] : float(acc);
+  }
+}
+
+}  // namespace
+
+std::vector<float> fused_moe_bf16(const MoeProblemBf16& p, const MoeInputs& in) {
+  const int64_t H = p.H, I = p.I;
+  const size_t h_sz = static_cast<size_t>(H), i_sz = static_cast<size_t>(I);
+  std::vector<float> out(static_cast<size_t>(in.T * H), 0.0f);
+  std::vector<float> xf(h_sz), h(2 * i_sz), a(i_sz), y(h_sz), acc(h_sz);
+  for (int64_t t = 0; t < in.T; ++t) {
+    for (int64_t c = 0; c < H; ++c) xf[size_t(c)] = load(in.x, in.dtype, t * in.x_stride + c);
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t j = 0; j < in.k; ++j) {
+      const int64_t e = in.topk_ids[t * in.ids_stride + j];
+      if (e < 0 || e >= p.E) std::abort();
+      bf16_gemv(xf.data(), p.w13.data() + e * 2 * I * H,
+                p.b13.empty() ? nullptr : p.b13.data() + e * 2 * I, 2 * I, H, h.data());
+      const bool interleaved = in.activation == Activation::swigluoai;
+      for (int64_t i = 0; i < I; ++i) {
+        const float g = interleaved ? h[size_t(2 * i)] : h[size_t(i)];
+        const float u = interleaved ? h[size_t(2 * i + 1)] : h[size_t(I + i)];
+        a[size_t(i)] = float(activation(in.activation, g, u));
+      }
+      bf16_gemv(a.data(), p.w2.data() + e * H * I, p.b2.empty() ? nullptr : p.b2.data() + e * H, H,
+                I, y.data());
+      const float w = in.skip_weighted ? 1.0f : in.topk_weights[t * in.weights_stride + j];
+      for (int64_t c = 0; c < H; ++c) acc[size_t(c)] = acc[size_t(c)] + w * y[size_t(c)];
+    }
+    for (int64_t c = 0; c < H; ++c) out[size_t(t * H + c)] = round_to(acc[size_t(c)], in.dtype);
+  }
+  return out;
+}
+
 }  // namespace cpumoe_ref

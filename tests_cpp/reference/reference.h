@@ -62,4 +62,16 @@ struct MoeInputs {
 std::vector<float> fused_moe(const MoeProblem& p, const MoeInputs& in,
                              ActivationFn act_override = nullptr);
 
+/// The BF16 op's problem: bf16 weights (raw bits), fp32 biases (or empty).
+struct MoeProblemBf16 {
+  int64_t E = 0, H = 0, I = 0;
+  std::vector<uint16_t> w13;  // [E, 2I, H]
+  std::vector<uint16_t> w2;   // [E, H, I]
+  std::vector<float> b13, b2;
+};
+
+/// The BF16 op: h = bf16(x) . w13^T (sum in double, rounded once to fp32) + b13, a = act(h),
+/// y = bf16(a) . w2^T + b2, fp32 combine, rounded to the input dtype.
+std::vector<float> fused_moe_bf16(const MoeProblemBf16& p, const MoeInputs& in);
+
 }  // namespace cpumoe_ref
