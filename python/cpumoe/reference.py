@@ -317,11 +317,14 @@ def ref_fused_moe_bf16(x, w13, w2, topk_weights, topk_ids, activation="silu", b1
     _check_activation(activation)
     b13n = _to_numpy(b13, float32=True)
     b2n = _to_numpy(b2, float32=True)
+    # bf16 weights widen exactly; other float dtypes are rounded to bf16 first.
+    w13_exact = _dtype_name(w13) == "bfloat16"
+    w2_exact = _dtype_name(w2) == "bfloat16"
 
     def ffn(e, x_rows, w13n, w2n):
         inter = w2n.shape[2]
-        w13e = round_to_dtype(w13n[e], "bfloat16")
-        w2e = round_to_dtype(w2n[e], "bfloat16")
+        w13e = w13n[e] if w13_exact else round_to_dtype(w13n[e], "bfloat16")
+        w2e = w2n[e] if w2_exact else round_to_dtype(w2n[e], "bfloat16")
         h = _bf16_linear(x_rows, w13e, None if b13n is None else b13n[e])
         a = _activation(activation, h, inter)
         return _bf16_linear(a, w2e, None if b2n is None else b2n[e])
