@@ -43,19 +43,22 @@ stage_native() {
 stage_x86_haswell() {
   log "native: x86-haswell, test binaries under qemu-x86_64 -cpu Haswell"
   command -v qemu-x86_64 >/dev/null || { echo "x86-haswell: qemu-x86_64 missing (qemu-user)" >&2; exit 1; }
-  local t out
-  for t in cpumoe_qgemm_test cpumoe_moe_test; do
+  local t out fam
+  for t in cpumoe_qgemm_test cpumoe_bgemm_test cpumoe_moe_test; do
     if ! out=$(OMP_WAIT_POLICY=PASSIVE qemu-x86_64 -cpu Haswell "$BUILD/native/tests_cpp/$t" 2>&1); then
       tail -n 60 <<<"$out"
       echo "x86-haswell: $t failed under qemu -cpu Haswell" >&2
       exit 1
     fi
     grep -E '^\[ selected \]|^\[  (PASSED|SKIPPED) +\] [0-9]+ test' <<<"$out" || true
-    if [ "$t" = cpumoe_qgemm_test ]; then
-      grep -qE '^\[ selected \] qgemm_[a-z0-9_]+_avx2 \(isa avx2' <<<"$out" ||
-        { echo "x86-haswell: the AVX2 kernel was not selected" >&2; exit 1; }
+    # The kernel families (qgemm int8, bgemm bf16): the AVX2 kernel selected, no AVX-512 one run.
+    fam=${t#cpumoe_}
+    fam=${fam%_test}
+    if [ "$fam" = qgemm ] || [ "$fam" = bgemm ]; then
+      grep -qE "^\[ selected \] ${fam}_[a-z0-9_]+_avx2 \(isa avx2" <<<"$out" ||
+        { echo "x86-haswell: the AVX2 $fam kernel was not selected" >&2; exit 1; }
       ! grep -qE '^\[       OK \] .*(avx512|amx)' <<<"$out" ||
-        { echo "x86-haswell: an AVX-512/AMX kernel test ran instead of being skipped" >&2; exit 1; }
+        { echo "x86-haswell: an AVX-512/AMX $fam kernel test ran instead of being skipped" >&2; exit 1; }
     fi
   done
 }
@@ -138,11 +141,12 @@ stage_cross() {
   done
   # The lower paths selected on -cpu max through the CPUMOE_ISA cap (what the dispatcher,
   # selection and default PackedMoe then use). The kernel tester and the MoE grid run every
-  # supported kernel whatever the cap, so the max run above already covered them: skipped here.
+  # supported kernel whatever the cap (int8 and bf16 families), so the max run above already
+  # covered them: skipped here.
   for isa in neon_bf16 neon_dotprod; do
     log "cross: ctest with QEMU_CPU=max CPUMOE_ISA=$isa"
     QEMU_CPU=max CPUMOE_ISA=$isa ctest --test-dir "$BUILD/aarch64" --output-on-failure -j "$JOBS" \
-      -E 'QGemmKernelTest|MoeGridTest|Fuzz\.'
+      -E 'QGemmKernelTest|BGemmKernelTest|MoeGridTest|MoeBf16GridTest|Fuzz\.'
   done
 }
 

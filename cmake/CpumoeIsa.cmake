@@ -47,17 +47,19 @@ if(CPUMOE_ARCH STREQUAL "aarch64")
   endif()
 endif()
 
-# x86-64: per-file flags for the AVX2, AVX-512 VNNI and AMX kernels (never global).
+# x86-64: per-file flags for the AVX2, AVX-512 VNNI, AVX-512 BF16 and AMX kernels (never global).
 option(CPUMOE_ENABLE_AVX2 "Build the x86-64 AVX2 kernels when the compiler takes -mavx2" ON)
-option(CPUMOE_ENABLE_AVX512 "Build the x86-64 AVX-512 VNNI kernels when the compiler takes them" ON)
+option(CPUMOE_ENABLE_AVX512 "Build the x86-64 AVX-512 VNNI and BF16 kernels when the compiler takes them" ON)
 # AMX is off by default: its kernel has not yet run on AMX hardware (only its tile logic, against a
 # software model of the tile instructions); turn it on where a Sapphire Rapids machine tests it.
 option(CPUMOE_ENABLE_AMX "Build the x86-64 AMX-INT8 kernel (needs the AVX-512 ones too)" OFF)
 set(CPUMOE_AVX2_FLAG -mavx2 -mfma)
 set(CPUMOE_AVX512VNNI_FLAG -mavx512f -mavx512bw -mavx512vl -mavx512vnni)
+set(CPUMOE_AVX512BF16_FLAG ${CPUMOE_AVX512VNNI_FLAG} -mavx512bf16)
 set(CPUMOE_AMX_FLAG ${CPUMOE_AVX512VNNI_FLAG} -mamx-tile -mamx-int8)
 set(CPUMOE_HAVE_AVX2 OFF)
 set(CPUMOE_HAVE_AVX512VNNI OFF)
+set(CPUMOE_HAVE_AVX512BF16 OFF)
 set(CPUMOE_HAVE_AMX OFF)
 if(CPUMOE_ARCH STREQUAL "x86_64")
   if(CPUMOE_ENABLE_AVX2)
@@ -74,6 +76,14 @@ if(CPUMOE_ARCH STREQUAL "x86_64")
                    a = _mm512_dpbusd_epi32(a, b, b);
                    return _mm_cvtsi128_si32(_mm512_castsi512_si128(a)) == 4 ? 0 : 1; }")
   endif()
+  if(CPUMOE_ENABLE_AVX512 AND CPUMOE_HAVE_AVX512VNNI)
+    cpumoe_check_isa(CPUMOE_HAVE_AVX512BF16 "-mavx512f -mavx512bw -mavx512vl -mavx512vnni -mavx512bf16" "
+      #include <immintrin.h>
+      int main() { __m512 a = _mm512_setzero_ps();
+                   __m512bh b = (__m512bh)_mm512_set1_epi32(0x3f803f80);
+                   a = _mm512_dpbf16_ps(a, b, b);
+                   return _mm_cvtss_f32(_mm512_castps512_ps128(a)) == 2.0f ? 0 : 1; }")
+  endif()
   if(CPUMOE_ENABLE_AMX AND CPUMOE_HAVE_AVX512VNNI)
     cpumoe_check_isa(CPUMOE_HAVE_AMX "-mavx512f -mavx512bw -mavx512vl -mavx512vnni -mamx-tile -mamx-int8" "
       #include <immintrin.h>
@@ -81,5 +91,5 @@ if(CPUMOE_ARCH STREQUAL "x86_64")
                    _tile_release(); } return 0; }")
   endif()
   message(STATUS "cpumoe: x86 kernels avx2=${CPUMOE_HAVE_AVX2} avx512_vnni=${CPUMOE_HAVE_AVX512VNNI} "
-                 "amx=${CPUMOE_HAVE_AMX}")
+                 "avx512_bf16=${CPUMOE_HAVE_AVX512BF16} amx=${CPUMOE_HAVE_AMX}")
 endif()

@@ -142,6 +142,45 @@ TEST_P(BGemmKernelTest, NaNStaysInItsRow) {
     }
 }
 
+// The dispatcher splits a GEMM into (row chunk, column tile) calls whose sizes depend on the
+// thread count; the op is deterministic only if an output element is summed the same way in any
+// such call. Every sub-block at tile offsets, and every row alone, must equal the full call bit
+// for bit.
+TEST_P(BGemmKernelTest, SubBlocksAreBitIdenticalToTheFullCall) {
+  const BGemmUkernel& kn = kernel();
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (int64_t k : {37, 300, 2048}) {
+    const int64_t m = 3 * kn.mr + 3, n = 4 * kn.nr + 5;
+    SCOPED_TRACE(testing::Message() << "k=" << k);
+    std::vector<uint16_t> a(size_t(m * k)), b(size_t(n * k));
+    for (auto& v : a) v = cpumoe::f32_to_bf16(nd(rng));
+    for (auto& v : b) v = cpumoe::f32_to_bf16(nd(rng));
+    std::vector<const uint16_t*> rows(static_cast<size_t>(m));
+    for (int64_t i = 0; i < m; ++i) rows[size_t(i)] = a.data() + i * k;
+    GuardedBuffer lhs(kn.lhs_packed_size(m, k)), rhs(kn.rhs_packed_size(n, k));
+    kn.pack_lhs(m, k, rows.data(), lhs.data());
+    kn.pack_rhs(n, k, b.data(), k, rhs.data());
+    std::vector<float> full(size_t(m * n));
+    kn.run_f32(m, n, k, lhs.data(), rhs.data(), full.data(), n, nullptr);
+    for (int64_t m0 = 0; m0 < m; m0 += kn.mr)
+      for (int64_t n0 = 0; n0 < n; n0 += kn.nr)
+        for (int64_t mc : {int64_t(1), kn.mr, m - m0})
+          for (int64_t nc : {int64_t(1), kn.nr, n - n0}) {
+            const int64_t mm = std::min(mc, m - m0), nn = std::min(nc, n - n0);
+            std::vector<float> part(size_t(mm * nn));
+            kn.run_f32(mm, nn, k, lhs.data() + kn.lhs_packed_offset(m0, k),
+                       rhs.data() + kn.rhs_packed_offset(n0, k), part.data(), nn, nullptr);
+            for (int64_t i = 0; i < mm; ++i)
+              for (int64_t j = 0; j < nn; ++j)
+                ASSERT_EQ(std::memcmp(&part[size_t(i * nn + j)],
+                                      &full[size_t((m0 + i) * n + n0 + j)], 4), 0)
+                    << "block at (" << m0 << ", " << n0 << ") of " << mm << "x" << nn
+                    << ", element (" << i << ", " << j << ")";
+          }
+  }
+}
+
 TEST_P(BGemmKernelTest, PackedSizesAndOffsetsAreConsistent) {
   const BGemmUkernel& kn = kernel();
   EXPECT_GE(kn.mr, 1);

@@ -10,50 +10,18 @@
 #include <algorithm>
 #include <cstring>
 
-#include "cpumoe/bgemm.h"
-#include "cpumoe/dtype.h"
-#include "cpumoe/qgemm.h"
+#include "ukernels/bgemm_common.h"
 
 namespace cpumoe {
 namespace {
 
+// Kr = 4 keeps every packed B block a multiple of 64 bytes.
+using Packing = BGemmPacking</*Nr=*/8, /*Kr=*/4, /*LhsBytes=*/4>;
 constexpr int64_t kMr = 4;
-constexpr int64_t kNr = 8;
-constexpr int64_t kKr = 4;  // keeps every packed B block a multiple of 64 bytes
+constexpr int64_t kNr = Packing::kNr;
 
 typedef float v4f __attribute__((vector_size(16)));
 typedef uint32_t v4u __attribute__((vector_size(16)));
-
-inline int64_t padded_k(int64_t k) { return round_up(k, kKr); }
-
-size_t lhs_size(int64_t m, int64_t k) { return size_t(m) * size_t(padded_k(k)) * 4; }
-size_t lhs_offset(int64_t m_idx, int64_t k) { return size_t(m_idx) * size_t(padded_k(k)) * 4; }
-
-void pack_lhs(int64_t m, int64_t k, const uint16_t* const* rows, void* packed) {
-  const int64_t kp = padded_k(k);
-  auto* dst = static_cast<float*>(packed);
-  for (int64_t i = 0; i < m; ++i) {
-    float* d = dst + i * kp;
-    for (int64_t x = 0; x < k; ++x) d[x] = bf16_to_f32(rows[i][x]);
-    std::fill(d + k, d + kp, 0.0f);
-  }
-}
-
-size_t rhs_size(int64_t n, int64_t k) {
-  return size_t(round_up(n, kNr)) * size_t(padded_k(k)) * 2;
-}
-size_t rhs_offset(int64_t n_idx, int64_t k) { return size_t(n_idx) * size_t(padded_k(k)) * 2; }
-
-void pack_rhs(int64_t n, int64_t k, const uint16_t* rhs, int64_t stride, void* packed) {
-  const int64_t kp = padded_k(k);
-  auto* dst = static_cast<uint16_t*>(packed);
-  for (int64_t j0 = 0; j0 < n; j0 += kNr) {
-    uint16_t* blk = dst + j0 * kp;
-    for (int64_t x = 0; x < kp; ++x)
-      for (int64_t c = 0; c < kNr; ++c)
-        blk[x * kNr + c] = (j0 + c < n && x < k) ? rhs[(j0 + c) * stride + x] : uint16_t(0);
-  }
-}
 
 inline v4f widen(const uint16_t* p) {
   uint16_t h[4];
@@ -95,7 +63,7 @@ inline void tile(const float* a, int64_t kp, const uint16_t* b, int64_t nc, floa
 
 void run_f32(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs, float* dst,
              int64_t ldd, const float* bias) {
-  const int64_t kp = padded_k(k);
+  const int64_t kp = Packing::padded_k(k);
   const auto* a = static_cast<const float*>(lhs);
   const auto* b = static_cast<const uint16_t*>(rhs);
   for (int64_t j0 = 0; j0 < n; j0 += kNr) {
@@ -115,19 +83,8 @@ void run_f32(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs, 
 
 }  // namespace
 
-extern const BGemmUkernel bgemm_f32r_bf16ck8_4x8_portable = {
-    "bgemm_f32r_bf16ck8_4x8_portable",
-    Isa::portable,
-    kMr,
-    kNr,
-    kKr,
-    lhs_size,
-    lhs_offset,
-    pack_lhs,
-    rhs_size,
-    rhs_offset,
-    pack_rhs,
-    run_f32,
-};
+extern const BGemmUkernel bgemm_f32r_bf16ck8_4x8_portable = make_bgemm<Packing>(
+    "bgemm_f32r_bf16ck8_4x8_portable", Isa::portable, kMr, pack_lhs_f32r<Packing>,
+    pack_rhs_bf16c<Packing, 1>, run_f32);
 
 }  // namespace cpumoe

@@ -84,10 +84,28 @@ const QGemmUkernel* qgemm_select(const Isa* cap) { return select_from(qgemm_regi
 const QGemmUkernel* qgemm_find(const char* name) { return find_in(qgemm_registry(), name); }
 
 #define CPUMOE_DECLARE_BGEMM(name) extern const BGemmUkernel name;
+#if defined(CPUMOE_HAVE_AVX512BF16)
+CPUMOE_DECLARE_BGEMM(bgemm_bf16r_bf16ci16x2_8x16_avx512_bf16)
+#endif
+#if defined(CPUMOE_HAVE_AVX2)
+CPUMOE_DECLARE_BGEMM(bgemm_f32r_bf16ci8x2_6x8_avx2)
+#endif
+#if defined(CPUMOE_HAVE_BF16)
+CPUMOE_DECLARE_BGEMM(bgemm_bf16p2x4_bf16cp8x4_8x8_neon_bf16)
+#endif
 CPUMOE_DECLARE_BGEMM(bgemm_f32r_bf16ck8_4x8_portable)
 
 const std::vector<const BGemmUkernel*>& bgemm_registry() {
   static const std::vector<const BGemmUkernel*> all = {
+#if defined(CPUMOE_HAVE_AVX512BF16)
+      &bgemm_bf16r_bf16ci16x2_8x16_avx512_bf16,
+#endif
+#if defined(CPUMOE_HAVE_AVX2)
+      &bgemm_f32r_bf16ci8x2_6x8_avx2,
+#endif
+#if defined(CPUMOE_HAVE_BF16)
+      &bgemm_bf16p2x4_bf16cp8x4_8x8_neon_bf16,
+#endif
       &bgemm_f32r_bf16ck8_4x8_portable,
   };
   return all;
