@@ -98,6 +98,71 @@ def test_bench_rejects_unknown_path(backend, capsys):
     assert "--paths" in capsys.readouterr().err
 
 
+def _vllm_runs(backend) -> bool:
+    from cpumoe import vllm_cpu
+    return backend.name == "torch" and vllm_cpu.load() is None
+
+
+def _bench_rows(out: str):
+    """The timing rows of a bench table: [T, label, kernel, ...] (rows start with a number)."""
+    return [ln.split() for ln in out.splitlines() if ln.split()[:1] and ln.split()[0].isdigit()]
+
+
+def test_bench_contenders_cold_warm_json(backend, capsys, tmp_path):
+    js = tmp_path / "b.json"
+    argv = ["bench", *_args(backend, "--tokens", "1,4", "--iters", "2", "--warmup", "0",
+                            "--contenders", "all", "--weights", "cold,warm", "--probe-mib", "8",
+                            "--no-progress", "--json", str(js))]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    want = [cpumoe.selected_path()]  # with --contenders: the selected int8 path only
+    if hasattr(cpumoe, "fused_moe_bf16"):
+        want.append("cpumoe-bf16")
+    if _vllm_runs(backend):
+        want += ["vllm-int8", "vllm-bf16"]
+    else:
+        assert "skip   vllm-int8" in out and "skip   vllm-bf16" in out
+    rows = _bench_rows(out)
+    assert sorted((r[0], r[1]) for r in rows) == sorted(
+        (t, c) for t in ("1", "4") for c in want for _ in ("cold", "warm"))
+    assert out.count("timing   ") == 2 and "probe    read" in out
+    assert "FAIL" not in out and out.count("  check  ") == len(want)
+    doc = json.loads(js.read_text())
+    assert {r["weights"] for r in doc["results"]} == {"cold", "warm"}
+    for r in doc["results"]:
+        assert r["calls"] == 2 and r["check_ok"] and r["pct_probe"] > 0 and r["gops"] > 0
+        assert 1 <= r["experts_read"] <= 8
+    assert doc["probe"]["read_gbs"] > 0
+    pairs = {(r["a"], r["b"]) for r in doc["ratios"]}
+    if "cpumoe-bf16" in want:
+        assert ("cpumoe-int8", "cpumoe-bf16") in pairs and "cpumoe-int8/cpumoe-bf16" in out
+    if _vllm_runs(backend):
+        assert ("cpumoe-int8", "vllm-int8") in pairs
+        assert doc["vllm"]["schemas"]["fused_experts_cpu"].startswith("_C::fused_experts_cpu(")
+
+
+def test_bench_targets_and_presets(backend, capsys):
+    # Two presets shrunk to the small shape; gpt-oss keeps swigluoai and its biases, which
+    # vLLM's int8 kernel does not compute.
+    argv = ["bench", *_args(backend, "--preset", "qwen3-30b-a3b,gpt-oss-20b", "--tokens", "1",
+                            "--iters", "1", "--warmup", "0", "--probe-mib", "8", "--targets",
+                            "--weights", "cold", "--no-progress")]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "layer    " in out and "gpt-oss-20b (modified)" in out
+    assert out.count("timing   ") == 2
+    lines = out[out.index("targets  "):].splitlines()[1:]
+    assert len(lines) == 4 and all(ln.split()[0] in ("PASS", "FAIL", "n/a") for ln in lines)
+    if _vllm_runs(backend):
+        assert "skip   vllm-int8: silu only, not swigluoai" in out
+
+
+def test_bench_rejects_unknown_contender(backend, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", *_args(backend, "--contenders", "cpumoe-int8,bogus")])
+    assert e.value.code == 2 and "unknown contender bogus" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------- info
 def test_info_text_and_json(capsys):
     assert cli.main(["info"]) == 0

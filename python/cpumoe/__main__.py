@@ -5,8 +5,10 @@ Subcommands:
 - ``cpumoe check``: correctness of every path this CPU runs against cpumoe.reference: a matrix
   of small cases (dtypes x activations x bias, expert_map, skip_weighted, int64 ids, strided
   rows, T = 0), then the preset layer; exit code 1 on a failure.
-- ``cpumoe bench``: tokens/s of the preset layer for each path and T (tqdm progress bar, table on
-  stdout, ``--json out.json``, ``--plot out.png`` with matplotlib).
+- ``cpumoe bench`` (cpumoe/bench.py): times preset layers for each path and T, and side by side
+  cpumoe's bf16 op and vLLM's CPU kernels (``--contenders``), cold and warm weights, against a
+  read-bandwidth probe (tqdm progress bar, tables and ratios on stdout, ``--json out.json``,
+  ``--plot out.png`` with matplotlib, ``--targets`` for issue 4's matrix and verdicts).
 - ``cpumoe info``: CPU features, paths, kernels, build (``--json`` for a machine-readable form).
 
 With no subcommand (the original command line, all its flags kept) it runs the Qwen3-30B-A3B MoE
@@ -43,6 +45,7 @@ DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",
                  "float16": "float16", "half": "float16", "fp32": "float32",
                  "float32": "float32", "float": "float32"}
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
+DEFAULT_PRESET = "qwen3-30b-a3b"
 SUBCOMMANDS = ("check", "bench", "info")
 BENCH_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128]
 
@@ -71,10 +74,34 @@ def _token_list(s: str) -> List[int]:
     return out
 
 
-def _problem_args(p: argparse.ArgumentParser, tokens_default: List[int]) -> None:
-    """The options that define the layer and how it runs (shared by run, check, bench)."""
-    p.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-30b-a3b",
-                   help="layer shape to start from (default: %(default)s)")
+def _name_list(choices, all_value, what: str):
+    """An argparse type: comma-separated names from ``choices``, ``all`` standing for
+    ``all_value``; duplicates dropped, order kept."""
+    def parse(s: str) -> List[str]:
+        names: List[str] = []
+        for n in (n.strip() for n in s.split(",")):
+            names += list(all_value) if n == "all" else [n] if n else []
+        bad = [n for n in names if n not in choices]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(
+                f"unknown {what} {', '.join(bad) or '(empty)'}; choose from "
+                f"{', '.join(choices)} or all")
+        return list(dict.fromkeys(names))
+    return parse
+
+
+def _problem_args(p: argparse.ArgumentParser, tokens_default: List[int],
+                  multi_preset: bool = False) -> None:
+    """The options that define the layer and how it runs (shared by run, check, bench; bench
+    takes several presets)."""
+    if multi_preset:
+        p.add_argument("--preset", type=_name_list(list(PRESETS), list(PRESETS), "preset"),
+                       default=None,
+                       help=f"comma-separated layer shapes to start from, or all (default: "
+                            f"{DEFAULT_PRESET})")
+    else:
+        p.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET,
+                       help="layer shape to start from (default: %(default)s)")
     p.add_argument("--tokens", type=_token_list, default=tokens_default,
                    help=f"comma-separated token counts T (default: "
                         f"{','.join(map(str, tokens_default))})")
@@ -125,24 +152,6 @@ def _check_parser() -> argparse.ArgumentParser:
     _problem_args(p, [1, 16])
     p.add_argument("--no-layer", action="store_true",
                    help="only the small cases, not the preset layer")
-    return p
-
-
-def _bench_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="cpumoe bench",
-        description="Time the preset layer on each path for each T: a table on stdout, "
-                    "optionally JSON and a plot of tokens/s vs T.")
-    _problem_args(p, BENCH_TOKENS)
-    _timing_args(p, "timed calls per (path, T) (default: about --seconds worth, 3 to 50)")
-    p.add_argument("--seconds", type=_positive_float, default=1.0,
-                   help="time budget per (path, T) when --iters is not given (default: 1)")
-    p.add_argument("--paths", default="all",
-                   help="comma-separated paths, 'all' (default: every path this CPU runs, "
-                        "capped by --isa) or 'selected'")
-    p.add_argument("--json", metavar="FILE", help="write the results as JSON")
-    p.add_argument("--plot", metavar="FILE", help="plot tokens/s vs T per path (matplotlib)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 
@@ -356,31 +365,6 @@ def _print_header(layer: _Layer, out) -> Optional[str]:
     return chosen
 
 
-def _time_calls(layer: _Layer, packed, x, calls, result, warmup: int, iters: Optional[int],
-                budget: float, min_iters: int) -> List[float]:
-    """Times fused_moe_int8 calls cycling through ``calls`` (routings); returns the timings."""
-    import cpumoe
-
-    def call(n: int) -> float:
-        ids_t, wts_t = calls[n % len(calls)]
-        t = time.perf_counter()
-        cpumoe.fused_moe_int8(x, packed, wts_t, ids_t, layer.activation, out=result,
-                              num_threads=layer.threads)
-        return time.perf_counter() - t
-
-    n = 0
-    first = None
-    for _ in range(max(0, warmup)):
-        first = call(n)
-        n += 1
-    if iters is None:
-        if first is None:
-            first = call(n)
-            n += 1
-        iters = int(min(50, max(min_iters, round(budget / max(first, 1e-6)))))
-    return [call(n + i) for i in range(iters)]
-
-
 def _problems(layer: _Layer, tokens: List[int]):
     lib = layer.lib
     rng = np.random.default_rng([layer.seed, 12345])
@@ -389,23 +373,6 @@ def _problems(layer: _Layer, tokens: List[int]):
         x = lib.tensor(rng.standard_normal((T, layer.H), dtype=np.float32), layer.dtype)
         problems[T] = (x, [make_routing(rng, T, layer.E, layer.k) for _ in range(16)])
     return problems
-
-
-def _row(T: int, path: str, kernel: str, times: List[float], touched: float) -> dict:
-    med, best = float(np.median(times)), float(np.min(times))
-    return {"T": T, "path": path, "kernel": kernel, "ms_median": med * 1e3, "ms_min": best * 1e3,
-            "tokens_per_s": T / med if med > 0 else float("inf"),
-            "weights_gbs": touched / med / 1e9 if med > 0 and T else 0.0, "calls": len(times)}
-
-
-_TABLE_HEAD = (f"{'T':>6}  {'path':<12} {'kernel':<40} {'ms/call med':>11} {'ms/call min':>11} "
-               f"{'tokens/s':>10} {'weights GB/s':>12} {'calls':>5}")
-
-
-def _fmt_row(r: dict) -> str:
-    return (f"{r['T']:>6}  {r['path']:<12} {r['kernel']:<40} {r['ms_median']:>11.3f} "
-            f"{r['ms_min']:>11.3f} {r['tokens_per_s']:>10.0f} {r['weights_gbs']:>12.2f} "
-            f"{r['calls']:>5}")
 
 
 # ---------------------------------------------------------------------------- run (default)
@@ -459,13 +426,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     print(f"timing   median and min of the timed calls after {args.warmup} warm-up; each call "
           f"routes anew (16 routings per T), so the experts read change from call to call",
           file=out)
-    print(_TABLE_HEAD, file=out)
+    from . import bench  # the timing machinery of cpumoe bench
+    print(bench.TABLE_HEAD, file=out)
+    contender = bench.cpumoe_int8(layer, packed)
     for T, (x, routings) in problems.items():
-        calls = [(lib.tensor(i), lib.tensor(w)) for i, w in routings]
-        touched = np.mean([len(np.unique(i)) for i, _ in routings]) * layer.expert_bytes
-        result = lib.tensor(np.zeros((T, layer.H), np.float32), layer.dtype)
-        times = _time_calls(layer, packed, x, calls, result, args.warmup, args.iters, 2.0, 5)
-        print(_fmt_row(_row(T, packed.path, packed.kernel, times, touched)), file=out)
+        rows, _ = bench.time_point(layer, [contender], "cold", T, x, routings, None, args.warmup,
+                                   args.iters, 2.0, 1, min_calls=5, max_calls=50)
+        print(bench.fmt_row(rows[0]), file=out)
 
     if failed:
         print("FAIL: the op is outside the tolerance of the reference", file=out)
@@ -620,127 +587,6 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0 if n_fail == 0 else 1
 
 
-# ---------------------------------------------------------------------------- bench
-def _progress(total: int, enabled: bool):
-    """A tqdm bar on stderr, or a stand-in with the same two methods when tqdm is missing."""
-    if enabled:
-        try:
-            from tqdm import tqdm
-            return tqdm(total=total, desc="bench", unit="point", file=sys.stderr, leave=False)
-        except ImportError:
-            print("cpumoe bench: no progress bar (tqdm is not installed: pip install tqdm)",
-                  file=sys.stderr)
-
-    class _Quiet:
-        def update(self, n: int = 1) -> None:
-            pass
-
-        def set_postfix_str(self, s: str) -> None:
-            pass
-
-        def close(self) -> None:
-            pass
-
-    return _Quiet()
-
-
-def plot_results(results: List[dict], path: str, title: str) -> None:
-    """tokens/s vs T (log-log), one line per path, written to ``path`` (matplotlib, no pyplot:
-    no display or global state needed). ImportError when matplotlib is missing."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(7, 4.5), dpi=110)
-    ax = fig.subplots()
-    for p in dict.fromkeys(r["path"] for r in results):
-        pts = sorted((r["T"], r["tokens_per_s"]) for r in results if r["path"] == p and r["T"])
-        if pts:
-            ax.plot([t for t, _ in pts], [v for _, v in pts], marker="o", label=p)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("tokens per call (T)")
-    ax.set_ylabel("tokens / s")
-    ax.set_title(title, fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-
-
-def _cmd_bench(args: argparse.Namespace) -> int:
-    import cpumoe
-
-    layer = _Layer(args)
-    if layer.k > layer.E:
-        print(f"cpumoe bench: --topk {layer.k} exceeds --experts {layer.E}", file=sys.stderr)
-        return 2
-    out = sys.stdout
-    if _print_header(layer, out) is None:
-        return 2
-    avail = _paths_under(layer.isa)
-    if args.paths == "all":
-        paths = avail
-    elif args.paths == "selected":
-        paths = [cpumoe.selected_path(layer.isa)]
-    else:
-        paths = [p.strip() for p in args.paths.split(",") if p.strip()]
-        bad = [p for p in paths if p not in avail]
-        if bad or not paths:
-            print(f"cpumoe bench: --paths: {', '.join(bad) or '(empty)'} not among the paths "
-                  f"this CPU runs ({', '.join(avail)})", file=sys.stderr)
-            return 2
-    can_plot = True
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            can_plot = False
-            print(f"cpumoe bench: --plot {args.plot}: matplotlib is not installed (pip install "
-                  f"matplotlib); running without the plot", file=sys.stderr)
-    t_gen = layer.make()
-    print(f"weights  {layer.E * layer.expert_bytes / 1e6:.1f} MB int8 (made in {t_gen:.1f} s); "
-          f"paths {', '.join(paths)}", file=out)
-    lib = layer.lib
-    problems = _problems(layer, args.tokens)
-    budget = args.seconds
-    bar = _progress(len(paths) * len(problems), not args.no_progress)
-    results = []
-    try:
-        # T outer, paths inner: a slow spell of a shared machine then hits every path alike.
-        for T, (x, routings) in problems.items():
-            calls = [(lib.tensor(i), lib.tensor(w)) for i, w in routings]
-            touched = np.mean([len(np.unique(i)) for i, _ in routings]) * layer.expert_bytes
-            result = lib.tensor(np.zeros((T, layer.H), np.float32), layer.dtype)
-            for path in paths:
-                bar.set_postfix_str(f"T={T} {path}")
-                packed = layer.packed(path)
-                times = _time_calls(layer, packed, x, calls, result, args.warmup, args.iters,
-                                    budget, 3)
-                results.append(_row(T, path, packed.kernel, times, touched))
-                bar.update(1)
-    finally:
-        bar.close()
-    results.sort(key=lambda r: (paths.index(r["path"]), r["T"]))
-    print(f"timing   median and min after {args.warmup} warm-up calls, 16 routings per T",
-          file=out)
-    print(_TABLE_HEAD, file=out)
-    for r in results:
-        print(_fmt_row(r), file=out)
-    if args.json:
-        doc = {"cpumoe": cpumoe.__version__, "problem": {
-            "name": layer.name, "H": layer.H, "I": layer.I, "E": layer.E, "k": layer.k,
-            "activation": layer.activation, "bias": layer.bias, "dtype": layer.dtype,
-            "backend": lib.name, "threads": layer.threads},
-            "cpu": cpumoe.cpu_features(), "results": results}
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
-        print(f"json     {args.json}", file=out)
-    if args.plot and can_plot:
-        plot_results(results, args.plot, f"cpumoe {layer.name}: H={layer.H} I={layer.I} "
-                     f"E={layer.E} top-{layer.k}, {layer.dtype}, {layer.threads} threads")
-        print(f"plot     {args.plot}", file=out)
-    return 0
-
-
 # ---------------------------------------------------------------------------- info
 def info_dict() -> Dict[str, Any]:
     """What ``cpumoe info`` prints, as a dict."""
@@ -829,8 +675,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         args = _check_parser().parse_args(argv)
         handler = _cmd_check
     elif cmd == "bench":
-        args = _bench_parser().parse_args(argv)
-        handler = _cmd_bench
+        from . import bench  # the bench module (imports this one)
+        args = bench.parser().parse_args(argv)
+        handler = bench.run
     else:
         args = _parser().parse_args(argv)
         handler = _cmd_run

