@@ -23,7 +23,7 @@
 
 #include "cpumoe/bgemm.h"
 #include "cpumoe/dtype.h"
-#include "qgemm_tester.h"  // GuardedBuffer
+#include "qgemm_tester.h"  // GuardedBuffer, Block, add_offset_blocks
 
 namespace cpumoe_test {
 
@@ -77,7 +77,7 @@ class BGemmTester {
     for (auto& v : bias) v = float(bd(rng)) * (reals_ ? 0.37f : 1.0f);
 
     std::vector<Block> blocks{{0, m_, 0, n_}};
-    if (offsets_) add_offset_blocks(kern, rng, &blocks);
+    if (offsets_) add_offset_blocks(kern, m_, n_, rng, &blocks);
     for (const Block& blk : blocks) {
       SCOPED_TRACE(testing::Message() << "block rows [" << blk.m0 << ", " << blk.m0 + blk.mc
                                       << ") cols [" << blk.n0 << ", " << blk.n0 + blk.nc << ")");
@@ -116,28 +116,6 @@ class BGemmTester {
  private:
   static constexpr float kSentinel = -12345.678f;
 
-  struct Block {
-    int64_t m0, mc, n0, nc;
-    bool contains(int64_t i, int64_t j) const {
-      return i >= m0 && i < m0 + mc && j >= n0 && j < n0 + nc;
-    }
-  };
-
-  void add_offset_blocks(const cpumoe::BGemmUkernel& kern, std::mt19937& rng,
-                         std::vector<Block>* blocks) const {
-    std::vector<int64_t> m0s{0}, n0s{0};
-    if (m_ > kern.mr) m0s.push_back(kern.mr);
-    if ((m_ - 1) / kern.mr * kern.mr > kern.mr) m0s.push_back((m_ - 1) / kern.mr * kern.mr);
-    if (n_ > kern.nr) n0s.push_back(kern.nr);
-    if ((n_ - 1) / kern.nr * kern.nr > kern.nr) n0s.push_back((n_ - 1) / kern.nr * kern.nr);
-    for (int64_t m0 : m0s)
-      for (int64_t n0 : n0s) {
-        if (m0 == 0 && n0 == 0) continue;
-        blocks->push_back({m0, m_ - m0, n0, n_ - n0});
-        blocks->push_back({m0, 1 + int64_t(rng() % uint32_t(m_ - m0)), n0,
-                           1 + int64_t(rng() % uint32_t(n_ - n0))});
-      }
-  }
 
   // Row padding gets NaN bit patterns: a packer that reads past k poisons the result.
   void fill(std::vector<uint16_t>& v, std::mt19937& rng) const {

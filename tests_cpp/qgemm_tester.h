@@ -48,6 +48,36 @@ class GuardedBuffer {
   std::unique_ptr<uint8_t, Free> p_;
 };
 
+/// A sub-block of a tester's problem: rows [m0, m0 + mc), columns [n0, n0 + nc).
+struct Block {
+  int64_t m0, mc, n0, nc;
+  bool contains(int64_t i, int64_t j) const {
+    return i >= m0 && i < m0 + mc && j >= n0 && j < n0 + nc;
+  }
+};
+
+/// Blocks of an m x n problem at the first and the last tile boundary of @p kern (any kernel
+/// family), each with the rest of the problem and with a shorter random extent (the dispatcher
+/// calls both ways).
+template <class Kernel>
+void add_offset_blocks(const Kernel& kern, int64_t m, int64_t n, std::mt19937& rng,
+                       std::vector<Block>* blocks) {
+  std::vector<int64_t> m0s{0}, n0s{0};
+  if (m > kern.mr) m0s.push_back(kern.mr);
+  if ((m - 1) / kern.mr * kern.mr > kern.mr) m0s.push_back((m - 1) / kern.mr * kern.mr);
+  if (n > kern.nr) n0s.push_back(kern.nr);
+  if ((n - 1) / kern.nr * kern.nr > kern.nr) n0s.push_back((n - 1) / kern.nr * kern.nr);
+  for (int64_t m0 : m0s) {
+    for (int64_t n0 : n0s) {
+      if (m0 == 0 && n0 == 0) continue;
+      blocks->push_back({m0, m - m0, n0, n - n0});
+      const int64_t mc = 1 + int64_t(rng() % uint32_t(m - m0));
+      const int64_t nc = 1 + int64_t(rng() % uint32_t(n - n0));
+      blocks->push_back({m0, mc, n0, nc});
+    }
+  }
+}
+
 class QGemmTester {
  public:
   QGemmTester& m(int64_t v) { m_ = v; return *this; }
@@ -111,7 +141,7 @@ class QGemmTester {
 
     // The whole problem, then sub-blocks starting at tile boundaries.
     std::vector<Block> blocks{{0, m_, 0, n_}};
-    if (offsets_) add_offset_blocks(kern, rng, &blocks);
+    if (offsets_) add_offset_blocks(kern, m_, n_, rng, &blocks);
     for (const Block& blk : blocks) {
       SCOPED_TRACE(testing::Message() << "block rows [" << blk.m0 << ", " << blk.m0 + blk.mc
                                       << ") cols [" << blk.n0 << ", " << blk.n0 + blk.nc << ")");
@@ -160,32 +190,6 @@ class QGemmTester {
   static constexpr int32_t kSentinelS32 = 0x5eadbeef;
   static constexpr float kSentinelF32 = -12345.678f;
 
-  struct Block {
-    int64_t m0, mc, n0, nc;
-    bool contains(int64_t i, int64_t j) const {
-      return i >= m0 && i < m0 + mc && j >= n0 && j < n0 + nc;
-    }
-  };
-
-  // Offsets at the first and the last tile boundary inside the problem, each with the rest of the
-  // problem and with a shorter random extent (the dispatcher calls both ways).
-  void add_offset_blocks(const cpumoe::QGemmUkernel& kern, std::mt19937& rng,
-                         std::vector<Block>* blocks) const {
-    std::vector<int64_t> m0s{0}, n0s{0};
-    if (m_ > kern.mr) m0s.push_back(kern.mr);
-    if ((m_ - 1) / kern.mr * kern.mr > kern.mr) m0s.push_back((m_ - 1) / kern.mr * kern.mr);
-    if (n_ > kern.nr) n0s.push_back(kern.nr);
-    if ((n_ - 1) / kern.nr * kern.nr > kern.nr) n0s.push_back((n_ - 1) / kern.nr * kern.nr);
-    for (int64_t m0 : m0s) {
-      for (int64_t n0 : n0s) {
-        if (m0 == 0 && n0 == 0) continue;
-        blocks->push_back({m0, m_ - m0, n0, n_ - n0});
-        const int64_t mc = 1 + int64_t(rng() % uint32_t(m_ - m0));
-        const int64_t nc = 1 + int64_t(rng() % uint32_t(n_ - n0));
-        blocks->push_back({m0, mc, n0, nc});
-      }
-    }
-  }
 
   void fill(std::vector<int8_t>& v, int lo, int hi, int8_t c, std::mt19937& rng) const {
     std::uniform_int_distribution<int> d(lo, hi);

@@ -86,6 +86,26 @@ def _bias(name: str, obj: Any, E: int, N: int):
     return b, v.address, v.dtype
 
 
+def _expert_weights(w13: Any, w2: Any, dtype: str, isa: Any):
+    """Checks w13 [E, 2I, H] and w2 [E, H, I] of ``dtype`` and the isa argument of a prepack.
+    Returns (w13 contiguous, its view, w2's view, E, H, I); w2's view keeps w2 alive."""
+    w13 = contiguous("w13", w13)
+    w2 = contiguous("w2", w2)
+    v13, v2 = view("w13", w13), view("w2", w2)
+    check_dtype(v13, "w13", (dtype,))
+    check_dtype(v2, "w2", (dtype,))
+    if v13.ndim != 3:
+        raise ValueError(f"w13: shape must be [E, 2I, H], got {list(v13.shape)}")
+    E, I2, H = v13.shape
+    if I2 % 2:
+        raise ValueError(f"w13: dim 1 must be 2*I (even), got {I2}")
+    I = I2 // 2
+    check_shape(v2, "w2", (E, H, I), " to match w13 [E, 2I, H]")
+    if isa is not None and not isinstance(isa, str):
+        raise TypeError(f"isa: must be a str or None, got {type(isa).__name__}")
+    return w13, v13, v2, E, H, I
+
+
 def prepack(w13: Any, w2: Any, s13: Any, s2: Any, b13: Any = None, b2: Any = None, *,
             isa: Optional[str] = None, num_threads: Optional[int] = None) -> PackedMoe:
     """Packs a layer's int8 expert weights once, for the path this CPU will use.
@@ -99,24 +119,11 @@ def prepack(w13: Any, w2: Any, s13: Any, s2: Any, b13: Any = None, b2: Any = Non
         CPUMOE_ISA environment variable.
     H and I must be multiples of 8. The inputs are copied; they can be freed afterwards.
     """
-    w13 = contiguous("w13", w13)
-    w2 = contiguous("w2", w2)
-    v13, v2 = view("w13", w13), view("w2", w2)
-    check_dtype(v13, "w13", ("int8",))
-    check_dtype(v2, "w2", ("int8",))
-    if v13.ndim != 3:
-        raise ValueError(f"w13: shape must be [E, 2I, H], got {list(v13.shape)}")
-    E, I2, H = v13.shape
-    if I2 % 2:
-        raise ValueError(f"w13: dim 1 must be 2*I (even), got {I2}")
-    I = I2 // 2
-    check_shape(v2, "w2", (E, H, I), " to match w13 [E, 2I, H]")
+    w13, v13, v2, E, H, I = _expert_weights(w13, w2, "int8", isa)
     s13, vs13 = _scales("s13", s13, E, 2 * I)
     s2, vs2 = _scales("s2", s2, E, H)
     b13, b13_addr, b13_dt = _bias("b13", b13, E, 2 * I)
     b2, b2_addr, b2_dt = _bias("b2", b2, E, H)
-    if isa is not None and not isinstance(isa, str):
-        raise TypeError(f"isa: must be a str or None, got {type(isa).__name__}")
     return _C.prepack(E, H, I, v13.address, v2.address, vs13.address, vs2.address, b13_addr,
                       b13_dt, b2_addr, b2_dt, isa, _num_threads(num_threads, w13))
 
@@ -132,22 +139,9 @@ def prepack_bf16(w13: Any, w2: Any, b13: Any = None, b2: Any = None, *,
       isa: cap the path, as in :func:`prepack`.
     H and I must be multiples of 8. The inputs are copied; they can be freed afterwards.
     """
-    w13 = contiguous("w13", w13)
-    w2 = contiguous("w2", w2)
-    v13, v2 = view("w13", w13), view("w2", w2)
-    check_dtype(v13, "w13", ("bfloat16",))
-    check_dtype(v2, "w2", ("bfloat16",))
-    if v13.ndim != 3:
-        raise ValueError(f"w13: shape must be [E, 2I, H], got {list(v13.shape)}")
-    E, I2, H = v13.shape
-    if I2 % 2:
-        raise ValueError(f"w13: dim 1 must be 2*I (even), got {I2}")
-    I = I2 // 2
-    check_shape(v2, "w2", (E, H, I), " to match w13 [E, 2I, H]")
+    w13, v13, v2, E, H, I = _expert_weights(w13, w2, "bfloat16", isa)
     b13, b13_addr, b13_dt = _bias("b13", b13, E, 2 * I)
     b2, b2_addr, b2_dt = _bias("b2", b2, E, H)
-    if isa is not None and not isinstance(isa, str):
-        raise TypeError(f"isa: must be a str or None, got {type(isa).__name__}")
     return _C.prepack_bf16(E, H, I, v13.address, v2.address, b13_addr, b13_dt, b2_addr, b2_dt,
                            isa, _num_threads(num_threads, w13))
 
