@@ -35,6 +35,9 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpumoe/bench_hooks.h"  // no-ops unless built with CPUMOE_BENCH_HOOKS
+#include "cpumoe/quantize.h"
+
 #if defined(_OPENMP)
 #include <omp.h>
 #endif
@@ -71,12 +74,19 @@ void parallel_for(int64_t n, int threads, const Fn& fn) {
   if (threads > 1 && n > 1) {
     const int team = int(std::min<int64_t>(threads, n));  // no idle threads to wake
 #pragma omp parallel for schedule(dynamic, 1) num_threads(team)
-    for (int64_t i = 0; i < n; ++i) fn(i, omp_get_thread_num());
+    for (int64_t i = 0; i < n; ++i) {
+      const int tid = omp_get_thread_num();
+      fn(i, tid);
+      CPUMOE_BENCH_TASK(tid);
+    }
     return;
   }
 #endif
   (void)threads;
-  for (int64_t i = 0; i < n; ++i) fn(i, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    fn(i, 0);
+    CPUMOE_BENCH_TASK(0);
+  }
 }
 
 inline size_t align_up(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
@@ -267,28 +277,6 @@ ChunkSizes worst_case(const Kernel& kern, int64_t E, int64_t H, int64_t I, int64
   return s;
 }
 
-template <class T>
-inline float quantize_typed(const T* x, int64_t n, int8_t* q, float (*load)(T)) {
-  float amax = 0.0f;
-  for (int64_t i = 0; i < n; ++i) {
-    const float a = std::fabs(load(x[i]));
-    amax = (a > amax || a != a) ? a : amax;  // a NaN sticks: the row's scale becomes NaN
-  }
-  // NaN stays NaN (std::max returns its first argument when the comparison is false); an inf
-  // gives an inf scale. Either way every q is 0 and the row's results are NaN: non-finite input
-  // propagates, it is never silently replaced by finite values.
-  const float s = std::max(amax, kAmaxFloor) / 127.0f;
-  for (int64_t i = 0; i < n; ++i) {
-    float v = load(x[i]) / s;
-    v = (v + 12582912.0f) - 12582912.0f;  // round half to even (|v| <= 127 here)
-    v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-    q[i] = v == v ? int8_t(v) : int8_t(0);  // NaN quantizes to 0 instead of undefined behaviour
-  }
-  return s;
-}
-
-inline float load_f32(float v) { return v; }
-
 // The id as given (global when an expert map is set).
 inline int64_t load_raw_id(const MoeCall& c, int64_t t, int64_t j) {
   if (c.topk_ids_int64)
@@ -361,22 +349,6 @@ void validate(const Packed& pk, const MoeCall& c) {
       if (e < 0 || e >= ids_bound)
         fail("topk_ids: expert id " + std::to_string(e) + " at [" + std::to_string(t) + ", " +
              std::to_string(j) + "] is outside [0, " + std::to_string(ids_bound) + ")");
-    }
-  }
-}
-
-void store_row(const float* acc, int64_t n, DType dt, void* dst) {
-  switch (dt) {
-    case DType::f32: std::memcpy(dst, acc, size_t(n) * 4); break;
-    case DType::f16: {
-      auto* d = static_cast<uint16_t*>(dst);
-      for (int64_t i = 0; i < n; ++i) d[i] = f32_to_f16(acc[i]);
-      break;
-    }
-    case DType::bf16: {
-      auto* d = static_cast<uint16_t*>(dst);
-      for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16(acc[i]);
-      break;
     }
   }
 }
@@ -525,8 +497,10 @@ struct Chunk {
             int64_t n_tasks, const float* row_scale, float* dst, const WeightsOf& weights,
             const ScaleOf& scale, const BiasOf& bias) const {
     make_tasks(n, tasks);
-    parallel_for(n_tasks, threads, [&](int64_t i, int) {
+    parallel_for(n_tasks, threads, [&](int64_t i, int tid) {
       const Task& tk = tasks[i];
+      CPUMOE_BENCH_WORK(tid, (tk.m + 1) / 2 * ((tk.n + 1) / 2) * ((depth + 7) / 8));
+      (void)tid;
       const int64_t row0 = first[tk.e] + tk.m0;
       const float* b = bias(tk.e);
       const uint8_t* lp = lhs + off[tk.e] + kern.lhs_packed_offset(tk.m0, depth);
@@ -557,6 +531,7 @@ struct Chunk {
   }
 
   void run() {
+    CPUMOE_BENCH_PHASE(route);
     route();
     allocate();
     const int64_t xes = dtype_size(c.dtype);
@@ -566,6 +541,7 @@ struct Chunk {
     float* xs = at<float>(pl.xs);
     const auto* x_bytes = static_cast<const uint8_t*>(c.x);
     const bool x_in_place = !kQuantized && c.dtype == DType::bf16;
+    CPUMOE_BENCH_PHASE(quantize);
     if (!x_in_place) {
       parallel_for(tc, threads, [&](int64_t t, int) {
         const uint8_t* row = x_bytes + (t0 + t) * c.x_row_stride * xes;
@@ -578,6 +554,7 @@ struct Chunk {
     }
 
     // 3. Gather each expert's token rows and pack them.
+    CPUMOE_BENCH_PHASE(pack1);
     const Elem** rows = at<const Elem*>(pl.rows);
     float* row_scale = at<float>(pl.row_scale);
     for (int64_t p = 0; p < P; ++p) {
@@ -593,6 +570,7 @@ struct Chunk {
     pack_rows(rows, H, off1, lhs1);
 
     // 4. GEMM1.
+    CPUMOE_BENCH_PHASE(gemm1);
     float* h = at<float>(pl.h);
     gemm(2 * I, H, lhs1, off1, at<Task>(pl.tasks1), sizes.tasks1, row_scale, h,
          [&](int64_t e) { return pk.w13(e); }, [&](int64_t e) { return scale13(e); },
@@ -602,17 +580,21 @@ struct Chunk {
     Elem* qa = at<Elem>(pl.qa);
     float* sa = at<float>(pl.sa);
     float* tmp = at<float>(pl.tmp);
+    CPUMOE_BENCH_PHASE(activation);
     parallel_for(P, threads, [&](int64_t p, int tid) {
       float* a = tmp + int64_t(tid) * I;
-      vec::gated_row(c.activation, h + p * 2 * I, I, a);
+      CPUMOE_BENCH_STEP(activation);
       if constexpr (kQuantized) {
-        if (c.dtype != DType::f32)
-          for (int64_t i = 0; i < I; ++i) a[i] = round_to_dtype(a[i], c.dtype);
-        sa[p] = quantize_row(a, DType::f32, I, qa + p * I);
+        const float amax = rowops::activate_round_row(c.activation, h + p * 2 * I, I, c.dtype, a);
+        CPUMOE_BENCH_STEP(requant);
+        sa[p] = rowops::quantize_row_with_amax(a, I, amax, qa + p * I);
       } else {
-        for (int64_t i = 0; i < I; ++i) qa[p * I + i] = f32_to_bf16(a[i]);
+        vec::gated_row(c.activation, h + p * 2 * I, I, a);
+        CPUMOE_BENCH_STEP(round);
+        rowops::store_row(a, I, DType::bf16, qa + p * I);
       }
     });
+    CPUMOE_BENCH_PHASE(pack2);
     for (int64_t p = 0; p < P; ++p) rows[p] = qa + p * I;
     size_t* off2 = at<size_t>(pl.off2);
     uint8_t* lhs2 = at<uint8_t>(pl.lhs2);
@@ -620,23 +602,25 @@ struct Chunk {
     pack_rows(rows, I, off2, lhs2);
 
     // 6. GEMM2.
+    CPUMOE_BENCH_PHASE(gemm2);
     float* y = at<float>(pl.y);
     gemm(H, I, lhs2, off2, at<Task>(pl.tasks2), sizes.tasks2, sa, y,
          [&](int64_t e) { return pk.w2(e); }, [&](int64_t e) { return scale2(e); },
          [&](int64_t e) { return pk.b2(e); });
 
     // 7. Weighted combine, fp32, slots in their given order.
+    CPUMOE_BENCH_PHASE(combine);
     float* accs = at<float>(pl.accs);
     parallel_for(tc, threads, [&](int64_t t, int tid) {
-      float* acc = accs + int64_t(tid) * H;
-      std::fill(acc, acc + H, 0.0f);
-      for (int64_t j = 0; j < k; ++j) {
-        if (pos_of[t * k + j] < 0) continue;  // expert not on this rank
-        const float w = c.skip_weighted ? 1.0f : c.topk_weights[(t0 + t) * c.topk_weights_row_stride + j];
-        const float* yr = y + pos_of[t * k + j] * H;
-        for (int64_t i = 0; i < H; ++i) acc[i] += w * yr[i];
-      }
-      store_row(acc, H, c.dtype, static_cast<uint8_t*>(c.out) + (t0 + t) * c.out_row_stride * xes);
+      auto slot = [&](int64_t j, const float** yr, float* w) {
+        if (pos_of[t * k + j] < 0) return false;  // expert not on this rank
+        *w = c.skip_weighted ? 1.0f : c.topk_weights[(t0 + t) * c.topk_weights_row_stride + j];
+        *yr = y + pos_of[t * k + j] * H;
+        return true;
+      };
+      rowops::weighted_sum_row(k, slot, H, c.dtype,
+                               static_cast<uint8_t*>(c.out) + (t0 + t) * c.out_row_stride * xes,
+                               accs + int64_t(tid) * H);
     });
   }
 };
@@ -644,12 +628,7 @@ struct Chunk {
 }  // namespace
 
 float quantize_row(const void* x, DType dt, int64_t n, int8_t* q) {
-  switch (dt) {
-    case DType::f32: return quantize_typed(static_cast<const float*>(x), n, q, load_f32);
-    case DType::f16: return quantize_typed(static_cast<const uint16_t*>(x), n, q, f16_to_f32);
-    case DType::bf16: return quantize_typed(static_cast<const uint16_t*>(x), n, q, bf16_to_f32);
-  }
-  return 1.0f;
+  return rowops::quantize_row(x, dt, n, q);
 }
 
 template <class Kernel>

@@ -12,7 +12,7 @@ namespace cpumoe {
 
 #define CPUMOE_DECLARE_QGEMM(name) extern const QGemmUkernel name;
 #if defined(CPUMOE_HAVE_I8MM)
-CPUMOE_DECLARE_QGEMM(qgemm_qs8p2x8_qs8cp8x8_8x8_neon_i8mm)
+CPUMOE_DECLARE_QGEMM(qgemm_qs8p8x8_qs8cp8x8_8x8_neon_i8mm)
 #endif
 #if defined(CPUMOE_HAVE_BF16)
 CPUMOE_DECLARE_QGEMM(qgemm_bf16p2x4_bf16cp8x4_8x8_neon_bf16)
@@ -34,7 +34,7 @@ CPUMOE_DECLARE_QGEMM(qgemm_qs8r_qs8cr4_1x4_portable)
 const std::vector<const QGemmUkernel*>& qgemm_registry() {
   static const std::vector<const QGemmUkernel*> all = {
 #if defined(CPUMOE_HAVE_I8MM)
-      &qgemm_qs8p2x8_qs8cp8x8_8x8_neon_i8mm,
+      &qgemm_qs8p8x8_qs8cp8x8_8x8_neon_i8mm,
 #endif
 #if defined(CPUMOE_HAVE_BF16)
       &qgemm_bf16p2x4_bf16cp8x4_8x8_neon_bf16,

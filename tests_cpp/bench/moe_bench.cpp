@@ -3,8 +3,17 @@
 // getppid() calls, which the counter turns into "mark" lines; subtract two marks for one region.
 //
 //   cpumoe_moe_bench [--H 2048] [--I 768] [--E 128] [--k 8] [--T 16] [--iters 3]
-//                    [--act silu] [--isa CAP] [--threads N]
-// Prints the kernel used, ms per call and the SMMLA floor of the routing (see PERF.md).
+//                    [--act silu|gelu|gelu_tanh|swigluoai] [--dtype f32|bf16|f16]
+//                    [--isa CAP] [--threads N] [--phases 0|1] [--tasks 0|1]
+//
+// Prints the kernel used, ms per call, the routing (active experts, largest m_e) and the SMMLA
+// floor of the routing (PERF.md: sum_e ceil(m_e / 2) * (2I*H/16 + H*I/16) per call).
+// Marks: one before and one after the `iters` measured calls. With --phases 1 (a build with
+// -DCPUMOE_BENCH_HOOKS=ON), `iters` more calls follow in which the dispatcher marks every phase;
+// the bench then prints `phase_seq ...`, the phase of each of those marks in order (names in the
+// `phases` line), and one final mark closes them. tests_cpp/bench/arm_perf_table.sh reads all of it.
+// With --tasks 1 (hooks build), prints per phase the tasks (and GEMM work in SMMLA-equivalents)
+// each thread ran over the measured calls.
 #include <unistd.h>
 
 #include <algorithm>
@@ -16,12 +25,42 @@
 #include <string>
 #include <vector>
 
+#include "cpumoe/bench_hooks.h"
 #include "cpumoe/moe.h"
+
+namespace {
+
+// Random int8 in [-127, 127], 8 bytes per step of a xorshift (the weights are hundreds of MB, and
+// under qemu a per-byte std::uniform_int_distribution costs more than the whole measurement).
+void fill_int8(std::vector<int8_t>& v, uint64_t seed) {
+  uint64_t s = seed * 0x9e3779b97f4a7c15ull + 1;
+  size_t i = 0;
+  for (; i + 8 <= v.size(); i += 8) {
+    s ^= s << 13;
+    s ^= s >> 7;
+    s ^= s << 17;
+    std::memcpy(&v[i], &s, 8);
+  }
+  for (; i < v.size(); ++i) v[i] = int8_t(i);
+  for (auto& x : v) x = x == -128 ? int8_t(-127) : x;
+}
+
+std::vector<int> g_phase_seq;
+bool g_recording = false;
+
+void on_phase(int phase) {
+  if (!g_recording) return;
+  g_phase_seq.push_back(phase);
+  getppid();
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   int64_t H = 2048, I = 768, E = 128, k = 8, T = 16, iters = 3;
   int threads = 0;
-  std::string act = "silu", isa;
+  bool phases = false, tasks = false;
+  std::string act = "silu", isa, dtype = "f32";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     const char* v = argv[i + 1];
@@ -32,8 +71,11 @@ int main(int argc, char** argv) {
     else if (a == "--T") T = std::atoll(v);
     else if (a == "--iters") iters = std::atoll(v);
     else if (a == "--threads") threads = std::atoi(v);
-    else if (a == "--act") act = v;
+    else if (a == "--act" || a == "--activation") act = v;
+    else if (a == "--dtype") dtype = v;
     else if (a == "--isa") isa = v;
+    else if (a == "--phases") phases = std::atoi(v) != 0;
+    else if (a == "--tasks") tasks = std::atoi(v) != 0;
     else {
       std::fprintf(stderr, "unknown option %s\n", a.c_str());
       return 2;
@@ -44,15 +86,36 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "unknown activation %s\n", act.c_str());
     return 2;
   }
+  cpumoe::DType dt;
+  if (dtype == "f32") dt = cpumoe::DType::f32;
+  else if (dtype == "bf16") dt = cpumoe::DType::bf16;
+  else if (dtype == "f16") dt = cpumoe::DType::f16;
+  else {
+    std::fprintf(stderr, "unknown dtype %s (f32, bf16, f16)\n", dtype.c_str());
+    return 2;
+  }
+#if !defined(CPUMOE_BENCH_HOOKS)
+  if (phases || tasks) {
+    std::fprintf(stderr, "--phases / --tasks need a build with -DCPUMOE_BENCH_HOOKS=ON\n");
+    return 2;
+  }
+#endif
   std::mt19937 rng(1234);
-  std::uniform_int_distribution<int> w8(-127, 127);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   std::vector<int8_t> w13(size_t(E * 2 * I * H)), w2(size_t(E * H * I));
-  for (auto& v : w13) v = int8_t(w8(rng));
-  for (auto& v : w2) v = int8_t(w8(rng));
+  fill_int8(w13, 1);
+  fill_int8(w2, 2);
   std::vector<float> s13(size_t(E * 2 * I), 1e-3f), s2(size_t(E * H), 1e-3f);
-  std::vector<float> x(size_t(T * H)), out(size_t(T * H));
-  for (auto& v : x) v = nd(rng);
+  const size_t es = size_t(cpumoe::dtype_size(dt));
+  std::vector<uint8_t> x(size_t(T * H) * es), out(size_t(T * H) * es);
+  for (int64_t i = 0; i < T * H; ++i) {
+    const float v = nd(rng);
+    if (dt == cpumoe::DType::f32) std::memcpy(&x[size_t(i) * 4], &v, 4);
+    else {
+      const uint16_t h = dt == cpumoe::DType::bf16 ? cpumoe::f32_to_bf16(v) : cpumoe::f32_to_f16(v);
+      std::memcpy(&x[size_t(i) * 2], &h, 2);
+    }
+  }
   // Distinct experts per token, like a router's top-k.
   std::vector<int32_t> ids(size_t(T * k));
   std::vector<float> tw(size_t(T * k), 1.0f / float(k));
@@ -77,13 +140,15 @@ int main(int argc, char** argv) {
     kern = cpumoe::qgemm_select(&cap);
   }
   cpumoe::PackedMoe packed(w, kern, threads);
+  std::vector<int8_t>().swap(w13);  // the unpacked copies are not needed any more
+  std::vector<int8_t>().swap(w2);
 
   cpumoe::MoeCall c;
   c.num_tokens = T;
   c.topk = k;
   c.x = x.data();
   c.x_row_stride = H;
-  c.dtype = cpumoe::DType::f32;
+  c.dtype = dt;
   c.topk_weights = tw.data();
   c.topk_weights_row_stride = k;
   c.topk_ids = ids.data();
@@ -94,20 +159,72 @@ int main(int argc, char** argv) {
   c.num_threads = threads;
 
   cpumoe::fused_moe_int8(packed, c);  // warm-up: page faults, lazy set-up
+#if defined(CPUMOE_BENCH_HOOKS)
+  cpumoe::bench_hooks::reset_tasks();
+#endif
   getppid();                          // mark: start of the measured calls
   const auto t0 = std::chrono::steady_clock::now();
   for (int64_t i = 0; i < iters; ++i) cpumoe::fused_moe_int8(packed, c);
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   getppid();                          // mark: end
+#if defined(CPUMOE_BENCH_HOOKS)
+  if (phases) {
+    g_phase_seq.reserve(size_t(iters * (T * k * 3 + 64)));
+    cpumoe::bench_hooks::set_single_thread(threads == 1);
+    cpumoe::bench_hooks::set_phase_callback(on_phase);
+    g_recording = true;
+    for (int64_t i = 0; i < iters; ++i) cpumoe::fused_moe_int8(packed, c);
+    g_recording = false;
+    getppid();                        // mark: end of the phase-marked calls
+    cpumoe::bench_hooks::set_phase_callback(nullptr);
+  }
+#endif
 
   // The SMMLA floor of this routing: sum_e ceil(m_e / 2) * (2I*H/16 + H*I/16) per call.
   std::vector<int64_t> m(static_cast<size_t>(E), 0);
   for (int32_t e : ids) ++m[size_t(e)];
-  int64_t floor_smmla = 0;
-  for (int64_t me : m) floor_smmla += (me + 1) / 2 * (2 * I * H / 16 + H * I / 16);
-  std::printf("kernel %s T %lld H %lld I %lld E %lld k %lld iters %lld ms/call %.3f "
-              "smmla_floor/call %lld\n",
+  int64_t floor_smmla = 0, active = 0, max_m = 0;
+  for (int64_t me : m) {
+    floor_smmla += (me + 1) / 2 * (2 * I * H / 16 + H * I / 16);
+    active += me > 0;
+    max_m = std::max(max_m, me);
+  }
+  std::printf("kernel %s T %lld H %lld I %lld E %lld k %lld act %s dtype %s iters %lld "
+              "ms/call %.3f active_experts %lld max_rows %lld smmla_floor/call %lld\n",
               packed.kernel().name, (long long)T, (long long)H, (long long)I, (long long)E,
-              (long long)k, (long long)iters, s * 1e3 / double(iters), (long long)floor_smmla);
+              (long long)k, act.c_str(), dtype.c_str(), (long long)iters, s * 1e3 / double(iters),
+              (long long)active, (long long)max_m, (long long)floor_smmla);
+  // Histogram of the rows per active expert: "rows_hist m_e:experts ...".
+  std::vector<int64_t> hist(static_cast<size_t>(max_m + 1), 0);
+  for (int64_t me : m) ++hist[size_t(me)];
+  std::printf("rows_hist");
+  for (int64_t r = 1; r <= max_m; ++r)
+    if (hist[size_t(r)] > 0) std::printf(" %lld:%lld", (long long)r, (long long)hist[size_t(r)]);
+  std::printf("\n");
+#if defined(CPUMOE_BENCH_HOOKS)
+  namespace bh = cpumoe::bench_hooks;
+  if (phases) {
+    std::printf("phases");
+    for (int p = 0; p < bh::num_phases; ++p) std::printf(" %d:%s", p, bh::phase_name(p));
+    std::printf("\nphase_seq");
+    for (int p : g_phase_seq) std::printf(" %d", p);
+    std::printf("\n");
+  }
+  if (tasks) {
+    const int nt = std::min(bh::kMaxThreads, threads > 0 ? threads : bh::kMaxThreads);
+    for (int p = 0; p < bh::num_phases; ++p) {
+      int64_t total = 0;
+      for (int t = 0; t < nt; ++t) total += bh::tasks(p, t);
+      if (total == 0) continue;
+      std::printf("tasks %-10s", bh::phase_name(p));
+      for (int t = 0; t < nt; ++t) {
+        if (bh::tasks(p, t) == 0 && threads <= 0) continue;
+        std::printf(" t%d=%lld", t, (long long)bh::tasks(p, t));
+        if (bh::work(p, t) > 0) std::printf("(%lld smmla)", (long long)bh::work(p, t));
+      }
+      std::printf("\n");
+    }
+  }
+#endif
   return 0;
 }

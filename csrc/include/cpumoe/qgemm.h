@@ -10,7 +10,8 @@
 /// Kernel names follow one grammar (file name == kernel name):
 ///   qgemm_<lhs>_<rhs>_<mr>x<nr>_<isa>
 ///   <lhs>: how A is packed  - `qs8r`    row-major int8 rows
-///                             `qs8p2x8` row pairs interleaved in 8-k blocks
+///                             `qs8p8x8` blocks of 8 rows (4 row pairs, the last block padded
+///                                       with zero rows), row pairs interleaved in 8-k slices
 ///                             `bf16p2x4` row pairs interleaved in 4-k blocks, converted to bf16
 ///                             `qu8r`    row-major rows shifted to uint8 (a + 128), for u8 x s8
 ///                             `qs16r`   row-major rows sign-extended to int16

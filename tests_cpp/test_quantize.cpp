@@ -1,0 +1,247 @@
+// quantize.h: the row operations around the GEMMs (quantization, rounding to the dtype, stores)
+// give the bits of their scalar definitions, whatever path (NEON on AArch64) computed them, for
+// every length (vector bodies and tails), dtype and special value; quantization also matches the
+// oracle's.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "cpumoe/quantize.h"
+#include "reference/reference.h"
+
+namespace {
+
+using cpumoe::DType;
+namespace rowops = cpumoe::rowops;
+
+constexpr DType kDtypes[] = {DType::f32, DType::bf16, DType::f16};
+constexpr int64_t kLengths[] = {1, 3, 4, 7, 15, 16, 17, 31, 33, 64, 95, 768, 2048, 2880};
+
+// The scalar definition (moe.h quantize_row), element by element.
+float scalar_quantize(const std::vector<float>& x, int8_t* q) {
+  float amax = 0.0f;
+  for (float v : x) amax = rowops::amax_step(amax, std::fabs(v));
+  const float s = std::max(amax, cpumoe::kAmaxFloor) / 127.0f;
+  for (size_t i = 0; i < x.size(); ++i) q[i] = rowops::quantize_one(x[i], s);
+  return s;
+}
+
+// A row in dtype dt (raw bytes) and its fp32 values.
+struct Row {
+  std::vector<uint8_t> bytes;
+  std::vector<float> f32;
+};
+Row make_row(const std::vector<float>& v, DType dt) {
+  Row r;
+  r.bytes.resize(v.size() * size_t(cpumoe::dtype_size(dt)));
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (dt == DType::f32) {
+      std::memcpy(&r.bytes[4 * i], &v[i], 4);
+    } else {
+      const uint16_t h = dt == DType::bf16 ? cpumoe::f32_to_bf16(v[i]) : cpumoe::f32_to_f16(v[i]);
+      std::memcpy(&r.bytes[2 * i], &h, 2);
+    }
+    r.f32.push_back(cpumoe::load_as_f32(r.bytes.data(), dt, int64_t(i)));
+  }
+  return r;
+}
+
+void expect_same_quantization(const std::vector<float>& v, DType dt) {
+  const Row r = make_row(v, dt);
+  const size_t n = v.size();
+  std::vector<int8_t> got(n, 99), want(n, 98), oracle(n, 97);
+  const float s = rowops::quantize_row(r.bytes.data(), dt, int64_t(n), got.data());
+  const float ws = scalar_quantize(r.f32, want.data());
+  const float os = cpumoe_ref::quantize_row(r.f32.data(), int64_t(n), oracle.data());
+  ASSERT_EQ(std::isnan(s), std::isnan(ws));
+  if (!std::isnan(s)) {
+    ASSERT_EQ(std::memcmp(&s, &ws, 4), 0) << s << " vs " << ws;
+  }
+  ASSERT_EQ(std::isnan(s), std::isnan(os));
+  if (!std::isnan(s)) {
+    ASSERT_EQ(s, os);
+  }
+  for (size_t i = 0; i < n; ++i) {
+    ASSERT_EQ(got[i], want[i]) << "i=" << i << " x=" << r.f32[i];
+    ASSERT_EQ(got[i], oracle[i]) << "i=" << i << " x=" << r.f32[i];
+  }
+}
+
+TEST(Quantize, RowMatchesScalarAndOracle) {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (DType dt : kDtypes) {
+    SCOPED_TRACE(cpumoe::dtype_name(dt));
+    for (int64_t n : kLengths) {
+      SCOPED_TRACE(testing::Message() << "n=" << n);
+      std::vector<float> v(static_cast<size_t>(n));
+      for (auto& x : v) x = nd(rng) * 3.0f;
+      expect_same_quantization(v, dt);
+      // Ties: amax 127 gives s = 1, so k + 0.5 lands exactly on a midpoint (both parities).
+      for (size_t i = 0; i < v.size(); ++i) v[i] = float(int64_t(i % 254) - 127) + 0.5f;
+      v[0] = 127.0f;
+      expect_same_quantization(v, dt);
+      // The amax floor (tiny row), all zeros, one huge value.
+      for (auto& x : v) x = nd(rng) * 1e-9f;
+      expect_same_quantization(v, dt);
+      std::fill(v.begin(), v.end(), 0.0f);
+      expect_same_quantization(v, dt);
+      v[size_t(n - 1)] = -6e4f;
+      expect_same_quantization(v, dt);
+      // A NaN or an infinity at the first, a middle and the last position.
+      for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                        -std::numeric_limits<float>::infinity()}) {
+        for (size_t at : {size_t(0), size_t(n / 2), size_t(n - 1)}) {
+          for (auto& x : v) x = nd(rng);
+          v[at] = bad;
+          expect_same_quantization(v, dt);
+        }
+      }
+    }
+  }
+}
+
+// Bit patterns: random fp32 values over every exponent, plus every special class.
+std::vector<float> bit_patterns(size_t random_count) {
+  std::mt19937 rng(13);
+  std::vector<float> v;
+  for (size_t i = 0; i < random_count; ++i) v.push_back(cpumoe::f32_from_bits(uint32_t(rng())));
+  for (uint32_t u : {0x00000000u, 0x80000000u, 0x00000001u, 0x807fffffu, 0x7f800000u, 0xff800000u,
+                     0x7fc00000u, 0xffc00001u, 0x7f800001u, 0x7fbfffffu, 0x477fefffu, 0x477ff000u,
+                     0x38800000u, 0x387fffffu, 0x33000000u, 0x33000001u, 0x3f808000u, 0x3f818000u,
+                     0x7f7fffffu, 0xc77ff000u})
+    v.push_back(cpumoe::f32_from_bits(u));
+  // Every bf16 and f16 midpoint neighbourhood of a few binades.
+  for (uint32_t e = 100; e < 150; e += 7)
+    for (uint32_t m = 0; m < 64; ++m)
+      for (uint32_t low : {0x0fffu, 0x1000u, 0x1001u, 0x7fffu, 0x8000u, 0x8001u})
+        v.push_back(cpumoe::f32_from_bits((e << 23) | (m << 16) | low));
+  return v;
+}
+
+TEST(Quantize, RoundRowMatchesRoundToDtypeBitForBit) {
+  const std::vector<float> v = bit_patterns(200000);
+  for (DType dt : kDtypes) {
+    SCOPED_TRACE(cpumoe::dtype_name(dt));
+    for (size_t off : {size_t(0), size_t(1), size_t(3)}) {  // tails of every length
+      std::vector<float> got(v.begin() + long(off), v.end());
+      rowops::round_row(got.data(), int64_t(got.size()), dt);
+      for (size_t i = 0; i < got.size(); ++i) {
+        const float want = cpumoe::round_to_dtype(v[i + off], dt);
+        ASSERT_EQ(cpumoe::f32_bits(got[i]), cpumoe::f32_bits(want))
+            << std::hex << "x bits 0x" << cpumoe::f32_bits(v[i + off]);
+      }
+    }
+  }
+}
+
+TEST(Quantize, StoreRowMatchesScalarBitForBit) {
+  const std::vector<float> v = bit_patterns(200000);
+  for (DType dt : kDtypes) {
+    SCOPED_TRACE(cpumoe::dtype_name(dt));
+    for (size_t off : {size_t(0), size_t(1), size_t(3)}) {
+      const int64_t n = int64_t(v.size() - off);
+      std::vector<uint8_t> got(size_t(n) * 4 + 8, 0xa5);
+      rowops::store_row(v.data() + off, n, dt, got.data());
+      for (int64_t i = 0; i < n; ++i) {
+        const float x = v[size_t(i) + off];
+        if (dt == DType::f32) {
+          ASSERT_EQ(std::memcmp(&got[size_t(i) * 4], &x, 4), 0);
+          continue;
+        }
+        uint16_t h;
+        std::memcpy(&h, &got[size_t(i) * 2], 2);
+        const uint16_t want = dt == DType::bf16 ? cpumoe::f32_to_bf16(x) : cpumoe::f32_to_f16(x);
+        ASSERT_EQ(h, want) << std::hex << "x bits 0x" << cpumoe::f32_bits(x);
+      }
+      const size_t end = size_t(n) * size_t(cpumoe::dtype_size(dt));
+      for (size_t b = end; b < got.size(); ++b) ASSERT_EQ(got[b], 0xa5) << "wrote past the row";
+    }
+  }
+}
+
+// The fused activation row (activation, rounding to the dtype and the absolute maximum in one
+// pass, then the quantization) against the three steps one after the other.
+TEST(Quantize, ActivateRoundRowMatchesTheSteps) {
+  std::mt19937 rng(17);
+  std::normal_distribution<float> nd(0.0f, 4.0f);
+  const cpumoe::Activation acts[] = {cpumoe::Activation::silu, cpumoe::Activation::gelu,
+                                     cpumoe::Activation::gelu_tanh, cpumoe::Activation::swigluoai};
+  for (cpumoe::Activation act : acts) {
+    for (DType dt : kDtypes) {
+      for (int64_t inter : {1, 3, 4, 7, 8, 13, 16, 24, 768}) {
+        SCOPED_TRACE(testing::Message() << cpumoe::activation_name(act) << " "
+                                        << cpumoe::dtype_name(dt) << " I=" << inter);
+        for (int variant = 0; variant < 3; ++variant) {
+          std::vector<float> row(size_t(2 * inter));
+          for (auto& v : row) v = nd(rng);
+          if (variant == 1) row[size_t(inter / 2)] = std::numeric_limits<float>::quiet_NaN();
+          if (variant == 2) std::fill(row.begin(), row.end(), 0.0f);
+          std::vector<float> want_a(static_cast<size_t>(inter)), got_a(static_cast<size_t>(inter));
+          std::vector<int8_t> want_q(static_cast<size_t>(inter)), got_q(static_cast<size_t>(inter));
+          cpumoe::vec::gated_row(act, row.data(), inter, want_a.data());
+          for (auto& v : want_a) v = cpumoe::round_to_dtype(v, dt);
+          const float want_s = rowops::quantize_row(want_a.data(), DType::f32, inter, want_q.data());
+          const float amax = rowops::activate_round_row(act, row.data(), inter, dt, got_a.data());
+          const float got_s = rowops::quantize_row_with_amax(got_a.data(), inter, amax, got_q.data());
+          ASSERT_EQ(std::isnan(got_s), std::isnan(want_s));
+          if (!std::isnan(want_s)) {
+            ASSERT_EQ(cpumoe::f32_bits(got_s), cpumoe::f32_bits(want_s));
+          }
+          for (int64_t i = 0; i < inter; ++i) {
+            const float g = got_a[size_t(i)], w = want_a[size_t(i)];
+            ASSERT_TRUE(std::isnan(g) ? std::isnan(w) : cpumoe::f32_bits(g) == cpumoe::f32_bits(w))
+                << "i=" << i;
+            ASSERT_EQ(got_q[size_t(i)], want_q[size_t(i)]) << "i=" << i;
+          }
+        }
+      }
+    }
+  }
+}
+
+// The weighted combine against `acc = 0; acc[i] += w * y[i]` per slot, then the dtype store, for
+// 0 to 19 slots (more than one pass of 8 in registers) with some slots absent.
+TEST(Quantize, WeightedSumRowMatchesTheLoop) {
+  std::mt19937 rng(19);
+  std::normal_distribution<float> nd(0.0f, 2.0f);
+  for (DType dt : kDtypes) {
+    for (int64_t n : {1, 7, 8, 9, 33, 2048}) {
+      for (int64_t count : {0, 1, 3, 8, 9, 19}) {
+        SCOPED_TRACE(testing::Message() << cpumoe::dtype_name(dt) << " n=" << n << " k=" << count);
+        std::vector<std::vector<float>> y(static_cast<size_t>(count));
+        std::vector<float> w(static_cast<size_t>(count));
+        std::vector<bool> present(static_cast<size_t>(count));
+        for (int64_t j = 0; j < count; ++j) {
+          y[size_t(j)].resize(static_cast<size_t>(n));
+          for (auto& v : y[size_t(j)]) v = nd(rng);
+          w[size_t(j)] = nd(rng);
+          present[size_t(j)] = j % 4 != 2;
+        }
+        std::vector<float> acc(static_cast<size_t>(n), 0.0f), scratch(static_cast<size_t>(n));
+        for (int64_t j = 0; j < count; ++j)
+          if (present[size_t(j)])
+            for (int64_t i = 0; i < n; ++i) acc[size_t(i)] += w[size_t(j)] * y[size_t(j)][size_t(i)];
+        std::vector<uint8_t> want(size_t(n) * 4 + 4, 0), got(size_t(n) * 4 + 4, 0xa5);
+        rowops::store_row(acc.data(), n, dt, want.data());
+        auto slot = [&](int64_t j, const float** yr, float* wr) {
+          if (!present[size_t(j)]) return false;
+          *yr = y[size_t(j)].data();
+          *wr = w[size_t(j)];
+          return true;
+        };
+        rowops::weighted_sum_row(count, slot, n, dt, got.data(), scratch.data());
+        const size_t bytes = size_t(n) * size_t(cpumoe::dtype_size(dt));
+        ASSERT_EQ(std::memcmp(got.data(), want.data(), bytes), 0);
+        for (size_t b = bytes; b < got.size(); ++b) ASSERT_EQ(got[b], 0xa5) << "wrote past the row";
+      }
+    }
+  }
+}
+
+}  // namespace
