@@ -126,7 +126,7 @@ for prob, T, path, kern, insns, mm, floor, act, mx in rows:
     print(f"| {prob} | {T} | {path} | {act} | {mx} | {insns:,.0f} | {mm[0]:,.0f} | {mm[1]:,.0f} | {mm[2]:,.0f} | {floor:,} | {floor / insns:.3f} |")
 if phase_rows:
     order = sorted(names)
-    print("\nShare of each phase in the call's instructions (phase-marked calls; steps of the activation loop split into activation / round / requant):\n")
+    print("\nShare of each phase in the call's instructions (phase-marked calls; the int8 op's activation step includes the rounding to the dtype, fused, then requant):\n")
     print("| problem | T | path | insns/call | " + " | ".join(names[p] for p in order) + " |")
     print("|---|---|---|---|" + "---|" * len(order))
     for prob, T, path, tot, sh in phase_rows:
