@@ -23,7 +23,7 @@ bool valid(int phase, int tid) {
 
 const char* phase_name(int phase) {
   static const char* const names[num_phases] = {"route",   "quantize", "pack1", "gemm1",
-                                                "activation", "round", "requant", "pack2",
+                                                "activation", "requant", "pack2",
                                                 "gemm2",   "combine"};
   return phase >= 0 && phase < num_phases ? names[phase] : "?";
 }

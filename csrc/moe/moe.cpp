@@ -37,6 +37,7 @@
 
 #include "cpumoe/bench_hooks.h"  // no-ops unless built with CPUMOE_BENCH_HOOKS
 #include "cpumoe/quantize.h"
+#include "cpumoe/rowops.h"
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -363,6 +364,7 @@ struct Chunk {
   const Packed& pk;
   const MoeCall& c;
   const Kernel& kern;
+  const RowOps& ro;  // the row operations that go with the kernel's ISA level
   int threads;
   int64_t t0, tc;
   int64_t E, H, I, k;
@@ -379,7 +381,7 @@ struct Chunk {
   int64_t* token_of = nullptr;    // [P] sorted position -> local token
 
   Chunk(const Packed& p, const MoeCall& call, int th, int64_t t_begin, int64_t t_count)
-      : pk(p), c(call), kern(p.kernel()), threads(th), t0(t_begin), tc(t_count),
+      : pk(p), c(call), kern(p.kernel()), ro(*rowops_for(p.kernel().isa)), threads(th), t0(t_begin), tc(t_count),
         E(p.num_experts()), H(p.hidden()), I(p.intermediate()), k(call.topk) {
     sizes.elem = sizeof(Elem);
     sizes.E = E;
@@ -546,9 +548,9 @@ struct Chunk {
       parallel_for(tc, threads, [&](int64_t t, int) {
         const uint8_t* row = x_bytes + (t0 + t) * c.x_row_stride * xes;
         if constexpr (kQuantized) {
-          xs[t] = quantize_row(row, c.dtype, H, xq + t * H);
+          xs[t] = ro.quantize(row, c.dtype, H, xq + t * H);
         } else {
-          for (int64_t i = 0; i < H; ++i) xq[t * H + i] = f32_to_bf16(load_as_f32(row, c.dtype, i));
+          ro.to_bf16(row, c.dtype, H, xq + t * H);
         }
       });
     }
@@ -585,13 +587,11 @@ struct Chunk {
       float* a = tmp + int64_t(tid) * I;
       CPUMOE_BENCH_STEP(activation);
       if constexpr (kQuantized) {
-        const float amax = rowops::activate_round_row(c.activation, h + p * 2 * I, I, c.dtype, a);
+        const float amax = ro.activate_round(c.activation, h + p * 2 * I, I, c.dtype, a);
         CPUMOE_BENCH_STEP(requant);
-        sa[p] = rowops::quantize_row_with_amax(a, I, amax, qa + p * I);
+        sa[p] = ro.quantize_with_amax(a, I, amax, qa + p * I);
       } else {
-        vec::gated_row(c.activation, h + p * 2 * I, I, a);
-        CPUMOE_BENCH_STEP(round);
-        rowops::store_row(a, I, DType::bf16, qa + p * I);
+        ro.activate_bf16(c.activation, h + p * 2 * I, I, a, qa + p * I);
       }
     });
     CPUMOE_BENCH_PHASE(pack2);
@@ -620,7 +620,7 @@ struct Chunk {
       };
       rowops::weighted_sum_row(k, slot, H, c.dtype,
                                static_cast<uint8_t*>(c.out) + (t0 + t) * c.out_row_stride * xes,
-                               accs + int64_t(tid) * H);
+                               accs + int64_t(tid) * H, ro.weighted_sum_pass);
     });
   }
 };

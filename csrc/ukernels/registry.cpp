@@ -7,6 +7,7 @@
 
 #include "cpumoe/bgemm.h"
 #include "cpumoe/qgemm.h"
+#include "cpumoe/rowops.h"
 
 namespace cpumoe {
 
@@ -113,5 +114,23 @@ const std::vector<const BGemmUkernel*>& bgemm_registry() {
 
 const BGemmUkernel* bgemm_select(const Isa* cap) { return select_from(bgemm_registry(), cap); }
 const BGemmUkernel* bgemm_find(const char* name) { return find_in(bgemm_registry(), name); }
+
+#if defined(CPUMOE_HAVE_AVX512VNNI)
+extern const RowOps rowops_avx512;
+#endif
+extern const RowOps rowops_portable;
+
+const std::vector<const RowOps*>& rowops_registry() {
+  static const std::vector<const RowOps*> all = {
+#if defined(CPUMOE_HAVE_AVX512VNNI)
+      &rowops_avx512,
+#endif
+      &rowops_portable,
+  };
+  return all;
+}
+
+const RowOps* rowops_for(Isa kernel_isa) { return select_from(rowops_registry(), &kernel_isa); }
+const RowOps* rowops_find(const char* name) { return find_in(rowops_registry(), name); }
 
 }  // namespace cpumoe

@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__aarch64__)
 #include <arm_neon.h>
@@ -50,6 +51,20 @@ inline bool parse_activation(const char* s, Activation* out) {
     }
   }
   return false;
+}
+
+/// f(std::integral_constant<Activation, a>{}): a run-time activation to a compile-time one.
+template <class F>
+inline decltype(auto) with_activation(Activation a, const F& f) {
+  switch (a) {
+    case Activation::gelu: return f(std::integral_constant<Activation, Activation::gelu>{});
+    case Activation::gelu_tanh:
+      return f(std::integral_constant<Activation, Activation::gelu_tanh>{});
+    case Activation::swigluoai:
+      return f(std::integral_constant<Activation, Activation::swigluoai>{});
+    case Activation::silu: break;
+  }
+  return f(std::integral_constant<Activation, Activation::silu>{});
 }
 
 /// Where gate and up of output column i sit in a GEMM1 row of 2*I values.

@@ -24,8 +24,7 @@ enum Phase : int {
   quantize,    ///< per-token int8 quantization of x
   pack1,       ///< gather + pack of GEMM1's lhs
   gemm1,       ///< GEMM1 tasks (with their fp32 epilogue)
-  activation,  ///< gated activation of a GEMM1 row (int8 op: with the rounding to the dtype)
-  round,       ///< BF16 op: rounding of the activation row to bf16
+  activation,  ///< gated activation of a GEMM1 row with the rounding to the dtype (bf16 op: to bf16)
   requant,     ///< int8 requantization of an activation row
   pack2,       ///< gather + pack of GEMM2's lhs
   gemm2,       ///< GEMM2 tasks

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace cpumoe {
 
@@ -75,6 +76,18 @@ inline uint16_t f32_to_f16(float f) {
   }
   uint32_t m = abs + 0xfffu + ((abs >> 13) & 1u);  // round to nearest even at bit 13
   return uint16_t(sign | ((m - 0x38000000u) >> 13));
+}
+
+/// f(std::integral_constant<DType, dt>{}): a run-time dtype to a compile-time one, for code
+/// templated over the dtype.
+template <class F>
+inline decltype(auto) with_dtype(DType dt, const F& f) {
+  switch (dt) {
+    case DType::f16: return f(std::integral_constant<DType, DType::f16>{});
+    case DType::bf16: return f(std::integral_constant<DType, DType::bf16>{});
+    case DType::f32: break;
+  }
+  return f(std::integral_constant<DType, DType::f32>{});
 }
 
 /// Load element @p i of a buffer of type @p dt as fp32.

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstddef>
 #include <cstring>
+#include <type_traits>
 
 #include "cpumoe/activation.h"
 #include "cpumoe/dtype.h"
@@ -211,12 +212,7 @@ inline float activate_round(Activation act, const float* row, int64_t inter, flo
 /// sticking, for quantize_row_with_amax.
 inline float activate_round_row(Activation act, const float* row, int64_t inter, DType dt,
                                 float* a) {
-  switch (dt) {
-    case DType::bf16: return detail::activate_round<DType::bf16>(act, row, inter, a);
-    case DType::f16: return detail::activate_round<DType::f16>(act, row, inter, a);
-    case DType::f32: break;
-  }
-  return detail::activate_round<DType::f32>(act, row, inter, a);
+  return with_dtype(dt, [&](auto kDt) { return detail::activate_round<kDt()>(act, row, inter, a); });
 }
 
 /// quantize_row(a, DType::f32, n, q) for a row whose max |a| (NaN sticking) is already known.
@@ -274,13 +270,41 @@ inline void weighted_sum_pass(const float* const* ys, const float* ws, int64_t n
 }
 }  // namespace detail
 
+/// f(std::integral_constant<int, nj>{}) for a slot count nj in 1..8 (8 for anything larger): the
+/// passes of the weighted combine are unrolled over their slots.
+template <class F>
+inline void with_slot_count(int nj, const F& f) {
+  switch (nj) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
+}
+
+/// detail::weighted_sum_pass for a run-time slot count nj in 1..8 (RowOps::weighted_sum_pass).
+inline void weighted_sum_pass(int nj, const float* const* ys, const float* ws, int64_t n,
+                              bool first, bool last, DType dt, void* dst, float* acc) {
+  with_slot_count(nj, [&](auto kNj) {
+    detail::weighted_sum_pass<kNj()>(ys, ws, n, first, last, dt, dst, acc);
+  });
+}
+
+/// The signature of a weighted_sum_pass (this one, or a RowOps variant's).
+using WeightedSumPass = void (*)(int nj, const float* const* ys, const float* ws, int64_t n,
+                                 bool first, bool last, DType dt, void* dst, float* acc);
+
 /// dst = sum over the slots j < count with slot(j, &y, &w) true of w * y[0..n), in fp32, in
 /// order from 0.0f (the bits of `acc = 0; for each slot: acc[i] += w * y[i]`), stored in dtype
-/// dt; no slot: zeros. Up to 8 slots are summed in registers per pass over the row; acc (n floats
-/// of scratch) carries the sums between passes when there are more.
+/// dt; no slot: zeros. Up to 8 slots are summed in registers per pass over the row (by @p pass);
+/// acc (n floats of scratch) carries the sums between passes when there are more.
 template <class Slot>
 inline void weighted_sum_row(int64_t count, const Slot& slot, int64_t n, DType dt, void* dst,
-                             float* acc) {
+                             float* acc, WeightedSumPass pass = &weighted_sum_pass) {
   constexpr int kFused = 8;
   const float* ys[kFused];
   float ws[kFused];
@@ -296,20 +320,12 @@ inline void weighted_sum_row(int64_t count, const Slot& slot, int64_t n, DType d
       float wr;
       last = !slot(r, &yr, &wr);
     }
-    switch (nj) {
-      case 0:  // no slot at all (nj is 0 only then): zeros
-        std::fill(acc, acc + n, 0.0f);
-        store_row(acc, n, dt, dst);
-        break;
-      case 1: detail::weighted_sum_pass<1>(ys, ws, n, first, last, dt, dst, acc); break;
-      case 2: detail::weighted_sum_pass<2>(ys, ws, n, first, last, dt, dst, acc); break;
-      case 3: detail::weighted_sum_pass<3>(ys, ws, n, first, last, dt, dst, acc); break;
-      case 4: detail::weighted_sum_pass<4>(ys, ws, n, first, last, dt, dst, acc); break;
-      case 5: detail::weighted_sum_pass<5>(ys, ws, n, first, last, dt, dst, acc); break;
-      case 6: detail::weighted_sum_pass<6>(ys, ws, n, first, last, dt, dst, acc); break;
-      case 7: detail::weighted_sum_pass<7>(ys, ws, n, first, last, dt, dst, acc); break;
-      default: detail::weighted_sum_pass<8>(ys, ws, n, first, last, dt, dst, acc); break;
+    if (nj == 0) {  // no slot at all (nj is 0 only then): zeros
+      std::fill(acc, acc + n, 0.0f);
+      store_row(acc, n, dt, dst);
+      return;
     }
+    pass(nj, ys, ws, n, first, last, dt, dst, acc);
     if (last) return;
     first = false;
   }

@@ -1,0 +1,70 @@
+/// @file rowops.h
+/// The row-operation family: the per-row work of the MoE pipeline around the GEMMs (quantizing x,
+/// the fused activation + dtype rounding + requantization, the bf16 op's conversions, the
+/// weighted combine), as one interface struct that every ISA variant fills in, and a registry.
+///
+/// Every variant gives the bits of the scalar definitions in cpumoe/quantize.h (and, for the
+/// activations, of the per-element vec:: forms of cpumoe/activation.h), for every length, dtype
+/// and special value: which variant ran never changes a result. The dispatcher takes the variant
+/// that goes with the GEMM kernel of the packed weights (rowops_for()), so a cap on the kernel
+/// (`isa=`, CPUMOE_ISA) caps the row operations too.
+///
+/// Variants (file name == variant name, in csrc/ukernels):
+///  - rowops_portable: quantize.h as compiled for the baseline (scalar on x86-64, NEON on AArch64).
+///  - rowops_avx512: AVX-512 F/BW/VL, 16 lanes, masked tails (level avx512_vnni, whose CPUs all
+///    have those).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "cpumoe/activation.h"
+#include "cpumoe/cpu_features.h"
+#include "cpumoe/dtype.h"
+
+namespace cpumoe {
+
+/// One row-operation variant. Rows are contiguous; n, inter >= 0; every pointer valid for the
+/// elements it covers. Outputs never overlap inputs.
+struct RowOps {
+  const char* name;
+  Isa isa;  ///< the ISA level it needs at run time
+
+  /// Dynamic symmetric int8 quantization of x[0..n) of type dt: s = max(max|x|, kAmaxFloor) / 127,
+  /// q = round_half_even(x / s) clamped to [-127, 127] (NaN -> 0); returns s (NaN if any x is).
+  float (*quantize)(const void* x, DType dt, int64_t n, int8_t* q);
+
+  /// The W8A8 op's step 5, first half, for one GEMM1 row of 2 * inter values:
+  /// a[0..inter) = round_to_dtype(act(gate, up)) (gate_up_layout); returns max |a| (a NaN if any
+  /// a is NaN), for quantize_with_amax.
+  float (*activate_round)(Activation act, const float* row, int64_t inter, DType dt, float* a);
+
+  /// quantize(a, DType::f32, n, q) for a row whose max |a| the caller already has.
+  float (*quantize_with_amax)(const float* a, int64_t n, float amax, int8_t* q);
+
+  /// The bf16 op's step 5: out = f32_to_bf16(act(gate, up)), inter values; tmp: inter floats
+  /// of scratch.
+  void (*activate_bf16)(Activation act, const float* row, int64_t inter, float* tmp,
+                        uint16_t* out);
+
+  /// out[i] = f32_to_bf16(x[i]) for x of type dt (the bf16 op's input rounding).
+  void (*to_bf16)(const void* x, DType dt, int64_t n, uint16_t* out);
+
+  /// One pass of the weighted combine over nj (1..8) slots: a[i] = (first ? 0 : acc[i]) +
+  /// ws[0] * ys[0][i] + ... in that order (fp32, no FMA); last: a goes to dst in dtype dt,
+  /// else to acc.
+  void (*weighted_sum_pass)(int nj, const float* const* ys, const float* ws, int64_t n,
+                            bool first, bool last, DType dt, void* dst, float* acc);
+};
+
+/// Every variant compiled into this build, best first; rowops_portable is always last.
+const std::vector<const RowOps*>& rowops_registry();
+
+/// The best variant this CPU runs whose level is at most @p kernel_isa on this architecture's
+/// ladder (the row operations that go with a kernel of that level). Never returns nullptr.
+const RowOps* rowops_for(Isa kernel_isa);
+
+/// The variant named @p name (nullptr if not compiled in).
+const RowOps* rowops_find(const char* name);
+
+}  // namespace cpumoe
