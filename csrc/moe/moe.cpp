@@ -66,6 +66,11 @@ int resolve_threads(int n) {
 #endif
 }
 
+// Below this much work (in elements touched) a row phase runs on the calling thread: waking the
+// team costs more (with OMP_WAIT_POLICY=PASSIVE, tens of microseconds) than, at decode, packing
+// or activating the few rows of 8 experts.
+constexpr int64_t kMinParallelWork = int64_t(1) << 16;
+
 // Runs fn(i, tid) for i in [0, n) on up to `threads` threads, dynamically scheduled; tid in
 // [0, threads) indexes per-thread scratch. It is this loop's own index, never a caller's (a
 // caller may itself be inside an OpenMP region).
@@ -88,6 +93,13 @@ void parallel_for(int64_t n, int threads, const Fn& fn) {
     fn(i, 0);
     CPUMOE_BENCH_TASK(0);
   }
+}
+
+// parallel_for for a row phase of n items of about `work` elements each: one thread when the
+// whole phase is small (results never depend on the thread count).
+template <class Fn>
+void parallel_rows(int64_t n, int64_t work, int threads, const Fn& fn) {
+  parallel_for(n, n * work < kMinParallelWork ? 1 : threads, fn);
 }
 
 inline size_t align_up(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
@@ -487,7 +499,7 @@ struct Chunk {
 
   // Packs, per active expert, the rows rows[first[e] .. first[e] + count[e]).
   void pack_rows(const Elem* const* rows, int64_t depth, const size_t* off, uint8_t* dst) const {
-    parallel_for(n_active, threads, [&](int64_t i, int) {
+    parallel_rows(n_active, depth * P / std::max<int64_t>(n_active, 1), threads, [&](int64_t i, int) {
       const int64_t e = active[i];
       kern.pack_lhs(count[e], depth, rows + first[e], dst + off[e]);
     });
@@ -545,7 +557,7 @@ struct Chunk {
     const bool x_in_place = !kQuantized && c.dtype == DType::bf16;
     CPUMOE_BENCH_PHASE(quantize);
     if (!x_in_place) {
-      parallel_for(tc, threads, [&](int64_t t, int) {
+      parallel_rows(tc, H, threads, [&](int64_t t, int) {
         const uint8_t* row = x_bytes + (t0 + t) * c.x_row_stride * xes;
         if constexpr (kQuantized) {
           xs[t] = ro.quantize(row, c.dtype, H, xq + t * H);
@@ -583,7 +595,8 @@ struct Chunk {
     float* sa = at<float>(pl.sa);
     float* tmp = at<float>(pl.tmp);
     CPUMOE_BENCH_PHASE(activation);
-    parallel_for(P, threads, [&](int64_t p, int tid) {
+    // work: the activation's polynomials cost several elements' worth per output.
+    parallel_rows(P, 8 * I, threads, [&](int64_t p, int tid) {
       float* a = tmp + int64_t(tid) * I;
       CPUMOE_BENCH_STEP(activation);
       if constexpr (kQuantized) {
@@ -611,7 +624,7 @@ struct Chunk {
     // 7. Weighted combine, fp32, slots in their given order.
     CPUMOE_BENCH_PHASE(combine);
     float* accs = at<float>(pl.accs);
-    parallel_for(tc, threads, [&](int64_t t, int tid) {
+    parallel_rows(tc, k * H, threads, [&](int64_t t, int tid) {
       auto slot = [&](int64_t j, const float** yr, float* w) {
         if (pos_of[t * k + j] < 0) return false;  // expert not on this rank
         *w = c.skip_weighted ? 1.0f : c.topk_weights[(t0 + t) * c.topk_weights_row_stride + j];
