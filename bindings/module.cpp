@@ -13,6 +13,7 @@
 #include "cpumoe/cpu_features.h"
 #include "cpumoe/moe.h"
 #include "cpumoe/qgemm.h"
+#include "cpumoe/rowops.h"
 
 namespace py = pybind11;
 using namespace cpumoe;
@@ -93,6 +94,8 @@ void def_packed(py::module_& m) {
                              [](py::handle h) { return packed_of<P>(h)->has_bias13(); })
       .def_property_readonly("has_bias2", [](py::handle h) { return packed_of<P>(h)->has_bias2(); })
       .def_property_readonly("kernel", [](py::handle h) { return packed_of<P>(h)->kernel().name; })
+      .def_property_readonly("rowops",
+                             [](py::handle h) { return rowops_for(packed_of<P>(h)->kernel().isa)->name; })
       .def_property_readonly("path",
                              [](py::handle h) { return isa_name(packed_of<P>(h)->kernel().isa); })
       .def_property_readonly("packed_bytes",
@@ -187,6 +190,7 @@ py::dict features_dict() {
   CPUMOE_FEATURE(avx512vnni)
   CPUMOE_FEATURE(avx512bf16)
   CPUMOE_FEATURE(avx_vnni)
+  CPUMOE_FEATURE(f16c)
   CPUMOE_FEATURE(amx_tile)
   CPUMOE_FEATURE(amx_int8)
   CPUMOE_FEATURE(amx_bf16)

@@ -37,14 +37,15 @@ stage_native() {
 }
 
 # x86-haswell (part of native on x86-64 hosts): the kernel and MoE test binaries again under
-# qemu-x86_64 -cpu Haswell (AVX2 + FMA; no AVX-512, AVX-VNNI or AMX). qemu's TCG has no AVX-512, so
+# qemu-x86_64 -cpu Haswell (AVX2 + FMA + F16C; no AVX-512, AVX-VNNI or AMX), the row operations'
+# numerics test among them (rowops_avx2 runs, rowops_avx512 is skipped). qemu's TCG has no AVX-512, so
 # an AVX-512 instruction reached on this CPU is a SIGILL, i.e. a failed run; the AVX2 kernel must be
 # the one selected, and the AVX-512 kernels' tests must be skipped (the CPU lacks them).
 stage_x86_haswell() {
   log "native: x86-haswell, test binaries under qemu-x86_64 -cpu Haswell"
   command -v qemu-x86_64 >/dev/null || { echo "x86-haswell: qemu-x86_64 missing (qemu-user)" >&2; exit 1; }
   local t out fam
-  for t in cpumoe_qgemm_test cpumoe_bgemm_test cpumoe_moe_test; do
+  for t in cpumoe_qgemm_test cpumoe_bgemm_test cpumoe_moe_test cpumoe_moe_bf16_test cpumoe_numerics_test; do
     if ! out=$(OMP_WAIT_POLICY=PASSIVE qemu-x86_64 -cpu Haswell "$BUILD/native/tests_cpp/$t" 2>&1); then
       tail -n 60 <<<"$out"
       echo "x86-haswell: $t failed under qemu -cpu Haswell" >&2

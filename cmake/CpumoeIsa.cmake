@@ -53,7 +53,7 @@ option(CPUMOE_ENABLE_AVX512 "Build the x86-64 AVX-512 VNNI and BF16 kernels when
 # AMX is off by default: its kernel has not yet run on AMX hardware (only its tile logic, against a
 # software model of the tile instructions); turn it on where a Sapphire Rapids machine tests it.
 option(CPUMOE_ENABLE_AMX "Build the x86-64 AMX-INT8 kernel (needs the AVX-512 ones too)" OFF)
-set(CPUMOE_AVX2_FLAG -mavx2 -mfma)
+set(CPUMOE_AVX2_FLAG -mavx2 -mfma -mf16c)
 set(CPUMOE_AVX512VNNI_FLAG -mavx512f -mavx512bw -mavx512vl -mavx512vnni)
 set(CPUMOE_AVX512BF16_FLAG ${CPUMOE_AVX512VNNI_FLAG} -mavx512bf16)
 set(CPUMOE_AMX_FLAG ${CPUMOE_AVX512VNNI_FLAG} -mamx-tile -mamx-int8)
@@ -63,7 +63,7 @@ set(CPUMOE_HAVE_AVX512BF16 OFF)
 set(CPUMOE_HAVE_AMX OFF)
 if(CPUMOE_ARCH STREQUAL "x86_64")
   if(CPUMOE_ENABLE_AVX2)
-    cpumoe_check_isa(CPUMOE_HAVE_AVX2 "-mavx2 -mfma" "
+    cpumoe_check_isa(CPUMOE_HAVE_AVX2 "-mavx2 -mfma -mf16c" "
       #include <immintrin.h>
       int main() { __m256i a = _mm256_set1_epi16(3);
                    a = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_set1_epi8(1)), a);

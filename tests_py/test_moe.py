@@ -123,8 +123,10 @@ def test_packed_reports_its_path(backend):
     assert (packed.num_experts, packed.hidden, packed.intermediate) == (8, 128, 128)
     assert packed.has_bias13 and packed.has_bias2
     assert packed.packed_bytes >= 8 * 3 * 128 * 128  # at least the int8 weights
+    assert packed.rowops.startswith("rowops_")
     portable = p.prepack(isa="portable")
     assert portable.path == "portable"
+    assert portable.rowops == "rowops_portable"  # a cap on the kernel caps the row operations
     no_bias = cpumoe.prepack(p.w13, p.w2, p.s13, p.s2)
     assert not no_bias.has_bias13 and not no_bias.has_bias2
 

@@ -60,6 +60,7 @@ CpuFeatures detect() {
   if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
   const bool osxsave = (c >> 27) & 1;
   const bool fma = (c >> 12) & 1;
+  const bool f16c = (c >> 29) & 1;
   const uint64_t xcr0 = osxsave ? read_xcr0() : 0;
   const bool os_avx = (xcr0 & 0x6) == 0x6;             // XMM + YMM state
   const bool os_avx512 = os_avx && (xcr0 & 0xe0) == 0xe0;  // opmask + ZMM state
@@ -71,6 +72,7 @@ CpuFeatures detect() {
   const unsigned a71 = a;
   f.avx2 = os_avx && ((b7 >> 5) & 1);
   f.fma = os_avx && fma;
+  f.f16c = os_avx && f16c;
   f.avx512f = os_avx512 && ((b7 >> 16) & 1);
   f.avx512bw = os_avx512 && ((b7 >> 30) & 1);
   f.avx512vl = os_avx512 && ((b7 >> 31) & 1);
@@ -144,7 +146,7 @@ bool cpu_supports(Isa isa) {
     case Isa::neon_dotprod: return f.neon && f.dotprod;
     case Isa::neon_bf16: return f.neon && f.bf16;
     case Isa::neon_i8mm: return f.neon && f.i8mm;
-    case Isa::avx2: return f.avx2 && f.fma;
+    case Isa::avx2: return f.avx2 && f.fma && f.f16c;  // every AVX2 + FMA CPU has F16C
     case Isa::avx512_vnni: return f.avx512f && f.avx512bw && f.avx512vl && f.avx512vnni;
     case Isa::avx512_bf16: return cpu_supports(Isa::avx512_vnni) && f.avx512bf16;
     case Isa::amx: {

@@ -118,12 +118,18 @@ const BGemmUkernel* bgemm_find(const char* name) { return find_in(bgemm_registry
 #if defined(CPUMOE_HAVE_AVX512VNNI)
 extern const RowOps rowops_avx512;
 #endif
+#if defined(CPUMOE_HAVE_AVX2)
+extern const RowOps rowops_avx2;
+#endif
 extern const RowOps rowops_portable;
 
 const std::vector<const RowOps*>& rowops_registry() {
   static const std::vector<const RowOps*> all = {
 #if defined(CPUMOE_HAVE_AVX512VNNI)
       &rowops_avx512,
+#endif
+#if defined(CPUMOE_HAVE_AVX2)
+      &rowops_avx2,
 #endif
       &rowops_portable,
   };

@@ -23,6 +23,7 @@ struct CpuFeatures {
   // x86-64 (each true only if the OS also saves the register state)
   bool avx2 = false;
   bool fma = false;
+  bool f16c = false;  ///< VCVTPH2PS / VCVTPS2PH (the AVX2 row operations' f16 conversions)
   bool avx512f = false;
   bool avx512bw = false;
   bool avx512vl = false;

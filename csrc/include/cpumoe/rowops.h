@@ -13,6 +13,9 @@
 ///  - rowops_portable: quantize.h as compiled for the baseline (scalar on x86-64, NEON on AArch64).
 ///  - rowops_avx512: AVX-512 F/BW/VL, 16 lanes, masked tails (level avx512_vnni, whose CPUs all
 ///    have those).
+///  - rowops_avx2: AVX2 + F16C, 8 lanes (level avx2).
+/// The two x86 variants share their algorithms (csrc/ukernels/rowops_x86.h) and differ only in
+/// the vector backend.
 #pragma once
 
 #include <cstdint>
