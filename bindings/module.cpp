@@ -8,6 +8,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <type_traits>
 
 #include "cpumoe/bgemm.h"
 #include "cpumoe/cpu_features.h"
@@ -198,6 +199,24 @@ py::dict features_dict() {
   return d;
 }
 
+// The fields MoeWeights and MoeWeightsBf16 share, from prepack's / prepack_bf16's arguments
+// (weights of the struct's element type at w13 / w2; a bias address of 0 means none).
+template <class W>
+void fill_weights(W* w, int64_t E, int64_t H, int64_t I, uintptr_t w13, uintptr_t w2,
+                  uintptr_t b13, const std::string& b13_dtype, uintptr_t b2,
+                  const std::string& b2_dtype) {
+  using Elem = std::remove_const_t<std::remove_pointer_t<decltype(w->w13)>>;
+  w->num_experts = E;
+  w->hidden = H;
+  w->intermediate = I;
+  w->w13 = ptr<const Elem>(w13);
+  w->w2 = ptr<const Elem>(w2);
+  w->b13 = b13 ? ptr<const void>(b13) : nullptr;
+  w->b2 = b2 ? ptr<const void>(b2) : nullptr;
+  if (b13) w->b13_dtype = parse_dtype(b13_dtype, "b13");
+  if (b2) w->b2_dtype = parse_dtype(b2_dtype, "b2");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -240,17 +259,9 @@ PYBIND11_MODULE(_C, m) {
          uintptr_t b13, const std::string& b13_dtype, uintptr_t b2, const std::string& b2_dtype,
          std::optional<std::string> isa, int num_threads) {
         MoeWeights w;
-        w.num_experts = E;
-        w.hidden = H;
-        w.intermediate = I;
-        w.w13 = ptr<const int8_t>(w13);
-        w.w2 = ptr<const int8_t>(w2);
+        fill_weights(&w, E, H, I, w13, w2, b13, b13_dtype, b2, b2_dtype);
         w.s13 = ptr<const float>(s13);
         w.s2 = ptr<const float>(s2);
-        w.b13 = b13 ? ptr<const void>(b13) : nullptr;
-        w.b2 = b2 ? ptr<const void>(b2) : nullptr;
-        if (b13) w.b13_dtype = parse_dtype(b13_dtype, "b13");
-        if (b2) w.b2_dtype = parse_dtype(b2_dtype, "b2");
         const QGemmUkernel* kernel = kernel_for(isa, qgemm_select);
         py::gil_scoped_release nogil;
         return std::make_shared<PackedMoe>(w, kernel, num_threads);
@@ -266,15 +277,7 @@ PYBIND11_MODULE(_C, m) {
          const std::string& b13_dtype, uintptr_t b2, const std::string& b2_dtype,
          std::optional<std::string> isa, int num_threads) {
         MoeWeightsBf16 w;
-        w.num_experts = E;
-        w.hidden = H;
-        w.intermediate = I;
-        w.w13 = ptr<const uint16_t>(w13);
-        w.w2 = ptr<const uint16_t>(w2);
-        w.b13 = b13 ? ptr<const void>(b13) : nullptr;
-        w.b2 = b2 ? ptr<const void>(b2) : nullptr;
-        if (b13) w.b13_dtype = parse_dtype(b13_dtype, "b13");
-        if (b2) w.b2_dtype = parse_dtype(b2_dtype, "b2");
+        fill_weights(&w, E, H, I, w13, w2, b13, b13_dtype, b2, b2_dtype);
         const BGemmUkernel* kernel = kernel_for(isa, bgemm_select);
         py::gil_scoped_release nogil;
         return std::make_shared<PackedMoeBf16>(w, kernel, num_threads);

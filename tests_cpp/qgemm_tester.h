@@ -78,6 +78,55 @@ void add_offset_blocks(const Kernel& kern, int64_t m, int64_t n, std::mt19937& r
   }
 }
 
+/// The packed sizes and offsets of @p kn (any kernel family; packed elements of @p elem_bytes
+/// bytes) are consistent: at least the elements, growing with m, offsets 0 at 0, a call at any
+/// tile offset inside the whole buffer, packed B offsets 64-byte aligned (PackedMoe keeps whole
+/// blocks).
+template <class Kernel>
+void expect_packed_sizes_consistent(const Kernel& kn, size_t elem_bytes) {
+  EXPECT_GE(kn.mr, 1);
+  EXPECT_GE(kn.nr, 1);
+  EXPECT_GE(kn.kr, 1);
+  for (int64_t k : {1, 7, 8, 9, 16, 17, 64, 2880}) {
+    const int64_t kp = cpumoe::round_up(k, kn.kr);
+    for (int64_t m = 0; m <= 40; ++m) {
+      SCOPED_TRACE(testing::Message() << "k=" << k << " m=n=" << m);
+      const size_t lsize = kn.lhs_packed_size(m, k), rsize = kn.rhs_packed_size(m, k);
+      ASSERT_GE(lsize, size_t(m * kp) * elem_bytes);
+      ASSERT_GE(rsize, size_t(m * kp) * elem_bytes);
+      ASSERT_GE(kn.lhs_packed_size(m + 1, k), lsize);
+      ASSERT_GE(kn.rhs_packed_size(m + 1, k), rsize);
+      ASSERT_EQ(kn.lhs_packed_offset(0, k), 0u);
+      ASSERT_EQ(kn.rhs_packed_offset(0, k), 0u);
+      // A call at a tile offset reads a block of the shape's packed size for the remaining rows:
+      // it must lie inside the whole packed buffer.
+      for (int64_t i = kn.mr; i < m; i += kn.mr)
+        ASSERT_LE(kn.lhs_packed_offset(i, k) + kn.lhs_packed_size(m - i, k), lsize) << i;
+      for (int64_t j = kn.nr; j < m; j += kn.nr) {
+        ASSERT_LE(kn.rhs_packed_offset(j, k) + kn.rhs_packed_size(m - j, k), rsize) << j;
+        ASSERT_EQ(kn.rhs_packed_offset(j, k) % 64, 0u) << j;
+      }
+    }
+  }
+}
+
+/// Packs 8 rows of A and 8 columns of B of depth 16, every element @p one, and calls
+/// run(m, n, k, lhs, rhs) for the empty shapes 0 x 8, 8 x 0 and 0 x 0 (the caller runs the
+/// kernel into a pre-filled output and checks that nothing was written).
+template <class Kernel, class Elem, class Run>
+void for_empty_shapes(const Kernel& kn, Elem one, const Run& run) {
+  const int64_t k = 16;
+  std::vector<Elem> data(size_t(8 * k), one);
+  std::vector<const Elem*> rows(8, data.data());
+  GuardedBuffer lhs(kn.lhs_packed_size(8, k)), rhs(kn.rhs_packed_size(8, k));
+  kn.pack_lhs(8, k, rows.data(), lhs.data());
+  kn.pack_rhs(8, k, data.data(), k, rhs.data());
+  for (auto [m, n] : {std::pair<int64_t, int64_t>{0, 8}, {8, 0}, {0, 0}}) {
+    SCOPED_TRACE(testing::Message() << "m=" << m << " n=" << n);
+    run(m, n, k, lhs.data(), rhs.data());
+  }
+}
+
 class QGemmTester {
  public:
   QGemmTester& m(int64_t v) { m_ = v; return *this; }

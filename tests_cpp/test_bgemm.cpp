@@ -73,18 +73,13 @@ TEST_P(BGemmKernelTest, StridesAndPadding) {
 }
 
 TEST_P(BGemmKernelTest, EmptyShapesWriteNothing) {
-  const int64_t k = 16;
-  std::vector<uint16_t> data(size_t(8 * k), cpumoe::f32_to_bf16(1.0f));
-  std::vector<const uint16_t*> rows(8, data.data());
-  GuardedBuffer lhs(kernel().lhs_packed_size(8, k)), rhs(kernel().rhs_packed_size(8, k));
-  kernel().pack_lhs(8, k, rows.data(), lhs.data());
-  kernel().pack_rhs(8, k, data.data(), k, rhs.data());
   const std::vector<float> ones(8, 1.0f);
-  for (auto [m, n] : {std::pair<int64_t, int64_t>{0, 8}, {8, 0}, {0, 0}}) {
-    std::vector<float> f(64, 77.0f);
-    kernel().run_f32(m, n, k, lhs.data(), rhs.data(), f.data(), 8, ones.data());
-    for (float v : f) ASSERT_EQ(v, 77.0f) << "m=" << m << " n=" << n;
-  }
+  cpumoe_test::for_empty_shapes(kernel(), cpumoe::f32_to_bf16(1.0f),
+                   [&](int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs) {
+                     std::vector<float> f(64, 77.0f);
+                     kernel().run_f32(m, n, k, lhs, rhs, f.data(), 8, ones.data());
+                     for (float v : f) ASSERT_EQ(v, 77.0f);
+                   });
 }
 
 // One-hot rows of A read packed B back: C[i][j] = B[j][i], for every bf16 bit pattern class that
@@ -182,29 +177,7 @@ TEST_P(BGemmKernelTest, SubBlocksAreBitIdenticalToTheFullCall) {
 }
 
 TEST_P(BGemmKernelTest, PackedSizesAndOffsetsAreConsistent) {
-  const BGemmUkernel& kn = kernel();
-  EXPECT_GE(kn.mr, 1);
-  EXPECT_GE(kn.nr, 1);
-  EXPECT_GE(kn.kr, 1);
-  for (int64_t k : {1, 7, 8, 9, 16, 17, 64, 2880}) {
-    const int64_t kp = cpumoe::round_up(k, kn.kr);
-    for (int64_t m = 0; m <= 40; ++m) {
-      SCOPED_TRACE(testing::Message() << "k=" << k << " m=n=" << m);
-      const size_t lsize = kn.lhs_packed_size(m, k), rsize = kn.rhs_packed_size(m, k);
-      ASSERT_GE(lsize, size_t(m * kp) * 2);
-      ASSERT_GE(rsize, size_t(m * kp) * 2);
-      ASSERT_GE(kn.lhs_packed_size(m + 1, k), lsize);
-      ASSERT_GE(kn.rhs_packed_size(m + 1, k), rsize);
-      ASSERT_EQ(kn.lhs_packed_offset(0, k), 0u);
-      ASSERT_EQ(kn.rhs_packed_offset(0, k), 0u);
-      for (int64_t i = kn.mr; i < m; i += kn.mr)
-        ASSERT_LE(kn.lhs_packed_offset(i, k) + kn.lhs_packed_size(m - i, k), lsize) << i;
-      for (int64_t j = kn.nr; j < m; j += kn.nr) {
-        ASSERT_LE(kn.rhs_packed_offset(j, k) + kn.rhs_packed_size(m - j, k), rsize) << j;
-        ASSERT_EQ(kn.rhs_packed_offset(j, k) % 64, 0u) << j;
-      }
-    }
-  }
+  cpumoe_test::expect_packed_sizes_consistent(kernel(), 2);
 }
 
 std::string KernelName(const testing::TestParamInfo<const BGemmUkernel*>& info) {

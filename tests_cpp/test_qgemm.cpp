@@ -87,22 +87,16 @@ TEST_P(QGemmKernelTest, StridesAndPadding) {
 }
 
 TEST_P(QGemmKernelTest, EmptyShapesWriteNothing) {
-  const int64_t k = 16;
-  std::vector<int8_t> data(size_t(8 * k), 1);
-  std::vector<const int8_t*> rows(8, data.data());
-  GuardedBuffer lhs(kernel().lhs_packed_size(8, k)), rhs(kernel().rhs_packed_size(8, k));
-  kernel().pack_lhs(8, k, rows.data(), lhs.data());
-  kernel().pack_rhs(8, k, data.data(), k, rhs.data());
   const std::vector<float> ones(8, 1.0f);
-  for (auto [m, n] : {std::pair<int64_t, int64_t>{0, 8}, {8, 0}, {0, 0}}) {
+  cpumoe_test::for_empty_shapes(kernel(), int8_t(1), [&](int64_t m, int64_t n, int64_t k, const void* lhs,
+                                            const void* rhs) {
     std::vector<int32_t> c(64, 77);
     std::vector<float> f(64, 77.0f);
-    kernel().run_s32(m, n, k, lhs.data(), rhs.data(), c.data(), 8);
-    kernel().run_f32(m, n, k, lhs.data(), rhs.data(), f.data(), 8,
-                     {ones.data(), ones.data(), ones.data()});
-    for (int32_t v : c) ASSERT_EQ(v, 77) << "m=" << m << " n=" << n;
-    for (float v : f) ASSERT_EQ(v, 77.0f) << "m=" << m << " n=" << n;
-  }
+    kernel().run_s32(m, n, k, lhs, rhs, c.data(), 8);
+    kernel().run_f32(m, n, k, lhs, rhs, f.data(), 8, {ones.data(), ones.data(), ones.data()});
+    for (int32_t v : c) ASSERT_EQ(v, 77);
+    for (float v : f) ASSERT_EQ(v, 77.0f);
+  });
 }
 
 // One-hot rows of A read the packed B back: C[i][j] = B[j][i]. Checks that packing keeps every
@@ -167,32 +161,7 @@ TEST_P(QGemmKernelTest, PackingIsFullyDetermined) {
 }
 
 TEST_P(QGemmKernelTest, PackedSizesAndOffsetsAreConsistent) {
-  const QGemmUkernel& kn = kernel();
-  EXPECT_GE(kn.mr, 1);
-  EXPECT_GE(kn.nr, 1);
-  EXPECT_GE(kn.kr, 1);
-  for (int64_t k : {1, 7, 8, 9, 16, 17, 64, 2880}) {
-    const int64_t kp = cpumoe::round_up(k, kn.kr);
-    for (int64_t m = 0; m <= 40; ++m) {
-      SCOPED_TRACE(testing::Message() << "k=" << k << " m=n=" << m);
-      const size_t lsize = kn.lhs_packed_size(m, k), rsize = kn.rhs_packed_size(m, k);
-      ASSERT_GE(lsize, size_t(m * kp));
-      ASSERT_GE(rsize, size_t(m * kp));
-      ASSERT_GE(kn.lhs_packed_size(m + 1, k), lsize);
-      ASSERT_GE(kn.rhs_packed_size(m + 1, k), rsize);
-      ASSERT_EQ(kn.lhs_packed_offset(0, k), 0u);
-      ASSERT_EQ(kn.rhs_packed_offset(0, k), 0u);
-      // A call at a tile offset reads a block of the shape's packed size for the remaining rows:
-      // it must lie inside the whole packed buffer.
-      for (int64_t i = kn.mr; i < m; i += kn.mr)
-        ASSERT_LE(kn.lhs_packed_offset(i, k) + kn.lhs_packed_size(m - i, k), lsize) << i;
-      for (int64_t j = kn.nr; j < m; j += kn.nr) {
-        ASSERT_LE(kn.rhs_packed_offset(j, k) + kn.rhs_packed_size(m - j, k), rsize) << j;
-        // The documented 64-byte alignment of packed B offsets (PackedMoe keeps whole blocks).
-        ASSERT_EQ(kn.rhs_packed_offset(j, k) % 64, 0u) << j;
-      }
-    }
-  }
+  cpumoe_test::expect_packed_sizes_consistent(kernel(), 1);
 }
 
 std::string KernelName(const testing::TestParamInfo<const QGemmUkernel*>& info) {
