@@ -24,7 +24,7 @@
 // there). A tile is MR rows x NB blocks (MR <= 8, NB <= 4) over the whole depth, its accumulators
 // in registers; a store functor gets each finished row of a block, store(i, j0, nc, acc), with
 // nc <= kNr real columns. The walk goes over column steps of kBlocks (or kSmallBlocks) blocks,
-// the row tiles inner, so a step's weights stay in L1/L2 while the row tiles pass; decode (one
+// the row tiles (the rows split evenly) inner, so a step's weights stay in L1/L2 while the row tiles pass; decode (one
 // row per expert) reads each weight once.
 //
 // pack_rhs_groups packs B into that layout. No intrinsics here. Internal linkage on purpose (see
@@ -147,8 +147,11 @@ void run(int64_t m, int64_t n, const uint8_t* a, int64_t lda, const uint8_t* b, 
     const int64_t nb = std::min(step_blocks, blocks - jb);
     const uint8_t* bj = b + jb * bstride;
     const int64_t j0 = jb * Ops::kNr;
-    for (int64_t i0 = 0; i0 < m; i0 += max_rows) {
-      const int64_t rows = std::min(max_rows, m - i0);
+    // Rows split evenly over the fewest tiles (9 rows: 5 + 4, not 8 + 1): a tile of one or two
+    // rows has too few accumulator chains to hide the multiply-add latency.
+    const int64_t tiles = (m + max_rows - 1) / max_rows;
+    for (int64_t t = 0, i0 = 0; t < tiles; ++t) {
+      const int64_t rows = (m - i0 + (tiles - t) - 1) / (tiles - t);
       const uint8_t* ai = a + i0 * lda;
 #define CPUMOE_TILE_ROWS(R) \
   case R: blocks_dispatch<Ops, R>(nb, i0, j0, n, ai, lda, bj, bstride, groups, store); break;
@@ -158,6 +161,7 @@ void run(int64_t m, int64_t n, const uint8_t* a, int64_t lda, const uint8_t* b, 
         default: break;  // unreachable: rows <= max_rows <= 8
       }
 #undef CPUMOE_TILE_ROWS
+      i0 += rows;
     }
   }
 }
