@@ -53,6 +53,18 @@ TEST_P(QGemmKernelTest, DeepK) {
   }
 }
 
+// The last 9-12 rows of a call (5 or 6 row pairs over two 8-row blocks: one tile in the i8mm
+// kernel), with k covering its 32-, 8- and single-slice loops (k = 264: 32 + 1 slices, 328:
+// 32 + 8 + 1) and n with full and partial last blocks.
+TEST_P(QGemmKernelTest, RowTilesAcrossBlocks) {
+  for (int64_t k : {8, 264, 328})
+    for (int64_t m : {10, 11, 12, 19, 20, 27, 28})
+      for (int64_t n : {8, 56, 57}) {
+        QGemmTester().m(m).n(n).k(k).Test(kernel());
+        if (HasFatalFailure()) return;
+      }
+}
+
 // The extreme sum: 65536 products of 127 * -128 = -1065353216, which still fits int32. A kernel
 // that accumulates in int16 or saturates would fail.
 TEST_P(QGemmKernelTest, LargeKNoInt32Overflow) {

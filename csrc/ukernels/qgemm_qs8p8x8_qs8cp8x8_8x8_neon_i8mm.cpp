@@ -15,28 +15,34 @@
 // Register tiles: NP row pairs x NB column blocks, one int32x4 accumulator per (row pair, column
 // pair), 4 * NP * NB in all (up to 24, in v8-v31), the whole K in registers, in inline asm: GCC
 // keeps part of an accumulator array in memory and adds a pointer update per load, while the asm
-// loop is exactly the loads, the SMMLA and one subs/b.ne per 8 slices. The B registers (v4-v7) are
-// reloaded for each block of a tile, so a tile can be as wide as its accumulators allow. Per 8-k
-// slice:
-//   tile (NP x NB)  rows  accumulators  instructions per SMMLA: (loads + SMMLA + loop / 8) / SMMLA
-//   4 x 1 (8x8)     7-8   16            (2 + 16 + 0.25) / 16 = 1.14
-//   3 x 2 (6x16)    5-6   24            (3 + 24 + 0.25) / 24 = 1.14
-//   2 x 3 (4x24)    3-4   24            (4 + 24 + 0.25) / 24 = 1.18
-//   1 x 6 (2x48)    1-2   24            (7 + 24 + 0.25) / 24 = 1.30   decode: each B byte once
-// (3x1, 2x2, 2x1, 1x3, 1x2, 1x1 only in the last column blocks of a call.) SMMLA's latency is 3
-// cycles and V1/V2 issue 4 per cycle, N2 2: 12 independent chains fill V1/V2, 6 fill N2, and every
-// main tile has 16 or 24. llvm-mca (tests_cpp/bench/mca/) models the 4x1, 3x2 and 2x3 loops at the
-// SMMLA peak on Neoverse V1, V2 and N2 (4.0 / 4.0 / 8.0 cycles per slice for 16 SMMLA); the 1x6
-// decode loop is bound by its loads on V1/V2 (16 bytes of weights per SMMLA: 8.3 cycles per slice
-// for 24 SMMLA, 72% of the SMMLA peak) and at the peak on N2.
-// After the loop the asm stores the accumulators to a small array (st1, 64 bytes per 4); one ld2
-// per 4 columns then separates the two rows of a pair for the epilogue, which loads a block's
-// column scales and bias once for all its rows.
+// loop is exactly the loads, the SMMLA and one subs/b.ne per 32 slices (run_f32; 8 in run_s32).
+// The B registers (v4-v7) are reloaded for each block of a tile, so a tile can be as wide as its
+// accumulators allow. Per 8-k slice:
+//   tile (NP x NB)  rows  accumulators  instructions per SMMLA: (loads + SMMLA + loop / 32) / SMMLA
+//   4 x 1 (8x8)     7-8   16            (2 + 16 + 0.06) / 16 = 1.129
+//   3 x 2 (6x16)    5-6   24            (3 + 24 + 0.06) / 24 = 1.128
+//   2 x 3 (4x24)    3-4   24            (4 + 24 + 0.06) / 24 = 1.169
+//   1 x 6 (2x48)    1-2   24            (7 + 24 + 0.06) / 24 = 1.294   decode: each B byte once
+//   6 x 1 (12x8)    11-12 24            (3 + 24 + 0.06) / 24 = 1.128   the last 9-12 rows of a
+//   5 x 1 (10x8)    9-10  20            (3 + 20 + 0.06) / 20 = 1.153   call, over two A blocks
+// (3x1, 2x2, 2x1, 1x3, 1x2, 1x1 only in the last column blocks of a call.) The loads are at the
+// floor of these layouts: one ld1 moves at most 64 bytes, a slice of A or of a B block is 64
+// bytes, and 24 accumulators + 4 A + 4 B registers are all 32. SMMLA's latency is 3 cycles and
+// V1/V2 issue 4 per cycle, N2 2: 12 independent chains fill V1/V2, 6 fill N2, and every main
+// tile has 16 or more. llvm-mca (tests_cpp/bench/mca/) models the 4x1, 3x2, 2x3, 6x1 and 5x1
+// loops at the SMMLA peak on Neoverse V1, V2 and N2 (4.0 / 4.0 / 8.0 cycles per slice for 16
+// SMMLA); the 1x6 decode loop is bound by its loads on V1/V2 (16 bytes of weights per SMMLA, 400
+// bytes per slice at 48 bytes per cycle: 8.3 cycles per slice for 24 SMMLA, 72% of the SMMLA
+// peak) and at the peak on N2.
+// run_f32 applies the epilogue in the asm, on the accumulators in registers (see "The fp32
+// path" below); run_s32 and tiles with a partial block store the accumulators to a small array
+// (st1, 64 bytes per 4), and one ld2 per 4 columns separates the two rows of a pair.
 //
-// Walk: column steps of 6 blocks (48 columns) outer, row tiles inner, so a step's packed B stays
-// in L1/L2 while the row tiles pass; for m <= 8 (one row tile: decode and most experts at
-// T <= 128) each weight byte is read exactly once per call. Each output element is the sum of its
-// slices in order in one accumulator whatever the tile, so results do not depend on the tiling.
+// Walk: a call of one row tile (m <= 12: decode and most experts) passes over all its columns
+// once, so each weight byte is read exactly once per call; more row tiles walk column steps of 6
+// blocks (48 columns) outer, row tiles inner, so a step's packed B stays in L1/L2 while the row
+// tiles pass. Each output element is the sum of its slices in order in one accumulator whatever
+// the tile, so results do not depend on the tiling.
 // @pre m, n >= 0, k >= 1; packed buffers from this kernel's packers.
 // Features used: NEON, I8MM.
 #if !defined(__aarch64__) || !defined(__ARM_FEATURE_MATMUL_INT8)
@@ -103,17 +109,70 @@ void zero_pairs(int64_t np, int64_t kp, int8_t* dst) {
   }
 }
 
+// A block of r valid rows (1-8; the rest zero): 4 slices (32 k) per step in asm, all 8 rows at
+// once: one ld1 of 32 bytes per row (rows past r read 32 zero bytes, not advanced), zip1/zip2
+// per pair and slice, one st1 of 64 bytes per slice (30 instructions per 256 bytes). Then the
+// last k % 32 through pack_pair.
+alignas(64) constexpr int8_t kZeroRow[32] = {};
+
+void pack_block(const int8_t* const* rows, int64_t r, int64_t k, int64_t kp, int8_t* dst) {
+  const int8_t* p[8];
+  int64_t inc[8];
+  for (int i = 0; i < 8; ++i) {
+    p[i] = i < r ? rows[i] : kZeroRow;
+    inc[i] = i < r ? 32 : 0;
+  }
+  if (const uint64_t steps = uint64_t(k) / 32; steps > 0) {
+    uint64_t n = steps;
+    __asm__ volatile(
+        "1:\n\t"
+        "ld1 {v16.16b, v17.16b}, [%[p0]], %[i0]\n\t"
+        "ld1 {v18.16b, v19.16b}, [%[p1]], %[i1]\n\t"
+        "ld1 {v20.16b, v21.16b}, [%[p2]], %[i2]\n\t"
+        "ld1 {v22.16b, v23.16b}, [%[p3]], %[i3]\n\t"
+        "ld1 {v24.16b, v25.16b}, [%[p4]], %[i4]\n\t"
+        "ld1 {v26.16b, v27.16b}, [%[p5]], %[i5]\n\t"
+        "ld1 {v28.16b, v29.16b}, [%[p6]], %[i6]\n\t"
+        "ld1 {v30.16b, v31.16b}, [%[p7]], %[i7]\n\t"
+        "zip1 v0.2d, v16.2d, v18.2d\n\tzip1 v1.2d, v20.2d, v22.2d\n\t"
+        "zip1 v2.2d, v24.2d, v26.2d\n\tzip1 v3.2d, v28.2d, v30.2d\n\t"
+        "zip2 v4.2d, v16.2d, v18.2d\n\tzip2 v5.2d, v20.2d, v22.2d\n\t"
+        "zip2 v6.2d, v24.2d, v26.2d\n\tzip2 v7.2d, v28.2d, v30.2d\n\t"
+        "st1 {v0.16b-v3.16b}, [%[d]], #64\n\t"
+        "st1 {v4.16b-v7.16b}, [%[d]], #64\n\t"
+        "zip1 v0.2d, v17.2d, v19.2d\n\tzip1 v1.2d, v21.2d, v23.2d\n\t"
+        "zip1 v2.2d, v25.2d, v27.2d\n\tzip1 v3.2d, v29.2d, v31.2d\n\t"
+        "zip2 v4.2d, v17.2d, v19.2d\n\tzip2 v5.2d, v21.2d, v23.2d\n\t"
+        "zip2 v6.2d, v25.2d, v27.2d\n\tzip2 v7.2d, v29.2d, v31.2d\n\t"
+        "st1 {v0.16b-v3.16b}, [%[d]], #64\n\t"
+        "st1 {v4.16b-v7.16b}, [%[d]], #64\n\t"
+        "subs %[n], %[n], #1\n\t"
+        "b.ne 1b\n\t"
+        : [p0] "+r"(p[0]), [p1] "+r"(p[1]), [p2] "+r"(p[2]), [p3] "+r"(p[3]), [p4] "+r"(p[4]),
+          [p5] "+r"(p[5]), [p6] "+r"(p[6]), [p7] "+r"(p[7]), [d] "+r"(dst), [n] "+r"(n)
+        : [i0] "r"(inc[0]), [i1] "r"(inc[1]), [i2] "r"(inc[2]), [i3] "r"(inc[3]),
+          [i4] "r"(inc[4]), [i5] "r"(inc[5]), [i6] "r"(inc[6]), [i7] "r"(inc[7])
+        : "v0", "v1", "v2", "v3", "v4", "v5", "v6", "v7", "v16", "v17", "v18", "v19", "v20",
+          "v21", "v22", "v23", "v24", "v25", "v26", "v27", "v28", "v29", "v30", "v31", "cc",
+          "memory");
+  }
+  const int64_t k0 = k / 32 * 32;
+  if (k0 >= kp) return;
+  for (int64_t q = 0; q < 4; ++q) {
+    if (2 * q >= r) {
+      zero_pairs(q, kp - k0, dst);
+      return;
+    }
+    pack_pair(rows[2 * q] + k0, 2 * q + 1 < r ? rows[2 * q + 1] + k0 : nullptr, k - k0, kp - k0,
+              dst + q * 16);
+  }
+}
+
 void pack_lhs(int64_t m, int64_t k, const int8_t* const* rows, void* packed) {
   const int64_t kp = padded_k(k);
   auto* dst = static_cast<int8_t*>(packed);
-  for (int64_t b0 = 0; b0 < m; b0 += kMr) {
-    const int64_t np = std::min<int64_t>(kMr / 2, (m - b0 + 1) / 2);
-    for (int64_t p = 0; p < np; ++p) {
-      const int64_t i = b0 + 2 * p;
-      pack_pair(rows[i], i + 1 < m ? rows[i + 1] : nullptr, k, kp, dst + b0 * kp + p * 16);
-    }
-    if (np < kMr / 2) zero_pairs(np, kp, dst + b0 * kp);
-  }
+  for (int64_t b0 = 0; b0 < m; b0 += kMr)
+    pack_block(rows + b0, std::min<int64_t>(kMr, m - b0), k, kp, dst + b0 * kp);
 }
 
 size_t rhs_size(int64_t n, int64_t k) { return size_t(round_up(n, kNr)) * size_t(padded_k(k)); }
@@ -243,6 +302,281 @@ __attribute__((always_inline)) inline void tile(const int8_t* a, const int8_t* b
     static_assert(NP == 1 && NB == 1, "no such tile");
     CPUMOE_TILE_ASM(CPUMOE_Z1, CPUMOE_STEP_1x1, CPUMOE_S1);
   }
+}
+
+// --- The fp32 path: whole row tiles in one asm ------------------------------------------------
+// run_f32 hands a row tile and a run of full column tiles (all 8 columns of every block inside n)
+// to one asm block that loops over the column tiles and, per tile, zeroes the accumulators, runs
+// the k-loop (32 slices per iteration, then 8, then single slices) and applies the epilogue to the
+// accumulators in registers:
+//   1. scvtf, then * lhs_scale: pair p's accumulators hold [r c, r c+1, r+1 c, r+1 c+1] (r = 2p),
+//      so they are multiplied by L_p = [ls_r ls_r ls_r+1 ls_r+1] (one zip1/zip2 per pair);
+//   2. per block, * rhs_scale (+ bias): column pair q by [rs_2q rs_2q+1 rs_2q rs_2q+1] (ld1r of 8
+//      bytes), the same for the bias;
+//   3. per pair and block, `st4 {4 x .d}[0]` stores row r (the low halves of the 4 column pairs:
+//      8 columns) and `st4 {...}[1]` row r + 1, post-indexed by the row stride.
+// The same operations in the same order as F32Out::row (and the scalar definition): (acc * ls) *
+// rs + bias, one rounding each, so the results are bit-identical to the other paths. The last
+// row of an odd row count goes to a scratch row (xl, not advanced); its lhs scale is a zero read
+// from a padded copy, never past the caller's array. Tiles that hold a partial block (only the
+// last block of a call whose n is not a multiple of 8) take the C++ path (run_tile).
+//
+// Rows 9-12 (5 or 6 pairs: the last two blocks of a call) use one 5x1 / 6x1 tile over both A
+// blocks (a second A pointer) instead of a 4x1 tile plus a 1x6 / 2x3 tile: 3 loads per 20 / 24
+// SMMLA instead of 3.17 / 3.33 per block-slice, and half the tiles.
+#define CPUMOE_STEP_6x1                                                                  \
+  CPUMOE_LDA4 CPUMOE_LDB_LAST CPUMOE_MM("v0", CPUMOE_G0) CPUMOE_MM("v1", CPUMOE_G1)      \
+      CPUMOE_MM("v2", CPUMOE_G2) CPUMOE_MM("v3", CPUMOE_G3)                               \
+          "ld1 {v0.16b-v1.16b}, [%[a1]], %[as]\n\t" CPUMOE_MM("v0", CPUMOE_G4)            \
+              CPUMOE_MM("v1", CPUMOE_G5)
+#define CPUMOE_STEP_5x1                                                                  \
+  CPUMOE_LDA4 CPUMOE_LDB_LAST CPUMOE_MM("v0", CPUMOE_G0) CPUMOE_MM("v1", CPUMOE_G1)      \
+      CPUMOE_MM("v2", CPUMOE_G2) CPUMOE_MM("v3", CPUMOE_G3)                               \
+          "ld1 {v28.16b}, [%[a1]], %[as]\n\t" CPUMOE_MM("v28", CPUMOE_G4)
+#define CPUMOE_Z5 CPUMOE_Z4 "ld1 {v24.4s-v27.4s}, [%[z]]\n\t"
+#define CPUMOE_X2(S) S S
+#define CPUMOE_X8(S) CPUMOE_X2(CPUMOE_X2(CPUMOE_X2(S)))
+// Lhs scale vectors L_p in v0.. (pair p in v<p>).
+#define CPUMOE_LS1 "ldr d0, [%[ls]]\n\tzip1 v0.4s, v0.4s, v0.4s\n\t"
+#define CPUMOE_LS2 "ldr q0, [%[ls]]\n\tzip2 v1.4s, v0.4s, v0.4s\n\tzip1 v0.4s, v0.4s, v0.4s\n\t"
+#define CPUMOE_LS3 \
+  "ldr q0, [%[ls]]\n\tldr d2, [%[ls], #16]\n\tzip2 v1.4s, v0.4s, v0.4s\n\tzip1 v0.4s, v0.4s, v0.4s\n\tzip1 v2.4s, v2.4s, v2.4s\n\t"
+#define CPUMOE_LS4                                                                        \
+  "ldp q0, q2, [%[ls]]\n\tzip2 v1.4s, v0.4s, v0.4s\n\tzip1 v0.4s, v0.4s, v0.4s\n\t"       \
+  "zip2 v3.4s, v2.4s, v2.4s\n\tzip1 v2.4s, v2.4s, v2.4s\n\t"
+#define CPUMOE_LS5 CPUMOE_LS4 "ldr d4, [%[ls], #32]\n\tzip1 v4.4s, v4.4s, v4.4s\n\t"
+#define CPUMOE_LS6 \
+  CPUMOE_LS4 "ldr q4, [%[ls], #32]\n\tzip2 v5.4s, v4.4s, v4.4s\n\tzip1 v4.4s, v4.4s, v4.4s\n\t"
+// scvtf and * L of one group (4 accumulators).
+#define CPUMOE_CVT_(L, r0, r1, r2, r3)                                                       \
+  "scvtf " r0 ".4s, " r0 ".4s\n\tscvtf " r1 ".4s, " r1 ".4s\n\tscvtf " r2 ".4s, " r2        \
+  ".4s\n\tscvtf " r3 ".4s, " r3 ".4s\n\tfmul " r0 ".4s, " r0 ".4s, " L ".4s\n\tfmul " r1     \
+  ".4s, " r1 ".4s, " L ".4s\n\tfmul " r2 ".4s, " r2 ".4s, " L ".4s\n\tfmul " r3 ".4s, " r3 \
+  ".4s, " L ".4s\n\t"
+#define CPUMOE_CVT(L, ...) CPUMOE_CVT_(L, __VA_ARGS__)
+// A block's column scales in v4-v7 and biases in v0-v3 (column pair q: [c2q c2q+1 c2q c2q+1]).
+#define CPUMOE_LDRS                                                                       \
+  "ld1r {v4.2d}, [%[rs]], #8\n\tld1r {v5.2d}, [%[rs]], #8\n\tld1r {v6.2d}, [%[rs]], #8\n\t" \
+  "ld1r {v7.2d}, [%[rs]], #8\n\t"
+#define CPUMOE_LDRSB                                                                      \
+  CPUMOE_LDRS                                                                             \
+  "ld1r {v0.2d}, [%[bias]], #8\n\tld1r {v1.2d}, [%[bias]], #8\n\tld1r {v2.2d}, [%[bias]], #8\n\t" \
+  "ld1r {v3.2d}, [%[bias]], #8\n\t"
+#define CPUMOE_SC_(r0, r1, r2, r3)                                                        \
+  "fmul " r0 ".4s, " r0 ".4s, v4.4s\n\tfmul " r1 ".4s, " r1 ".4s, v5.4s\n\tfmul " r2      \
+  ".4s, " r2 ".4s, v6.4s\n\tfmul " r3 ".4s, " r3 ".4s, v7.4s\n\t"
+#define CPUMOE_SC(...) CPUMOE_SC_(__VA_ARGS__)
+#define CPUMOE_BI_(r0, r1, r2, r3)                                                        \
+  "fadd " r0 ".4s, " r0 ".4s, v0.4s\n\tfadd " r1 ".4s, " r1 ".4s, v1.4s\n\tfadd " r2      \
+  ".4s, " r2 ".4s, v2.4s\n\tfadd " r3 ".4s, " r3 ".4s, v3.4s\n\t"
+#define CPUMOE_BI(...) CPUMOE_BI_(__VA_ARGS__)
+#define CPUMOE_NOBI(...)
+// Row stores of one group: lane 0 = row 2p, lane 1 = row 2p + 1. The first row of a block goes
+// through xd (advanced to the next block), the following rows through xr (xd + stride on entry,
+// advanced by the stride), the last row of the tile through xl (advanced by xls: 32 or 0).
+#define CPUMOE_ST4(r0, r1, r2, r3, lane, dst) \
+  "st4 {" r0 ".d, " r1 ".d, " r2 ".d, " r3 ".d}[" lane "], " dst "\n\t"
+#define CPUMOE_STF_(r0, r1, r2, r3) \
+  CPUMOE_ST4(r0, r1, r2, r3, "0", "[%[xd]], #32") CPUMOE_ST4(r0, r1, r2, r3, "1", "[%[xr]], %[ds]")
+#define CPUMOE_STM_(r0, r1, r2, r3) \
+  CPUMOE_ST4(r0, r1, r2, r3, "0", "[%[xr]], %[ds]") CPUMOE_ST4(r0, r1, r2, r3, "1", "[%[xr]], %[ds]")
+#define CPUMOE_STL_(r0, r1, r2, r3) \
+  CPUMOE_ST4(r0, r1, r2, r3, "0", "[%[xr]], %[ds]") CPUMOE_ST4(r0, r1, r2, r3, "1", "[%[xl]], %[xls]")
+#define CPUMOE_STO_(r0, r1, r2, r3) \
+  CPUMOE_ST4(r0, r1, r2, r3, "0", "[%[xd]], #32") CPUMOE_ST4(r0, r1, r2, r3, "1", "[%[xl]], %[xls]")
+#define CPUMOE_STF(...) CPUMOE_STF_(__VA_ARGS__)
+#define CPUMOE_STM(...) CPUMOE_STM_(__VA_ARGS__)
+#define CPUMOE_STL(...) CPUMOE_STL_(__VA_ARGS__)
+#define CPUMOE_STO(...) CPUMOE_STO_(__VA_ARGS__)
+#define CPUMOE_XR "add %[xr], %[xd], %[ds]\n\t"
+// One group of a block: * rs, + bias (BI), store with the row form ST.
+#define CPUMOE_OUT(BI, ST, G) CPUMOE_SC(G) BI(G) ST(G)
+// Epilogues: step 1 for every group, then per block its loads (LD) and groups in row order.
+#define CPUMOE_EPI_4x1(BI, LD)                                                                \
+  CPUMOE_LS4 CPUMOE_CVT("v0", CPUMOE_G0) CPUMOE_CVT("v1", CPUMOE_G1)                          \
+      CPUMOE_CVT("v2", CPUMOE_G2) CPUMOE_CVT("v3", CPUMOE_G3) LD CPUMOE_XR                    \
+          CPUMOE_OUT(BI, CPUMOE_STF, CPUMOE_G0) CPUMOE_OUT(BI, CPUMOE_STM, CPUMOE_G1)         \
+              CPUMOE_OUT(BI, CPUMOE_STM, CPUMOE_G2) CPUMOE_OUT(BI, CPUMOE_STL, CPUMOE_G3)
+#define CPUMOE_EPI_3x1(BI, LD)                                                                \
+  CPUMOE_LS3 CPUMOE_CVT("v0", CPUMOE_G0) CPUMOE_CVT("v1", CPUMOE_G1)                          \
+      CPUMOE_CVT("v2", CPUMOE_G2) LD CPUMOE_XR CPUMOE_OUT(BI, CPUMOE_STF, CPUMOE_G0)          \
+          CPUMOE_OUT(BI, CPUMOE_STM, CPUMOE_G1) CPUMOE_OUT(BI, CPUMOE_STL, CPUMOE_G2)
+#define CPUMOE_EPI_3x2(BI, LD)                                                                \
+  CPUMOE_LS3 CPUMOE_CVT("v0", CPUMOE_G0) CPUMOE_CVT("v0", CPUMOE_G1)                          \
+      CPUMOE_CVT("v1", CPUMOE_G2) CPUMOE_CVT("v1", CPUMOE_G3) CPUMOE_CVT("v2", CPUMOE_G4)     \
+          CPUMOE_CVT("v2", CPUMOE_G5) LD CPUMOE_XR CPUMOE_OUT(BI, CPUMOE_STF, CPUMOE_G0)      \
+              CPUMOE_OUT(BI, CPUMOE_STM, CPUMOE_G2) CPUMOE_OUT(BI, CPUMOE_STL, CPUMOE_G4)     \
+                  LD CPUMOE_XR CPUMOE_OUT(BI, CPUMOE_STF, CPUMOE_G1)                          \
+                      CPUMOE_OUT(BI, CPUMOE_STM, CPUMOE_G3) CPUMOE_OUT(BI, CPUMOE_STL, CPUMOE_G5)
+#define CPUMOE_EPI_2x1(BI, LD)                                                                \
+  CPUMOE_LS2 CPUMOE_CVT("v0", CPUMOE_G0) CPUMOE_CVT("v1", CPUMOE_G1) LD CPUMOE_XR             \
+      CPUMOE_OUT(BI, CPUMOE_STF, CPUMOE_G0) CPUMOE_OUT(BI, CPUMOE_STL, CPUMOE_G1)
+#define CPUMOE_EPI_2x2(BI, LD)                                                                \
+  CPUMOE_LS2 CPUMOE_CVT("v0", CPUMOE_G0) CPUMOE_CVT("v0", CPUMOE_G1)                          \
+      CPUMOE_CVT("v1", CPUMOE_G2) CPUMOE_CVT("v1", CPUMOE_G3) LD CPUMOE_XR                    \
+          CPUMOE_OUT(BI, CPUMOE_STF, CPUMOE_G0) CPUMOE_OUT(BI, CPUMOE_STL, CPUMOE_G2)         \
+              LD CPUMOE_XR CPUMOE_OUT(BI, CPUMOE_STF, CPUMOE_G1)                              \
+                  CPUMOE_OUT(BI, CPUMOE_STL, CPUMOE_G3)
+#define CPUMOE_EPI_2x3(BI, LD)                                                                \
+  CPUMOE_LS2 CPUMOE_CVT("v0", CPUMOE_G0) CPUMOE_CVT("v0", CPUMOE_G1)                          \
+      CPUMOE_CVT("v0", CPUMOE_G2) CPUMOE_CVT("v1", CPUMOE_G3) CPUMOE_CVT("v1", CPUMOE_G4)     \
+          CPUMOE_CVT("v1", CPUMOE_G5) LD CPUMOE_XR CPUMOE_OUT(BI, CPUMOE_STF, CPUMOE_G0)      \
+              CPUMOE_OUT(BI, CPUMOE_STL, CPUMOE_G3) LD CPUMOE_XR                              \
+                  CPUMOE_OUT(BI, CPUMOE_STF, CPUMOE_G1) CPUMOE_OUT(BI, CPUMOE_STL, CPUMOE_G4) \
+                      LD CPUMOE_XR CPUMOE_OUT(BI, CPUMOE_STF, CPUMOE_G2)                      \
+                          CPUMOE_OUT(BI, CPUMOE_STL, CPUMOE_G5)
+#define CPUMOE_EPI_1x1(BI, LD) \
+  CPUMOE_LS1 CPUMOE_CVT("v0", CPUMOE_G0) LD CPUMOE_OUT(BI, CPUMOE_STO, CPUMOE_G0)
+#define CPUMOE_EPI_1x2(BI, LD)                                                                \
+  CPUMOE_LS1 CPUMOE_CVT("v0", CPUMOE_G0) CPUMOE_CVT("v0", CPUMOE_G1) LD                       \
+      CPUMOE_OUT(BI, CPUMOE_STO, CPUMOE_G0) LD CPUMOE_OUT(BI, CPUMOE_STO, CPUMOE_G1)
+#define CPUMOE_EPI_1x3(BI, LD)                                                                \
+  CPUMOE_LS1 CPUMOE_CVT("v0", CPUMOE_G0) CPUMOE_CVT("v0", CPUMOE_G1)                          \
+      CPUMOE_CVT("v0", CPUMOE_G2) LD CPUMOE_OUT(BI, CPUMOE_STO, CPUMOE_G0) LD                 \
+          CPUMOE_OUT(BI, CPUMOE_STO, CPUMOE_G1) LD CPUMOE_OUT(BI, CPUMOE_STO, CPUMOE_G2)
+#define CPUMOE_EPI_1x6(BI, LD)                                                                \
+  CPUMOE_LS1 CPUMOE_CVT("v0", CPUMOE_G0) CPUMOE_CVT("v0", CPUMOE_G1)                          \
+      CPUMOE_CVT("v0", CPUMOE_G2) CPUMOE_CVT("v0", CPUMOE_G3) CPUMOE_CVT("v0", CPUMOE_G4)     \
+          CPUMOE_CVT("v0", CPUMOE_G5) LD CPUMOE_OUT(BI, CPUMOE_STO, CPUMOE_G0) LD             \
+              CPUMOE_OUT(BI, CPUMOE_STO, CPUMOE_G1) LD CPUMOE_OUT(BI, CPUMOE_STO, CPUMOE_G2)  \
+                  LD CPUMOE_OUT(BI, CPUMOE_STO, CPUMOE_G3) LD                                 \
+                      CPUMOE_OUT(BI, CPUMOE_STO, CPUMOE_G4) LD                                \
+                          CPUMOE_OUT(BI, CPUMOE_STO, CPUMOE_G5)
+#define CPUMOE_EPI_5x1(BI, LD)                                                                \
+  CPUMOE_LS5 CPUMOE_CVT("v0", CPUMOE_G0) CPUMOE_CVT("v1", CPUMOE_G1)                          \
+      CPUMOE_CVT("v2", CPUMOE_G2) CPUMOE_CVT("v3", CPUMOE_G3) CPUMOE_CVT("v4", CPUMOE_G4) LD  \
+          CPUMOE_XR CPUMOE_OUT(BI, CPUMOE_STF, CPUMOE_G0)                                     \
+              CPUMOE_OUT(BI, CPUMOE_STM, CPUMOE_G1) CPUMOE_OUT(BI, CPUMOE_STM, CPUMOE_G2)     \
+                  CPUMOE_OUT(BI, CPUMOE_STM, CPUMOE_G3) CPUMOE_OUT(BI, CPUMOE_STL, CPUMOE_G4)
+#define CPUMOE_EPI_6x1(BI, LD)                                                                \
+  CPUMOE_LS6 CPUMOE_CVT("v0", CPUMOE_G0) CPUMOE_CVT("v1", CPUMOE_G1)                          \
+      CPUMOE_CVT("v2", CPUMOE_G2) CPUMOE_CVT("v3", CPUMOE_G3) CPUMOE_CVT("v4", CPUMOE_G4)     \
+          CPUMOE_CVT("v5", CPUMOE_G5) LD CPUMOE_XR CPUMOE_OUT(BI, CPUMOE_STF, CPUMOE_G0)      \
+              CPUMOE_OUT(BI, CPUMOE_STM, CPUMOE_G1) CPUMOE_OUT(BI, CPUMOE_STM, CPUMOE_G2)     \
+                  CPUMOE_OUT(BI, CPUMOE_STM, CPUMOE_G3) CPUMOE_OUT(BI, CPUMOE_STM, CPUMOE_G4) \
+                      CPUMOE_OUT(BI, CPUMOE_STL, CPUMOE_G5)
+// One row (a 1 x NB tile of a single row: decode): the row is the low halves of the group, so
+// uzp1 gathers it (2 per block), * ls by element, * rs / + bias as loaded (ld1 of 8 columns),
+// one st1 of 8 columns: 10 instructions per block instead of 18, and no scratch row.
+#define CPUMOE_ROW1_(LD, BIA, r0, r1, r2, r3)                                                  \
+  "uzp1 v1.2d, " r0 ".2d, " r1 ".2d\n\tuzp1 v2.2d, " r2 ".2d, " r3 ".2d\n\t"                   \
+  "scvtf v1.4s, v1.4s\n\tscvtf v2.4s, v2.4s\n\tfmul v1.4s, v1.4s, v3.s[0]\n\t"               \
+  "fmul v2.4s, v2.4s, v3.s[0]\n\tld1 {v4.4s, v5.4s}, [%[rs]], #32\n\t" LD                     \
+  "fmul v1.4s, v1.4s, v4.4s\n\tfmul v2.4s, v2.4s, v5.4s\n\t" BIA                              \
+  "st1 {v1.4s, v2.4s}, [%[xd]], #32\n\t"
+#define CPUMOE_ROW1(LD, BIA, ...) CPUMOE_ROW1_(LD, BIA, __VA_ARGS__)
+#define CPUMOE_R1LDB "ld1 {v6.4s, v7.4s}, [%[bias]], #32\n\t"
+#define CPUMOE_R1BI "fadd v1.4s, v1.4s, v6.4s\n\tfadd v2.4s, v2.4s, v7.4s\n\t"
+#define CPUMOE_EPI1_1x1(LD, BIA) "ldr s3, [%[ls]]\n\t" CPUMOE_ROW1(LD, BIA, CPUMOE_G0)
+#define CPUMOE_EPI1_1x2(LD, BIA) CPUMOE_EPI1_1x1(LD, BIA) CPUMOE_ROW1(LD, BIA, CPUMOE_G1)
+#define CPUMOE_EPI1_1x3(LD, BIA) CPUMOE_EPI1_1x2(LD, BIA) CPUMOE_ROW1(LD, BIA, CPUMOE_G2)
+#define CPUMOE_EPI1_1x6(LD, BIA)                                                              \
+  CPUMOE_EPI1_1x3(LD, BIA) CPUMOE_ROW1(LD, BIA, CPUMOE_G3) CPUMOE_ROW1(LD, BIA, CPUMOE_G4)    \
+      CPUMOE_ROW1(LD, BIA, CPUMOE_G5)
+// The tile loop: per tile zero, k-loop (n32 x 32 slices, then r8 x 8, then r1 single slices),
+// the b step to the next tile (NB > 1), the epilogue.
+#define CPUMOE_F32_LOOP(Z, AINIT, STEP, BADV, EPI)                                           \
+  "1:\n\t" Z AINIT "mov %[n], %[n32]\n\t"                                                    \
+  "cbz %[n], 3f\n"                                                                           \
+  "2:\n\t" CPUMOE_X8(CPUMOE_X2(CPUMOE_X2(STEP))) "subs %[n], %[n], #1\n\t"                   \
+  "b.ne 2b\n"                                                                                \
+  "3:\n\t"                                                                                   \
+  "cbz %[r8], 5f\n\t"                                                                        \
+  "mov %[n], %[r8]\n"                                                                        \
+  "4:\n\t" CPUMOE_X8(STEP) "subs %[n], %[n], #1\n\t"                                         \
+  "b.ne 4b\n"                                                                                \
+  "5:\n\t"                                                                                   \
+  "cbz %[r1], 7f\n\t"                                                                        \
+  "mov %[n], %[r1]\n"                                                                        \
+  "6:\n\t" STEP "subs %[n], %[n], #1\n\t"                                                    \
+  "b.ne 6b\n"                                                                                \
+  "7:\n\t" BADV EPI "subs %[t], %[t], #1\n\t"                                                \
+  "b.ne 1b\n\t"
+#define CPUMOE_AINIT1 "mov %[a], %[a0]\n\t"
+#define CPUMOE_AINIT2 "mov %[a], %[a0]\n\tmov %[a1], %[a10]\n\t"
+#define CPUMOE_BADV "add %[b], %[b], %[bstep]\n\t"
+#define CPUMOE_F32_ASM(Z, AINIT, STEP, BADV, EPI)                                                \
+  __asm__ volatile(CPUMOE_F32_LOOP(Z, AINIT, STEP, BADV, EPI)                                    \
+                   : [a] "=&r"(a), [a1] "=&r"(a1), [n] "=&r"(nn), [xr] "=&r"(xr), [b] "+r"(b),  \
+                     [t] "+r"(ntiles), [xd] "+r"(xd), [xl] "+r"(xl), [rs] "+r"(rs),             \
+                     [bias] "+r"(bias)                                                           \
+                   : [a0] "r"(a0), [a10] "r"(a10), [n32] "r"(n32), [r8] "r"(r8), [r1] "r"(r1),      \
+                     [ds] "r"(ds), [xls] "r"(xls), [ls] "r"(ls), [as] "r"(as), [bs] "r"(bs),       \
+                     [back] "r"(back), \
+                     [bstep] "r"(bstep), [z] "r"(kZeros)                                         \
+                   : "v0", "v1", "v2", "v3", "v4", "v5", "v6", "v7", "v8", "v9", "v10", "v11",    \
+                     "v12", "v13", "v14", "v15", "v16", "v17", "v18", "v19", "v20", "v21", "v22", \
+                     "v23", "v24", "v25", "v26", "v27", "v28", "v29", "v30", "v31", "cc", "memory")
+#define CPUMOE_F32_SHAPE(NP_, NB_, Z, AINIT, BADV)                                          \
+  if constexpr (NP == NP_ && NB == NB_) {                                                   \
+    if constexpr (kBias)                                                                    \
+      CPUMOE_F32_ASM(Z, AINIT, CPUMOE_STEP_##NP_##x##NB_, BADV,                             \
+                     CPUMOE_EPI_##NP_##x##NB_(CPUMOE_BI, CPUMOE_LDRSB));                    \
+    else                                                                                    \
+      CPUMOE_F32_ASM(Z, AINIT, CPUMOE_STEP_##NP_##x##NB_, BADV,                             \
+                     CPUMOE_EPI_##NP_##x##NB_(CPUMOE_NOBI, CPUMOE_LDRS));                   \
+    return;                                                                                 \
+  }
+#define CPUMOE_F32_ROW1(NB_, Z, BADV)                                                       \
+  if constexpr (NP == 1 && NB == NB_) {                                                     \
+    if (rows == 1) {                                                                        \
+      if constexpr (kBias)                                                                  \
+        CPUMOE_F32_ASM(Z, CPUMOE_AINIT1, CPUMOE_STEP_1x##NB_, BADV,                         \
+                       CPUMOE_EPI1_1x##NB_(CPUMOE_R1LDB, CPUMOE_R1BI));                     \
+      else                                                                                  \
+        CPUMOE_F32_ASM(Z, CPUMOE_AINIT1, CPUMOE_STEP_1x##NB_, BADV, CPUMOE_EPI1_1x##NB_("", "")); \
+      return;                                                                               \
+    }                                                                                       \
+  }
+
+// ntiles >= 1 tiles of NP pairs x NB full blocks: A from a0 (pairs 4.. from the next block for
+// NP > 4), B from b (block 0 of the first tile), output row 0 / column 0 of the first tile at d.
+// ls, rs, bias: row 0 / column 0 of the first tile; rows: 2 NP - 1 or 2 NP.
+template <int NP, int NB, bool kBias>
+__attribute__((noinline)) void f32_tiles(const int8_t* a0, const int8_t* b, int64_t kp,
+                                         int64_t ntiles, float* xd, int64_t stride,
+                                         const float* ls, const float* rs, const float* bias,
+                                         int64_t rows) {
+  const uint64_t slices = uint64_t(kp) / 8, n32 = slices / 32, r8 = slices % 32 / 8, r1 = slices % 8;
+  const int64_t as = kSlice, bs = kNr * kp, back = kSlice - (NB - 1) * kNr * kp;
+  const int64_t bstep = (NB - 1) * kNr * kp, ds = stride * int64_t(sizeof(float));
+  const int8_t* a10 = a0 + kMr * kp;
+  const int8_t *a, *a1;
+  uint64_t nn;
+  float* xr;
+  float* xl = xd;
+  int64_t xls = 0;
+  CPUMOE_F32_ROW1(6, CPUMOE_Z6, CPUMOE_BADV)
+  CPUMOE_F32_ROW1(3, CPUMOE_Z3, CPUMOE_BADV)
+  CPUMOE_F32_ROW1(2, CPUMOE_Z2, CPUMOE_BADV)
+  CPUMOE_F32_ROW1(1, CPUMOE_Z1, "")
+  alignas(16) float lsb[12];
+  alignas(16) float scratch[8];
+  xl = xd + (2 * NP - 1) * stride;
+  xls = 32;
+  if (rows < 2 * NP) {  // odd: the last row to scratch, a zero lhs scale for it
+    for (int i = 0; i < 2 * NP - 1; ++i) lsb[i] = ls[i];
+    lsb[2 * NP - 1] = 0.0f;
+    ls = lsb;
+    xl = scratch;
+    xls = 0;
+  }
+  CPUMOE_F32_SHAPE(4, 1, CPUMOE_Z4, CPUMOE_AINIT1, "")
+  CPUMOE_F32_SHAPE(3, 2, CPUMOE_Z6, CPUMOE_AINIT1, CPUMOE_BADV)
+  CPUMOE_F32_SHAPE(3, 1, CPUMOE_Z3, CPUMOE_AINIT1, "")
+  CPUMOE_F32_SHAPE(2, 3, CPUMOE_Z6, CPUMOE_AINIT1, CPUMOE_BADV)
+  CPUMOE_F32_SHAPE(2, 2, CPUMOE_Z4, CPUMOE_AINIT1, CPUMOE_BADV)
+  CPUMOE_F32_SHAPE(2, 1, CPUMOE_Z2, CPUMOE_AINIT1, "")
+  CPUMOE_F32_SHAPE(1, 6, CPUMOE_Z6, CPUMOE_AINIT1, CPUMOE_BADV)
+  CPUMOE_F32_SHAPE(1, 3, CPUMOE_Z3, CPUMOE_AINIT1, CPUMOE_BADV)
+  CPUMOE_F32_SHAPE(1, 2, CPUMOE_Z2, CPUMOE_AINIT1, CPUMOE_BADV)
+  CPUMOE_F32_SHAPE(1, 1, CPUMOE_Z1, CPUMOE_AINIT1, "")
+  CPUMOE_F32_SHAPE(6, 1, CPUMOE_Z6, CPUMOE_AINIT2, "")
+  CPUMOE_F32_SHAPE(5, 1, CPUMOE_Z5, CPUMOE_AINIT2, "")
+  (void)a;
+  (void)a1;
+  (void)nn;
+  (void)xr;
 }
 
 // The stores of a tile's accumulators (acc as tile() leaves them) into rows i0.. and blocks
@@ -387,11 +721,84 @@ void run_s32(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs, 
   run(m, n, k, lhs, rhs, S32Out{dst, dst_stride});
 }
 
+// Full blocks [jb, jb + nb) of a row tile of NP pairs at row i0: tiles of NB blocks through the
+// asm, the rest in the next smaller shape (6, 3, 2, 1).
+template <int NP, int NB, bool kBias>
+inline void f32_blocks(const int8_t* a, const int8_t* b, int64_t kp, int64_t i0, int64_t rows,
+                       int64_t jb, int64_t nb, const F32Out<kBias>& out) {
+  const int64_t tiles = nb / NB;
+  if (tiles > 0) {
+    const int64_t j0 = jb * kNr;
+    f32_tiles<NP, NB, kBias>(a + i0 * kp, b + j0 * kp, kp, tiles, out.d + i0 * out.stride + j0,
+                             out.stride, out.ls + i0, out.rs + j0, kBias ? out.bias + j0 : nullptr,
+                             rows);
+  }
+  constexpr int kNext = NB == 6 ? 3 : NB - 1;
+  if constexpr (kNext > 0) {
+    if (nb > tiles * NB)
+      f32_blocks<NP, kNext, kBias>(a, b, kp, i0, rows, jb + tiles * NB, nb - tiles * NB, out);
+  }
+}
+
+// The row tile at i0 (rows left: m - i0) over full blocks [jb, jb + nb); returns the rows it
+// took: 8, or all of the last 9-12 rows (one 5x1 / 6x1 tile over both blocks).
+template <bool kBias>
+int64_t f32_row_tile(const int8_t* a, const int8_t* b, int64_t kp, int64_t i0, int64_t left,
+                     int64_t jb, int64_t nb, const F32Out<kBias>& out) {
+  if (left > kMr && left <= kMr + 4) {
+    if (left > kMr + 2) f32_blocks<6, 1, kBias>(a, b, kp, i0, left, jb, nb, out);
+    else f32_blocks<5, 1, kBias>(a, b, kp, i0, left, jb, nb, out);
+    return left;
+  }
+  const int64_t rows = std::min(kMr, left);
+  switch ((rows + 1) / 2) {
+    case 4: f32_blocks<4, 1, kBias>(a, b, kp, i0, rows, jb, nb, out); break;
+    case 3: f32_blocks<3, 2, kBias>(a, b, kp, i0, rows, jb, nb, out); break;
+    case 2: f32_blocks<2, 3, kBias>(a, b, kp, i0, rows, jb, nb, out); break;
+    default: f32_blocks<1, 6, kBias>(a, b, kp, i0, rows, jb, nb, out); break;
+  }
+  return kMr;
+}
+
+// The last, partial block of a call (n not a multiple of 8) through the C++ tiles.
+template <bool kBias>
+__attribute__((noinline)) void f32_partial_block(int64_t m, int64_t n, int64_t k, const void* lhs,
+                                                 const int8_t* b, const F32Out<kBias>& out) {
+  run(m, n, k, lhs, b, out);
+}
+
+// As run(), through the asm row tiles. One row tile (m <= 12: decode and most experts) takes
+// every full block in one pass; more row tiles walk steps of 6 blocks (B stays in cache).
+template <bool kBias>
+void run_f32_tiles(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs,
+                   const F32Out<kBias>& out) {
+  const int64_t kp = padded_k(k);
+  const auto* a = static_cast<const int8_t*>(lhs);
+  const auto* b = static_cast<const int8_t*>(rhs);
+  const int64_t full = n / kNr;
+  if (m <= kMr + 4) {
+    if (full > 0 && m > 0) f32_row_tile(a, b, kp, 0, m, 0, full, out);
+  } else {
+    for (int64_t jb = 0; jb < full; jb += kStepBlocks) {
+      const int64_t nb = std::min(kStepBlocks, full - jb);
+      for (int64_t i0 = 0; i0 < m;) i0 += f32_row_tile(a, b, kp, i0, m - i0, jb, nb, out);
+    }
+  }
+  if (n > full * kNr) {
+    const int64_t j0 = full * kNr;
+    f32_partial_block(m, n - j0, k, lhs, b + j0 * kp,
+                      F32Out<kBias>{out.d + j0, out.stride, out.ls, out.rs + j0,
+                                    kBias ? out.bias + j0 : nullptr});
+  }
+}
+
 void run_f32(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs, float* dst,
              int64_t dst_stride, const QGemmEpilogue& ep) {
   if (ep.bias != nullptr)
-    return run(m, n, k, lhs, rhs, F32Out<true>{dst, dst_stride, ep.lhs_scale, ep.rhs_scale, ep.bias});
-  run(m, n, k, lhs, rhs, F32Out<false>{dst, dst_stride, ep.lhs_scale, ep.rhs_scale, nullptr});
+    return run_f32_tiles(m, n, k, lhs, rhs,
+                         F32Out<true>{dst, dst_stride, ep.lhs_scale, ep.rhs_scale, ep.bias});
+  run_f32_tiles(m, n, k, lhs, rhs,
+                F32Out<false>{dst, dst_stride, ep.lhs_scale, ep.rhs_scale, nullptr});
 }
 
 }  // namespace

@@ -1,52 +1,196 @@
-# tile 1x1: 4 SMMLA per 8-k slice, 8 slices per iteration (extracted by mca.sh from objdump -d of the kernel object)
+# tile 1x1: 4 SMMLA per 8-k slice, 32 slices per iteration (extracted by mca.sh from objdump -d of the kernel object)
 loop:
-  ld1 {v0.16b}, [x3], x2
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v0.16b}, [x18], x8
+  ld1 {v4.16b-v7.16b}, [x1], x8
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
   smmla v11.4s, v0.16b, v7.16b
-  ld1 {v0.16b}, [x3], x2
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v0.16b}, [x18], x8
+  ld1 {v4.16b-v7.16b}, [x1], x8
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
   smmla v11.4s, v0.16b, v7.16b
-  ld1 {v0.16b}, [x3], x2
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v0.16b}, [x18], x8
+  ld1 {v4.16b-v7.16b}, [x1], x8
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
   smmla v11.4s, v0.16b, v7.16b
-  ld1 {v0.16b}, [x3], x2
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v0.16b}, [x18], x8
+  ld1 {v4.16b-v7.16b}, [x1], x8
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
   smmla v11.4s, v0.16b, v7.16b
-  ld1 {v0.16b}, [x3], x2
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v0.16b}, [x18], x8
+  ld1 {v4.16b-v7.16b}, [x1], x8
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
   smmla v11.4s, v0.16b, v7.16b
-  ld1 {v0.16b}, [x3], x2
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v0.16b}, [x18], x8
+  ld1 {v4.16b-v7.16b}, [x1], x8
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
   smmla v11.4s, v0.16b, v7.16b
-  ld1 {v0.16b}, [x3], x2
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v0.16b}, [x18], x8
+  ld1 {v4.16b-v7.16b}, [x1], x8
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
   smmla v11.4s, v0.16b, v7.16b
-  ld1 {v0.16b}, [x3], x2
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v0.16b}, [x18], x8
+  ld1 {v4.16b-v7.16b}, [x1], x8
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
   smmla v11.4s, v0.16b, v7.16b
-  subs x4, x4, #0x1
+  ld1 {v0.16b}, [x18], x8
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x8
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x8
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x8
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x8
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x8
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x8
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x8
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x8
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x8
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x8
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x8
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x8
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x8
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x8
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x8
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x8
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x8
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x8
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x8
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x8
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x8
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x8
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x8
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  subs x19, x19, #0x1
   b.ne loop

@@ -1,92 +1,356 @@
-# tile 1x2: 8 SMMLA per 8-k slice, 8 slices per iteration (extracted by mca.sh from objdump -d of the kernel object)
+# tile 1x2: 8 SMMLA per 8-k slice, 32 slices per iteration (extracted by mca.sh from objdump -d of the kernel object)
 loop:
-  ld1 {v0.16b}, [x2], x6
-  ld1 {v4.16b-v7.16b}, [x1], x9
+  ld1 {v0.16b}, [x18], x13
+  ld1 {v4.16b-v7.16b}, [x1], x8
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
   smmla v11.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x10
+  ld1 {v4.16b-v7.16b}, [x1], x14
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
   smmla v15.4s, v0.16b, v7.16b
-  ld1 {v0.16b}, [x2], x6
-  ld1 {v4.16b-v7.16b}, [x1], x9
+  ld1 {v0.16b}, [x18], x13
+  ld1 {v4.16b-v7.16b}, [x1], x8
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
   smmla v11.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x10
+  ld1 {v4.16b-v7.16b}, [x1], x14
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
   smmla v15.4s, v0.16b, v7.16b
-  ld1 {v0.16b}, [x2], x6
-  ld1 {v4.16b-v7.16b}, [x1], x9
+  ld1 {v0.16b}, [x18], x13
+  ld1 {v4.16b-v7.16b}, [x1], x8
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
   smmla v11.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x10
+  ld1 {v4.16b-v7.16b}, [x1], x14
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
   smmla v15.4s, v0.16b, v7.16b
-  ld1 {v0.16b}, [x2], x6
-  ld1 {v4.16b-v7.16b}, [x1], x9
+  ld1 {v0.16b}, [x18], x13
+  ld1 {v4.16b-v7.16b}, [x1], x8
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
   smmla v11.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x10
+  ld1 {v4.16b-v7.16b}, [x1], x14
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
   smmla v15.4s, v0.16b, v7.16b
-  ld1 {v0.16b}, [x2], x6
-  ld1 {v4.16b-v7.16b}, [x1], x9
+  ld1 {v0.16b}, [x18], x13
+  ld1 {v4.16b-v7.16b}, [x1], x8
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
   smmla v11.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x10
+  ld1 {v4.16b-v7.16b}, [x1], x14
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
   smmla v15.4s, v0.16b, v7.16b
-  ld1 {v0.16b}, [x2], x6
-  ld1 {v4.16b-v7.16b}, [x1], x9
+  ld1 {v0.16b}, [x18], x13
+  ld1 {v4.16b-v7.16b}, [x1], x8
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
   smmla v11.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x10
+  ld1 {v4.16b-v7.16b}, [x1], x14
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
   smmla v15.4s, v0.16b, v7.16b
-  ld1 {v0.16b}, [x2], x6
-  ld1 {v4.16b-v7.16b}, [x1], x9
+  ld1 {v0.16b}, [x18], x13
+  ld1 {v4.16b-v7.16b}, [x1], x8
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
   smmla v11.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x10
+  ld1 {v4.16b-v7.16b}, [x1], x14
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
   smmla v15.4s, v0.16b, v7.16b
-  ld1 {v0.16b}, [x2], x6
-  ld1 {v4.16b-v7.16b}, [x1], x9
+  ld1 {v0.16b}, [x18], x13
+  ld1 {v4.16b-v7.16b}, [x1], x8
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
   smmla v11.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x10
+  ld1 {v4.16b-v7.16b}, [x1], x14
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
   smmla v15.4s, v0.16b, v7.16b
-  subs x3, x3, #0x1
+  ld1 {v0.16b}, [x18], x13
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x13
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x13
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x13
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x13
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x13
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x13
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x13
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x13
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x13
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x13
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x13
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x13
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x13
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x13
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x13
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x13
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x13
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x13
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x13
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x13
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x13
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x13
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x18], x13
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  subs x19, x19, #0x1
   b.ne loop

@@ -1,132 +1,516 @@
-# tile 1x3: 12 SMMLA per 8-k slice, 8 slices per iteration (extracted by mca.sh from objdump -d of the kernel object)
+# tile 1x3: 12 SMMLA per 8-k slice, 32 slices per iteration (extracted by mca.sh from objdump -d of the kernel object)
 loop:
-  ld1 {v0.16b}, [x0], x5
-  ld1 {v4.16b-v7.16b}, [x1], x6
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
   smmla v11.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x6
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
   smmla v15.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x8
+  ld1 {v4.16b-v7.16b}, [x1], x11
   smmla v16.4s, v0.16b, v4.16b
   smmla v17.4s, v0.16b, v5.16b
   smmla v18.4s, v0.16b, v6.16b
   smmla v19.4s, v0.16b, v7.16b
-  ld1 {v0.16b}, [x0], x5
-  ld1 {v4.16b-v7.16b}, [x1], x6
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
   smmla v11.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x6
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
   smmla v15.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x8
+  ld1 {v4.16b-v7.16b}, [x1], x11
   smmla v16.4s, v0.16b, v4.16b
   smmla v17.4s, v0.16b, v5.16b
   smmla v18.4s, v0.16b, v6.16b
   smmla v19.4s, v0.16b, v7.16b
-  ld1 {v0.16b}, [x0], x5
-  ld1 {v4.16b-v7.16b}, [x1], x6
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
   smmla v11.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x6
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
   smmla v15.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x8
+  ld1 {v4.16b-v7.16b}, [x1], x11
   smmla v16.4s, v0.16b, v4.16b
   smmla v17.4s, v0.16b, v5.16b
   smmla v18.4s, v0.16b, v6.16b
   smmla v19.4s, v0.16b, v7.16b
-  ld1 {v0.16b}, [x0], x5
-  ld1 {v4.16b-v7.16b}, [x1], x6
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
   smmla v11.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x6
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
   smmla v15.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x8
+  ld1 {v4.16b-v7.16b}, [x1], x11
   smmla v16.4s, v0.16b, v4.16b
   smmla v17.4s, v0.16b, v5.16b
   smmla v18.4s, v0.16b, v6.16b
   smmla v19.4s, v0.16b, v7.16b
-  ld1 {v0.16b}, [x0], x5
-  ld1 {v4.16b-v7.16b}, [x1], x6
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
   smmla v11.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x6
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
   smmla v15.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x8
+  ld1 {v4.16b-v7.16b}, [x1], x11
   smmla v16.4s, v0.16b, v4.16b
   smmla v17.4s, v0.16b, v5.16b
   smmla v18.4s, v0.16b, v6.16b
   smmla v19.4s, v0.16b, v7.16b
-  ld1 {v0.16b}, [x0], x5
-  ld1 {v4.16b-v7.16b}, [x1], x6
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
   smmla v11.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x6
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
   smmla v15.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x8
+  ld1 {v4.16b-v7.16b}, [x1], x11
   smmla v16.4s, v0.16b, v4.16b
   smmla v17.4s, v0.16b, v5.16b
   smmla v18.4s, v0.16b, v6.16b
   smmla v19.4s, v0.16b, v7.16b
-  ld1 {v0.16b}, [x0], x5
-  ld1 {v4.16b-v7.16b}, [x1], x6
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
   smmla v11.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x6
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
   smmla v15.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x8
+  ld1 {v4.16b-v7.16b}, [x1], x11
   smmla v16.4s, v0.16b, v4.16b
   smmla v17.4s, v0.16b, v5.16b
   smmla v18.4s, v0.16b, v6.16b
   smmla v19.4s, v0.16b, v7.16b
-  ld1 {v0.16b}, [x0], x5
-  ld1 {v4.16b-v7.16b}, [x1], x6
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
   smmla v11.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x6
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
   smmla v15.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x8
+  ld1 {v4.16b-v7.16b}, [x1], x11
   smmla v16.4s, v0.16b, v4.16b
   smmla v17.4s, v0.16b, v5.16b
   smmla v18.4s, v0.16b, v6.16b
   smmla v19.4s, v0.16b, v7.16b
-  subs x2, x2, #0x1
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x11
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x11
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x11
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x11
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x11
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x11
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x11
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x11
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x11
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x11
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x11
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x11
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x11
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x11
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x11
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x11
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x11
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x11
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x11
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x11
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x11
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x11
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x11
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x11
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  subs x20, x20, #0x1
   b.ne loop

@@ -1,252 +1,996 @@
-# tile 1x6: 24 SMMLA per 8-k slice, 8 slices per iteration (extracted by mca.sh from objdump -d of the kernel object)
+# tile 1x6: 24 SMMLA per 8-k slice, 32 slices per iteration (extracted by mca.sh from objdump -d of the kernel object)
 loop:
-  ld1 {v0.16b}, [x0], x6
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
   smmla v11.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
   smmla v15.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v16.4s, v0.16b, v4.16b
   smmla v17.4s, v0.16b, v5.16b
   smmla v18.4s, v0.16b, v6.16b
   smmla v19.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v20.4s, v0.16b, v4.16b
   smmla v21.4s, v0.16b, v5.16b
   smmla v22.4s, v0.16b, v6.16b
   smmla v23.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v24.4s, v0.16b, v4.16b
   smmla v25.4s, v0.16b, v5.16b
   smmla v26.4s, v0.16b, v6.16b
   smmla v27.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x8
+  ld1 {v4.16b-v7.16b}, [x1], x16
   smmla v28.4s, v0.16b, v4.16b
   smmla v29.4s, v0.16b, v5.16b
   smmla v30.4s, v0.16b, v6.16b
   smmla v31.4s, v0.16b, v7.16b
-  ld1 {v0.16b}, [x0], x6
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
   smmla v11.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
   smmla v15.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v16.4s, v0.16b, v4.16b
   smmla v17.4s, v0.16b, v5.16b
   smmla v18.4s, v0.16b, v6.16b
   smmla v19.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v20.4s, v0.16b, v4.16b
   smmla v21.4s, v0.16b, v5.16b
   smmla v22.4s, v0.16b, v6.16b
   smmla v23.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v24.4s, v0.16b, v4.16b
   smmla v25.4s, v0.16b, v5.16b
   smmla v26.4s, v0.16b, v6.16b
   smmla v27.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x8
+  ld1 {v4.16b-v7.16b}, [x1], x16
   smmla v28.4s, v0.16b, v4.16b
   smmla v29.4s, v0.16b, v5.16b
   smmla v30.4s, v0.16b, v6.16b
   smmla v31.4s, v0.16b, v7.16b
-  ld1 {v0.16b}, [x0], x6
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
   smmla v11.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
   smmla v15.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v16.4s, v0.16b, v4.16b
   smmla v17.4s, v0.16b, v5.16b
   smmla v18.4s, v0.16b, v6.16b
   smmla v19.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v20.4s, v0.16b, v4.16b
   smmla v21.4s, v0.16b, v5.16b
   smmla v22.4s, v0.16b, v6.16b
   smmla v23.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v24.4s, v0.16b, v4.16b
   smmla v25.4s, v0.16b, v5.16b
   smmla v26.4s, v0.16b, v6.16b
   smmla v27.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x8
+  ld1 {v4.16b-v7.16b}, [x1], x16
   smmla v28.4s, v0.16b, v4.16b
   smmla v29.4s, v0.16b, v5.16b
   smmla v30.4s, v0.16b, v6.16b
   smmla v31.4s, v0.16b, v7.16b
-  ld1 {v0.16b}, [x0], x6
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
   smmla v11.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
   smmla v15.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v16.4s, v0.16b, v4.16b
   smmla v17.4s, v0.16b, v5.16b
   smmla v18.4s, v0.16b, v6.16b
   smmla v19.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v20.4s, v0.16b, v4.16b
   smmla v21.4s, v0.16b, v5.16b
   smmla v22.4s, v0.16b, v6.16b
   smmla v23.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v24.4s, v0.16b, v4.16b
   smmla v25.4s, v0.16b, v5.16b
   smmla v26.4s, v0.16b, v6.16b
   smmla v27.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x8
+  ld1 {v4.16b-v7.16b}, [x1], x16
   smmla v28.4s, v0.16b, v4.16b
   smmla v29.4s, v0.16b, v5.16b
   smmla v30.4s, v0.16b, v6.16b
   smmla v31.4s, v0.16b, v7.16b
-  ld1 {v0.16b}, [x0], x6
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
   smmla v11.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
   smmla v15.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v16.4s, v0.16b, v4.16b
   smmla v17.4s, v0.16b, v5.16b
   smmla v18.4s, v0.16b, v6.16b
   smmla v19.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v20.4s, v0.16b, v4.16b
   smmla v21.4s, v0.16b, v5.16b
   smmla v22.4s, v0.16b, v6.16b
   smmla v23.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v24.4s, v0.16b, v4.16b
   smmla v25.4s, v0.16b, v5.16b
   smmla v26.4s, v0.16b, v6.16b
   smmla v27.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x8
+  ld1 {v4.16b-v7.16b}, [x1], x16
   smmla v28.4s, v0.16b, v4.16b
   smmla v29.4s, v0.16b, v5.16b
   smmla v30.4s, v0.16b, v6.16b
   smmla v31.4s, v0.16b, v7.16b
-  ld1 {v0.16b}, [x0], x6
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
   smmla v11.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
   smmla v15.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v16.4s, v0.16b, v4.16b
   smmla v17.4s, v0.16b, v5.16b
   smmla v18.4s, v0.16b, v6.16b
   smmla v19.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v20.4s, v0.16b, v4.16b
   smmla v21.4s, v0.16b, v5.16b
   smmla v22.4s, v0.16b, v6.16b
   smmla v23.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v24.4s, v0.16b, v4.16b
   smmla v25.4s, v0.16b, v5.16b
   smmla v26.4s, v0.16b, v6.16b
   smmla v27.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x8
+  ld1 {v4.16b-v7.16b}, [x1], x16
   smmla v28.4s, v0.16b, v4.16b
   smmla v29.4s, v0.16b, v5.16b
   smmla v30.4s, v0.16b, v6.16b
   smmla v31.4s, v0.16b, v7.16b
-  ld1 {v0.16b}, [x0], x6
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
   smmla v11.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
   smmla v15.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v16.4s, v0.16b, v4.16b
   smmla v17.4s, v0.16b, v5.16b
   smmla v18.4s, v0.16b, v6.16b
   smmla v19.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v20.4s, v0.16b, v4.16b
   smmla v21.4s, v0.16b, v5.16b
   smmla v22.4s, v0.16b, v6.16b
   smmla v23.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v24.4s, v0.16b, v4.16b
   smmla v25.4s, v0.16b, v5.16b
   smmla v26.4s, v0.16b, v6.16b
   smmla v27.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x8
+  ld1 {v4.16b-v7.16b}, [x1], x16
   smmla v28.4s, v0.16b, v4.16b
   smmla v29.4s, v0.16b, v5.16b
   smmla v30.4s, v0.16b, v6.16b
   smmla v31.4s, v0.16b, v7.16b
-  ld1 {v0.16b}, [x0], x6
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
   smmla v11.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
   smmla v15.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v16.4s, v0.16b, v4.16b
   smmla v17.4s, v0.16b, v5.16b
   smmla v18.4s, v0.16b, v6.16b
   smmla v19.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v20.4s, v0.16b, v4.16b
   smmla v21.4s, v0.16b, v5.16b
   smmla v22.4s, v0.16b, v6.16b
   smmla v23.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v4.16b-v7.16b}, [x1], x12
   smmla v24.4s, v0.16b, v4.16b
   smmla v25.4s, v0.16b, v5.16b
   smmla v26.4s, v0.16b, v6.16b
   smmla v27.4s, v0.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x8
+  ld1 {v4.16b-v7.16b}, [x1], x16
   smmla v28.4s, v0.16b, v4.16b
   smmla v29.4s, v0.16b, v5.16b
   smmla v30.4s, v0.16b, v6.16b
   smmla v31.4s, v0.16b, v7.16b
-  subs x9, x9, #0x1
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v20.4s, v0.16b, v4.16b
+  smmla v21.4s, v0.16b, v5.16b
+  smmla v22.4s, v0.16b, v6.16b
+  smmla v23.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v24.4s, v0.16b, v4.16b
+  smmla v25.4s, v0.16b, v5.16b
+  smmla v26.4s, v0.16b, v6.16b
+  smmla v27.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x16
+  smmla v28.4s, v0.16b, v4.16b
+  smmla v29.4s, v0.16b, v5.16b
+  smmla v30.4s, v0.16b, v6.16b
+  smmla v31.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v20.4s, v0.16b, v4.16b
+  smmla v21.4s, v0.16b, v5.16b
+  smmla v22.4s, v0.16b, v6.16b
+  smmla v23.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v24.4s, v0.16b, v4.16b
+  smmla v25.4s, v0.16b, v5.16b
+  smmla v26.4s, v0.16b, v6.16b
+  smmla v27.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x16
+  smmla v28.4s, v0.16b, v4.16b
+  smmla v29.4s, v0.16b, v5.16b
+  smmla v30.4s, v0.16b, v6.16b
+  smmla v31.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v20.4s, v0.16b, v4.16b
+  smmla v21.4s, v0.16b, v5.16b
+  smmla v22.4s, v0.16b, v6.16b
+  smmla v23.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v24.4s, v0.16b, v4.16b
+  smmla v25.4s, v0.16b, v5.16b
+  smmla v26.4s, v0.16b, v6.16b
+  smmla v27.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x16
+  smmla v28.4s, v0.16b, v4.16b
+  smmla v29.4s, v0.16b, v5.16b
+  smmla v30.4s, v0.16b, v6.16b
+  smmla v31.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v20.4s, v0.16b, v4.16b
+  smmla v21.4s, v0.16b, v5.16b
+  smmla v22.4s, v0.16b, v6.16b
+  smmla v23.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v24.4s, v0.16b, v4.16b
+  smmla v25.4s, v0.16b, v5.16b
+  smmla v26.4s, v0.16b, v6.16b
+  smmla v27.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x16
+  smmla v28.4s, v0.16b, v4.16b
+  smmla v29.4s, v0.16b, v5.16b
+  smmla v30.4s, v0.16b, v6.16b
+  smmla v31.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v20.4s, v0.16b, v4.16b
+  smmla v21.4s, v0.16b, v5.16b
+  smmla v22.4s, v0.16b, v6.16b
+  smmla v23.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v24.4s, v0.16b, v4.16b
+  smmla v25.4s, v0.16b, v5.16b
+  smmla v26.4s, v0.16b, v6.16b
+  smmla v27.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x16
+  smmla v28.4s, v0.16b, v4.16b
+  smmla v29.4s, v0.16b, v5.16b
+  smmla v30.4s, v0.16b, v6.16b
+  smmla v31.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v20.4s, v0.16b, v4.16b
+  smmla v21.4s, v0.16b, v5.16b
+  smmla v22.4s, v0.16b, v6.16b
+  smmla v23.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v24.4s, v0.16b, v4.16b
+  smmla v25.4s, v0.16b, v5.16b
+  smmla v26.4s, v0.16b, v6.16b
+  smmla v27.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x16
+  smmla v28.4s, v0.16b, v4.16b
+  smmla v29.4s, v0.16b, v5.16b
+  smmla v30.4s, v0.16b, v6.16b
+  smmla v31.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v20.4s, v0.16b, v4.16b
+  smmla v21.4s, v0.16b, v5.16b
+  smmla v22.4s, v0.16b, v6.16b
+  smmla v23.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v24.4s, v0.16b, v4.16b
+  smmla v25.4s, v0.16b, v5.16b
+  smmla v26.4s, v0.16b, v6.16b
+  smmla v27.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x16
+  smmla v28.4s, v0.16b, v4.16b
+  smmla v29.4s, v0.16b, v5.16b
+  smmla v30.4s, v0.16b, v6.16b
+  smmla v31.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v20.4s, v0.16b, v4.16b
+  smmla v21.4s, v0.16b, v5.16b
+  smmla v22.4s, v0.16b, v6.16b
+  smmla v23.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v24.4s, v0.16b, v4.16b
+  smmla v25.4s, v0.16b, v5.16b
+  smmla v26.4s, v0.16b, v6.16b
+  smmla v27.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x16
+  smmla v28.4s, v0.16b, v4.16b
+  smmla v29.4s, v0.16b, v5.16b
+  smmla v30.4s, v0.16b, v6.16b
+  smmla v31.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v20.4s, v0.16b, v4.16b
+  smmla v21.4s, v0.16b, v5.16b
+  smmla v22.4s, v0.16b, v6.16b
+  smmla v23.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v24.4s, v0.16b, v4.16b
+  smmla v25.4s, v0.16b, v5.16b
+  smmla v26.4s, v0.16b, v6.16b
+  smmla v27.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x16
+  smmla v28.4s, v0.16b, v4.16b
+  smmla v29.4s, v0.16b, v5.16b
+  smmla v30.4s, v0.16b, v6.16b
+  smmla v31.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v20.4s, v0.16b, v4.16b
+  smmla v21.4s, v0.16b, v5.16b
+  smmla v22.4s, v0.16b, v6.16b
+  smmla v23.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v24.4s, v0.16b, v4.16b
+  smmla v25.4s, v0.16b, v5.16b
+  smmla v26.4s, v0.16b, v6.16b
+  smmla v27.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x16
+  smmla v28.4s, v0.16b, v4.16b
+  smmla v29.4s, v0.16b, v5.16b
+  smmla v30.4s, v0.16b, v6.16b
+  smmla v31.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v20.4s, v0.16b, v4.16b
+  smmla v21.4s, v0.16b, v5.16b
+  smmla v22.4s, v0.16b, v6.16b
+  smmla v23.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v24.4s, v0.16b, v4.16b
+  smmla v25.4s, v0.16b, v5.16b
+  smmla v26.4s, v0.16b, v6.16b
+  smmla v27.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x16
+  smmla v28.4s, v0.16b, v4.16b
+  smmla v29.4s, v0.16b, v5.16b
+  smmla v30.4s, v0.16b, v6.16b
+  smmla v31.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v20.4s, v0.16b, v4.16b
+  smmla v21.4s, v0.16b, v5.16b
+  smmla v22.4s, v0.16b, v6.16b
+  smmla v23.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v24.4s, v0.16b, v4.16b
+  smmla v25.4s, v0.16b, v5.16b
+  smmla v26.4s, v0.16b, v6.16b
+  smmla v27.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x16
+  smmla v28.4s, v0.16b, v4.16b
+  smmla v29.4s, v0.16b, v5.16b
+  smmla v30.4s, v0.16b, v6.16b
+  smmla v31.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v20.4s, v0.16b, v4.16b
+  smmla v21.4s, v0.16b, v5.16b
+  smmla v22.4s, v0.16b, v6.16b
+  smmla v23.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v24.4s, v0.16b, v4.16b
+  smmla v25.4s, v0.16b, v5.16b
+  smmla v26.4s, v0.16b, v6.16b
+  smmla v27.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x16
+  smmla v28.4s, v0.16b, v4.16b
+  smmla v29.4s, v0.16b, v5.16b
+  smmla v30.4s, v0.16b, v6.16b
+  smmla v31.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v20.4s, v0.16b, v4.16b
+  smmla v21.4s, v0.16b, v5.16b
+  smmla v22.4s, v0.16b, v6.16b
+  smmla v23.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v24.4s, v0.16b, v4.16b
+  smmla v25.4s, v0.16b, v5.16b
+  smmla v26.4s, v0.16b, v6.16b
+  smmla v27.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x16
+  smmla v28.4s, v0.16b, v4.16b
+  smmla v29.4s, v0.16b, v5.16b
+  smmla v30.4s, v0.16b, v6.16b
+  smmla v31.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v20.4s, v0.16b, v4.16b
+  smmla v21.4s, v0.16b, v5.16b
+  smmla v22.4s, v0.16b, v6.16b
+  smmla v23.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v24.4s, v0.16b, v4.16b
+  smmla v25.4s, v0.16b, v5.16b
+  smmla v26.4s, v0.16b, v6.16b
+  smmla v27.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x16
+  smmla v28.4s, v0.16b, v4.16b
+  smmla v29.4s, v0.16b, v5.16b
+  smmla v30.4s, v0.16b, v6.16b
+  smmla v31.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v20.4s, v0.16b, v4.16b
+  smmla v21.4s, v0.16b, v5.16b
+  smmla v22.4s, v0.16b, v6.16b
+  smmla v23.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v24.4s, v0.16b, v4.16b
+  smmla v25.4s, v0.16b, v5.16b
+  smmla v26.4s, v0.16b, v6.16b
+  smmla v27.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x16
+  smmla v28.4s, v0.16b, v4.16b
+  smmla v29.4s, v0.16b, v5.16b
+  smmla v30.4s, v0.16b, v6.16b
+  smmla v31.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v20.4s, v0.16b, v4.16b
+  smmla v21.4s, v0.16b, v5.16b
+  smmla v22.4s, v0.16b, v6.16b
+  smmla v23.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v24.4s, v0.16b, v4.16b
+  smmla v25.4s, v0.16b, v5.16b
+  smmla v26.4s, v0.16b, v6.16b
+  smmla v27.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x16
+  smmla v28.4s, v0.16b, v4.16b
+  smmla v29.4s, v0.16b, v5.16b
+  smmla v30.4s, v0.16b, v6.16b
+  smmla v31.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v20.4s, v0.16b, v4.16b
+  smmla v21.4s, v0.16b, v5.16b
+  smmla v22.4s, v0.16b, v6.16b
+  smmla v23.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v24.4s, v0.16b, v4.16b
+  smmla v25.4s, v0.16b, v5.16b
+  smmla v26.4s, v0.16b, v6.16b
+  smmla v27.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x16
+  smmla v28.4s, v0.16b, v4.16b
+  smmla v29.4s, v0.16b, v5.16b
+  smmla v30.4s, v0.16b, v6.16b
+  smmla v31.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v20.4s, v0.16b, v4.16b
+  smmla v21.4s, v0.16b, v5.16b
+  smmla v22.4s, v0.16b, v6.16b
+  smmla v23.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v24.4s, v0.16b, v4.16b
+  smmla v25.4s, v0.16b, v5.16b
+  smmla v26.4s, v0.16b, v6.16b
+  smmla v27.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x16
+  smmla v28.4s, v0.16b, v4.16b
+  smmla v29.4s, v0.16b, v5.16b
+  smmla v30.4s, v0.16b, v6.16b
+  smmla v31.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v20.4s, v0.16b, v4.16b
+  smmla v21.4s, v0.16b, v5.16b
+  smmla v22.4s, v0.16b, v6.16b
+  smmla v23.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v24.4s, v0.16b, v4.16b
+  smmla v25.4s, v0.16b, v5.16b
+  smmla v26.4s, v0.16b, v6.16b
+  smmla v27.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x16
+  smmla v28.4s, v0.16b, v4.16b
+  smmla v29.4s, v0.16b, v5.16b
+  smmla v30.4s, v0.16b, v6.16b
+  smmla v31.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v20.4s, v0.16b, v4.16b
+  smmla v21.4s, v0.16b, v5.16b
+  smmla v22.4s, v0.16b, v6.16b
+  smmla v23.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v24.4s, v0.16b, v4.16b
+  smmla v25.4s, v0.16b, v5.16b
+  smmla v26.4s, v0.16b, v6.16b
+  smmla v27.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x16
+  smmla v28.4s, v0.16b, v4.16b
+  smmla v29.4s, v0.16b, v5.16b
+  smmla v30.4s, v0.16b, v6.16b
+  smmla v31.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v20.4s, v0.16b, v4.16b
+  smmla v21.4s, v0.16b, v5.16b
+  smmla v22.4s, v0.16b, v6.16b
+  smmla v23.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v24.4s, v0.16b, v4.16b
+  smmla v25.4s, v0.16b, v5.16b
+  smmla v26.4s, v0.16b, v6.16b
+  smmla v27.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x16
+  smmla v28.4s, v0.16b, v4.16b
+  smmla v29.4s, v0.16b, v5.16b
+  smmla v30.4s, v0.16b, v6.16b
+  smmla v31.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v20.4s, v0.16b, v4.16b
+  smmla v21.4s, v0.16b, v5.16b
+  smmla v22.4s, v0.16b, v6.16b
+  smmla v23.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v24.4s, v0.16b, v4.16b
+  smmla v25.4s, v0.16b, v5.16b
+  smmla v26.4s, v0.16b, v6.16b
+  smmla v27.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x16
+  smmla v28.4s, v0.16b, v4.16b
+  smmla v29.4s, v0.16b, v5.16b
+  smmla v30.4s, v0.16b, v6.16b
+  smmla v31.4s, v0.16b, v7.16b
+  ld1 {v0.16b}, [x30], x18
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v20.4s, v0.16b, v4.16b
+  smmla v21.4s, v0.16b, v5.16b
+  smmla v22.4s, v0.16b, v6.16b
+  smmla v23.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x12
+  smmla v24.4s, v0.16b, v4.16b
+  smmla v25.4s, v0.16b, v5.16b
+  smmla v26.4s, v0.16b, v6.16b
+  smmla v27.4s, v0.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x16
+  smmla v28.4s, v0.16b, v4.16b
+  smmla v29.4s, v0.16b, v5.16b
+  smmla v30.4s, v0.16b, v6.16b
+  smmla v31.4s, v0.16b, v7.16b
+  subs x20, x20, #0x1
   b.ne loop

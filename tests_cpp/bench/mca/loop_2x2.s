@@ -1,7 +1,7 @@
-# tile 2x2: 16 SMMLA per 8-k slice, 8 slices per iteration (extracted by mca.sh from objdump -d of the kernel object)
+# tile 2x2: 16 SMMLA per 8-k slice, 32 slices per iteration (extracted by mca.sh from objdump -d of the kernel object)
 loop:
-  ld1 {v0.16b, v1.16b}, [x0], x11
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v0.16b, v1.16b}, [x18], x12
+  ld1 {v4.16b-v7.16b}, [x1], x8
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
@@ -10,7 +10,7 @@ loop:
   smmla v17.4s, v1.16b, v5.16b
   smmla v18.4s, v1.16b, v6.16b
   smmla v19.4s, v1.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x10
+  ld1 {v4.16b-v7.16b}, [x1], x13
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
@@ -19,8 +19,8 @@ loop:
   smmla v21.4s, v1.16b, v5.16b
   smmla v22.4s, v1.16b, v6.16b
   smmla v23.4s, v1.16b, v7.16b
-  ld1 {v0.16b, v1.16b}, [x0], x11
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v0.16b, v1.16b}, [x18], x12
+  ld1 {v4.16b-v7.16b}, [x1], x8
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
@@ -29,7 +29,7 @@ loop:
   smmla v17.4s, v1.16b, v5.16b
   smmla v18.4s, v1.16b, v6.16b
   smmla v19.4s, v1.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x10
+  ld1 {v4.16b-v7.16b}, [x1], x13
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
@@ -38,8 +38,8 @@ loop:
   smmla v21.4s, v1.16b, v5.16b
   smmla v22.4s, v1.16b, v6.16b
   smmla v23.4s, v1.16b, v7.16b
-  ld1 {v0.16b, v1.16b}, [x0], x11
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v0.16b, v1.16b}, [x18], x12
+  ld1 {v4.16b-v7.16b}, [x1], x8
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
@@ -48,7 +48,7 @@ loop:
   smmla v17.4s, v1.16b, v5.16b
   smmla v18.4s, v1.16b, v6.16b
   smmla v19.4s, v1.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x10
+  ld1 {v4.16b-v7.16b}, [x1], x13
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
@@ -57,8 +57,8 @@ loop:
   smmla v21.4s, v1.16b, v5.16b
   smmla v22.4s, v1.16b, v6.16b
   smmla v23.4s, v1.16b, v7.16b
-  ld1 {v0.16b, v1.16b}, [x0], x11
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v0.16b, v1.16b}, [x18], x12
+  ld1 {v4.16b-v7.16b}, [x1], x8
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
@@ -67,7 +67,7 @@ loop:
   smmla v17.4s, v1.16b, v5.16b
   smmla v18.4s, v1.16b, v6.16b
   smmla v19.4s, v1.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x10
+  ld1 {v4.16b-v7.16b}, [x1], x13
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
@@ -76,8 +76,8 @@ loop:
   smmla v21.4s, v1.16b, v5.16b
   smmla v22.4s, v1.16b, v6.16b
   smmla v23.4s, v1.16b, v7.16b
-  ld1 {v0.16b, v1.16b}, [x0], x11
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v0.16b, v1.16b}, [x18], x12
+  ld1 {v4.16b-v7.16b}, [x1], x8
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
@@ -86,7 +86,7 @@ loop:
   smmla v17.4s, v1.16b, v5.16b
   smmla v18.4s, v1.16b, v6.16b
   smmla v19.4s, v1.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x10
+  ld1 {v4.16b-v7.16b}, [x1], x13
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
@@ -95,8 +95,8 @@ loop:
   smmla v21.4s, v1.16b, v5.16b
   smmla v22.4s, v1.16b, v6.16b
   smmla v23.4s, v1.16b, v7.16b
-  ld1 {v0.16b, v1.16b}, [x0], x11
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v0.16b, v1.16b}, [x18], x12
+  ld1 {v4.16b-v7.16b}, [x1], x8
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
@@ -105,7 +105,7 @@ loop:
   smmla v17.4s, v1.16b, v5.16b
   smmla v18.4s, v1.16b, v6.16b
   smmla v19.4s, v1.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x10
+  ld1 {v4.16b-v7.16b}, [x1], x13
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
@@ -114,8 +114,8 @@ loop:
   smmla v21.4s, v1.16b, v5.16b
   smmla v22.4s, v1.16b, v6.16b
   smmla v23.4s, v1.16b, v7.16b
-  ld1 {v0.16b, v1.16b}, [x0], x11
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v0.16b, v1.16b}, [x18], x12
+  ld1 {v4.16b-v7.16b}, [x1], x8
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
@@ -124,7 +124,7 @@ loop:
   smmla v17.4s, v1.16b, v5.16b
   smmla v18.4s, v1.16b, v6.16b
   smmla v19.4s, v1.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x10
+  ld1 {v4.16b-v7.16b}, [x1], x13
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
@@ -133,8 +133,8 @@ loop:
   smmla v21.4s, v1.16b, v5.16b
   smmla v22.4s, v1.16b, v6.16b
   smmla v23.4s, v1.16b, v7.16b
-  ld1 {v0.16b, v1.16b}, [x0], x11
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v0.16b, v1.16b}, [x18], x12
+  ld1 {v4.16b-v7.16b}, [x1], x8
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
@@ -143,7 +143,7 @@ loop:
   smmla v17.4s, v1.16b, v5.16b
   smmla v18.4s, v1.16b, v6.16b
   smmla v19.4s, v1.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x10
+  ld1 {v4.16b-v7.16b}, [x1], x13
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
@@ -152,5 +152,461 @@ loop:
   smmla v21.4s, v1.16b, v5.16b
   smmla v22.4s, v1.16b, v6.16b
   smmla v23.4s, v1.16b, v7.16b
-  subs x4, x4, #0x1
+  ld1 {v0.16b, v1.16b}, [x18], x12
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x18], x12
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x18], x12
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x18], x12
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x18], x12
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x18], x12
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x18], x12
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x18], x12
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x18], x12
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x18], x12
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x18], x12
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x18], x12
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x18], x12
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x18], x12
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x18], x12
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x18], x12
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x18], x12
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x18], x12
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x18], x12
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x18], x12
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x18], x12
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x18], x12
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x18], x12
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x18], x12
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  subs x19, x19, #0x1
   b.ne loop

@@ -1,7 +1,7 @@
-# tile 2x3: 24 SMMLA per 8-k slice, 8 slices per iteration (extracted by mca.sh from objdump -d of the kernel object)
+# tile 2x3: 24 SMMLA per 8-k slice, 32 slices per iteration (extracted by mca.sh from objdump -d of the kernel object)
 loop:
-  ld1 {v0.16b, v1.16b}, [x0], x11
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v0.16b, v1.16b}, [x30], x12
+  ld1 {v4.16b-v7.16b}, [x1], x14
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
@@ -10,7 +10,7 @@ loop:
   smmla v21.4s, v1.16b, v5.16b
   smmla v22.4s, v1.16b, v6.16b
   smmla v23.4s, v1.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v4.16b-v7.16b}, [x1], x14
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
@@ -19,7 +19,7 @@ loop:
   smmla v25.4s, v1.16b, v5.16b
   smmla v26.4s, v1.16b, v6.16b
   smmla v27.4s, v1.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x4
+  ld1 {v4.16b-v7.16b}, [x1], x13
   smmla v16.4s, v0.16b, v4.16b
   smmla v17.4s, v0.16b, v5.16b
   smmla v18.4s, v0.16b, v6.16b
@@ -28,8 +28,8 @@ loop:
   smmla v29.4s, v1.16b, v5.16b
   smmla v30.4s, v1.16b, v6.16b
   smmla v31.4s, v1.16b, v7.16b
-  ld1 {v0.16b, v1.16b}, [x0], x11
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v0.16b, v1.16b}, [x30], x12
+  ld1 {v4.16b-v7.16b}, [x1], x14
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
@@ -38,7 +38,7 @@ loop:
   smmla v21.4s, v1.16b, v5.16b
   smmla v22.4s, v1.16b, v6.16b
   smmla v23.4s, v1.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v4.16b-v7.16b}, [x1], x14
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
@@ -47,7 +47,7 @@ loop:
   smmla v25.4s, v1.16b, v5.16b
   smmla v26.4s, v1.16b, v6.16b
   smmla v27.4s, v1.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x4
+  ld1 {v4.16b-v7.16b}, [x1], x13
   smmla v16.4s, v0.16b, v4.16b
   smmla v17.4s, v0.16b, v5.16b
   smmla v18.4s, v0.16b, v6.16b
@@ -56,8 +56,8 @@ loop:
   smmla v29.4s, v1.16b, v5.16b
   smmla v30.4s, v1.16b, v6.16b
   smmla v31.4s, v1.16b, v7.16b
-  ld1 {v0.16b, v1.16b}, [x0], x11
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v0.16b, v1.16b}, [x30], x12
+  ld1 {v4.16b-v7.16b}, [x1], x14
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
@@ -66,7 +66,7 @@ loop:
   smmla v21.4s, v1.16b, v5.16b
   smmla v22.4s, v1.16b, v6.16b
   smmla v23.4s, v1.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v4.16b-v7.16b}, [x1], x14
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
@@ -75,7 +75,7 @@ loop:
   smmla v25.4s, v1.16b, v5.16b
   smmla v26.4s, v1.16b, v6.16b
   smmla v27.4s, v1.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x4
+  ld1 {v4.16b-v7.16b}, [x1], x13
   smmla v16.4s, v0.16b, v4.16b
   smmla v17.4s, v0.16b, v5.16b
   smmla v18.4s, v0.16b, v6.16b
@@ -84,8 +84,8 @@ loop:
   smmla v29.4s, v1.16b, v5.16b
   smmla v30.4s, v1.16b, v6.16b
   smmla v31.4s, v1.16b, v7.16b
-  ld1 {v0.16b, v1.16b}, [x0], x11
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v0.16b, v1.16b}, [x30], x12
+  ld1 {v4.16b-v7.16b}, [x1], x14
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
@@ -94,7 +94,7 @@ loop:
   smmla v21.4s, v1.16b, v5.16b
   smmla v22.4s, v1.16b, v6.16b
   smmla v23.4s, v1.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v4.16b-v7.16b}, [x1], x14
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
@@ -103,7 +103,7 @@ loop:
   smmla v25.4s, v1.16b, v5.16b
   smmla v26.4s, v1.16b, v6.16b
   smmla v27.4s, v1.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x4
+  ld1 {v4.16b-v7.16b}, [x1], x13
   smmla v16.4s, v0.16b, v4.16b
   smmla v17.4s, v0.16b, v5.16b
   smmla v18.4s, v0.16b, v6.16b
@@ -112,8 +112,8 @@ loop:
   smmla v29.4s, v1.16b, v5.16b
   smmla v30.4s, v1.16b, v6.16b
   smmla v31.4s, v1.16b, v7.16b
-  ld1 {v0.16b, v1.16b}, [x0], x11
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v0.16b, v1.16b}, [x30], x12
+  ld1 {v4.16b-v7.16b}, [x1], x14
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
@@ -122,7 +122,7 @@ loop:
   smmla v21.4s, v1.16b, v5.16b
   smmla v22.4s, v1.16b, v6.16b
   smmla v23.4s, v1.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v4.16b-v7.16b}, [x1], x14
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
@@ -131,7 +131,7 @@ loop:
   smmla v25.4s, v1.16b, v5.16b
   smmla v26.4s, v1.16b, v6.16b
   smmla v27.4s, v1.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x4
+  ld1 {v4.16b-v7.16b}, [x1], x13
   smmla v16.4s, v0.16b, v4.16b
   smmla v17.4s, v0.16b, v5.16b
   smmla v18.4s, v0.16b, v6.16b
@@ -140,8 +140,8 @@ loop:
   smmla v29.4s, v1.16b, v5.16b
   smmla v30.4s, v1.16b, v6.16b
   smmla v31.4s, v1.16b, v7.16b
-  ld1 {v0.16b, v1.16b}, [x0], x11
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v0.16b, v1.16b}, [x30], x12
+  ld1 {v4.16b-v7.16b}, [x1], x14
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
@@ -150,7 +150,7 @@ loop:
   smmla v21.4s, v1.16b, v5.16b
   smmla v22.4s, v1.16b, v6.16b
   smmla v23.4s, v1.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v4.16b-v7.16b}, [x1], x14
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
@@ -159,7 +159,7 @@ loop:
   smmla v25.4s, v1.16b, v5.16b
   smmla v26.4s, v1.16b, v6.16b
   smmla v27.4s, v1.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x4
+  ld1 {v4.16b-v7.16b}, [x1], x13
   smmla v16.4s, v0.16b, v4.16b
   smmla v17.4s, v0.16b, v5.16b
   smmla v18.4s, v0.16b, v6.16b
@@ -168,8 +168,8 @@ loop:
   smmla v29.4s, v1.16b, v5.16b
   smmla v30.4s, v1.16b, v6.16b
   smmla v31.4s, v1.16b, v7.16b
-  ld1 {v0.16b, v1.16b}, [x0], x11
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v0.16b, v1.16b}, [x30], x12
+  ld1 {v4.16b-v7.16b}, [x1], x14
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
@@ -178,7 +178,7 @@ loop:
   smmla v21.4s, v1.16b, v5.16b
   smmla v22.4s, v1.16b, v6.16b
   smmla v23.4s, v1.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v4.16b-v7.16b}, [x1], x14
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
@@ -187,7 +187,7 @@ loop:
   smmla v25.4s, v1.16b, v5.16b
   smmla v26.4s, v1.16b, v6.16b
   smmla v27.4s, v1.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x4
+  ld1 {v4.16b-v7.16b}, [x1], x13
   smmla v16.4s, v0.16b, v4.16b
   smmla v17.4s, v0.16b, v5.16b
   smmla v18.4s, v0.16b, v6.16b
@@ -196,8 +196,8 @@ loop:
   smmla v29.4s, v1.16b, v5.16b
   smmla v30.4s, v1.16b, v6.16b
   smmla v31.4s, v1.16b, v7.16b
-  ld1 {v0.16b, v1.16b}, [x0], x11
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v0.16b, v1.16b}, [x30], x12
+  ld1 {v4.16b-v7.16b}, [x1], x14
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
@@ -206,7 +206,7 @@ loop:
   smmla v21.4s, v1.16b, v5.16b
   smmla v22.4s, v1.16b, v6.16b
   smmla v23.4s, v1.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v4.16b-v7.16b}, [x1], x14
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
@@ -215,7 +215,7 @@ loop:
   smmla v25.4s, v1.16b, v5.16b
   smmla v26.4s, v1.16b, v6.16b
   smmla v27.4s, v1.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x4
+  ld1 {v4.16b-v7.16b}, [x1], x13
   smmla v16.4s, v0.16b, v4.16b
   smmla v17.4s, v0.16b, v5.16b
   smmla v18.4s, v0.16b, v6.16b
@@ -224,5 +224,677 @@ loop:
   smmla v29.4s, v1.16b, v5.16b
   smmla v30.4s, v1.16b, v6.16b
   smmla v31.4s, v1.16b, v7.16b
-  subs x6, x6, #0x1
+  ld1 {v0.16b, v1.16b}, [x30], x12
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v24.4s, v1.16b, v4.16b
+  smmla v25.4s, v1.16b, v5.16b
+  smmla v26.4s, v1.16b, v6.16b
+  smmla v27.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  smmla v28.4s, v1.16b, v4.16b
+  smmla v29.4s, v1.16b, v5.16b
+  smmla v30.4s, v1.16b, v6.16b
+  smmla v31.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x30], x12
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v24.4s, v1.16b, v4.16b
+  smmla v25.4s, v1.16b, v5.16b
+  smmla v26.4s, v1.16b, v6.16b
+  smmla v27.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  smmla v28.4s, v1.16b, v4.16b
+  smmla v29.4s, v1.16b, v5.16b
+  smmla v30.4s, v1.16b, v6.16b
+  smmla v31.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x30], x12
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v24.4s, v1.16b, v4.16b
+  smmla v25.4s, v1.16b, v5.16b
+  smmla v26.4s, v1.16b, v6.16b
+  smmla v27.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  smmla v28.4s, v1.16b, v4.16b
+  smmla v29.4s, v1.16b, v5.16b
+  smmla v30.4s, v1.16b, v6.16b
+  smmla v31.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x30], x12
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v24.4s, v1.16b, v4.16b
+  smmla v25.4s, v1.16b, v5.16b
+  smmla v26.4s, v1.16b, v6.16b
+  smmla v27.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  smmla v28.4s, v1.16b, v4.16b
+  smmla v29.4s, v1.16b, v5.16b
+  smmla v30.4s, v1.16b, v6.16b
+  smmla v31.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x30], x12
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v24.4s, v1.16b, v4.16b
+  smmla v25.4s, v1.16b, v5.16b
+  smmla v26.4s, v1.16b, v6.16b
+  smmla v27.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  smmla v28.4s, v1.16b, v4.16b
+  smmla v29.4s, v1.16b, v5.16b
+  smmla v30.4s, v1.16b, v6.16b
+  smmla v31.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x30], x12
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v24.4s, v1.16b, v4.16b
+  smmla v25.4s, v1.16b, v5.16b
+  smmla v26.4s, v1.16b, v6.16b
+  smmla v27.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  smmla v28.4s, v1.16b, v4.16b
+  smmla v29.4s, v1.16b, v5.16b
+  smmla v30.4s, v1.16b, v6.16b
+  smmla v31.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x30], x12
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v24.4s, v1.16b, v4.16b
+  smmla v25.4s, v1.16b, v5.16b
+  smmla v26.4s, v1.16b, v6.16b
+  smmla v27.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  smmla v28.4s, v1.16b, v4.16b
+  smmla v29.4s, v1.16b, v5.16b
+  smmla v30.4s, v1.16b, v6.16b
+  smmla v31.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x30], x12
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v24.4s, v1.16b, v4.16b
+  smmla v25.4s, v1.16b, v5.16b
+  smmla v26.4s, v1.16b, v6.16b
+  smmla v27.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  smmla v28.4s, v1.16b, v4.16b
+  smmla v29.4s, v1.16b, v5.16b
+  smmla v30.4s, v1.16b, v6.16b
+  smmla v31.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x30], x12
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v24.4s, v1.16b, v4.16b
+  smmla v25.4s, v1.16b, v5.16b
+  smmla v26.4s, v1.16b, v6.16b
+  smmla v27.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  smmla v28.4s, v1.16b, v4.16b
+  smmla v29.4s, v1.16b, v5.16b
+  smmla v30.4s, v1.16b, v6.16b
+  smmla v31.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x30], x12
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v24.4s, v1.16b, v4.16b
+  smmla v25.4s, v1.16b, v5.16b
+  smmla v26.4s, v1.16b, v6.16b
+  smmla v27.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  smmla v28.4s, v1.16b, v4.16b
+  smmla v29.4s, v1.16b, v5.16b
+  smmla v30.4s, v1.16b, v6.16b
+  smmla v31.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x30], x12
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v24.4s, v1.16b, v4.16b
+  smmla v25.4s, v1.16b, v5.16b
+  smmla v26.4s, v1.16b, v6.16b
+  smmla v27.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  smmla v28.4s, v1.16b, v4.16b
+  smmla v29.4s, v1.16b, v5.16b
+  smmla v30.4s, v1.16b, v6.16b
+  smmla v31.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x30], x12
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v24.4s, v1.16b, v4.16b
+  smmla v25.4s, v1.16b, v5.16b
+  smmla v26.4s, v1.16b, v6.16b
+  smmla v27.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  smmla v28.4s, v1.16b, v4.16b
+  smmla v29.4s, v1.16b, v5.16b
+  smmla v30.4s, v1.16b, v6.16b
+  smmla v31.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x30], x12
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v24.4s, v1.16b, v4.16b
+  smmla v25.4s, v1.16b, v5.16b
+  smmla v26.4s, v1.16b, v6.16b
+  smmla v27.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  smmla v28.4s, v1.16b, v4.16b
+  smmla v29.4s, v1.16b, v5.16b
+  smmla v30.4s, v1.16b, v6.16b
+  smmla v31.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x30], x12
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v24.4s, v1.16b, v4.16b
+  smmla v25.4s, v1.16b, v5.16b
+  smmla v26.4s, v1.16b, v6.16b
+  smmla v27.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  smmla v28.4s, v1.16b, v4.16b
+  smmla v29.4s, v1.16b, v5.16b
+  smmla v30.4s, v1.16b, v6.16b
+  smmla v31.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x30], x12
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v24.4s, v1.16b, v4.16b
+  smmla v25.4s, v1.16b, v5.16b
+  smmla v26.4s, v1.16b, v6.16b
+  smmla v27.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  smmla v28.4s, v1.16b, v4.16b
+  smmla v29.4s, v1.16b, v5.16b
+  smmla v30.4s, v1.16b, v6.16b
+  smmla v31.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x30], x12
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v24.4s, v1.16b, v4.16b
+  smmla v25.4s, v1.16b, v5.16b
+  smmla v26.4s, v1.16b, v6.16b
+  smmla v27.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  smmla v28.4s, v1.16b, v4.16b
+  smmla v29.4s, v1.16b, v5.16b
+  smmla v30.4s, v1.16b, v6.16b
+  smmla v31.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x30], x12
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v24.4s, v1.16b, v4.16b
+  smmla v25.4s, v1.16b, v5.16b
+  smmla v26.4s, v1.16b, v6.16b
+  smmla v27.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  smmla v28.4s, v1.16b, v4.16b
+  smmla v29.4s, v1.16b, v5.16b
+  smmla v30.4s, v1.16b, v6.16b
+  smmla v31.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x30], x12
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v24.4s, v1.16b, v4.16b
+  smmla v25.4s, v1.16b, v5.16b
+  smmla v26.4s, v1.16b, v6.16b
+  smmla v27.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  smmla v28.4s, v1.16b, v4.16b
+  smmla v29.4s, v1.16b, v5.16b
+  smmla v30.4s, v1.16b, v6.16b
+  smmla v31.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x30], x12
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v24.4s, v1.16b, v4.16b
+  smmla v25.4s, v1.16b, v5.16b
+  smmla v26.4s, v1.16b, v6.16b
+  smmla v27.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  smmla v28.4s, v1.16b, v4.16b
+  smmla v29.4s, v1.16b, v5.16b
+  smmla v30.4s, v1.16b, v6.16b
+  smmla v31.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x30], x12
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v24.4s, v1.16b, v4.16b
+  smmla v25.4s, v1.16b, v5.16b
+  smmla v26.4s, v1.16b, v6.16b
+  smmla v27.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  smmla v28.4s, v1.16b, v4.16b
+  smmla v29.4s, v1.16b, v5.16b
+  smmla v30.4s, v1.16b, v6.16b
+  smmla v31.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x30], x12
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v24.4s, v1.16b, v4.16b
+  smmla v25.4s, v1.16b, v5.16b
+  smmla v26.4s, v1.16b, v6.16b
+  smmla v27.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  smmla v28.4s, v1.16b, v4.16b
+  smmla v29.4s, v1.16b, v5.16b
+  smmla v30.4s, v1.16b, v6.16b
+  smmla v31.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x30], x12
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v24.4s, v1.16b, v4.16b
+  smmla v25.4s, v1.16b, v5.16b
+  smmla v26.4s, v1.16b, v6.16b
+  smmla v27.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  smmla v28.4s, v1.16b, v4.16b
+  smmla v29.4s, v1.16b, v5.16b
+  smmla v30.4s, v1.16b, v6.16b
+  smmla v31.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x30], x12
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v24.4s, v1.16b, v4.16b
+  smmla v25.4s, v1.16b, v5.16b
+  smmla v26.4s, v1.16b, v6.16b
+  smmla v27.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  smmla v28.4s, v1.16b, v4.16b
+  smmla v29.4s, v1.16b, v5.16b
+  smmla v30.4s, v1.16b, v6.16b
+  smmla v31.4s, v1.16b, v7.16b
+  ld1 {v0.16b, v1.16b}, [x30], x12
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x14
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v24.4s, v1.16b, v4.16b
+  smmla v25.4s, v1.16b, v5.16b
+  smmla v26.4s, v1.16b, v6.16b
+  smmla v27.4s, v1.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v16.4s, v0.16b, v4.16b
+  smmla v17.4s, v0.16b, v5.16b
+  smmla v18.4s, v0.16b, v6.16b
+  smmla v19.4s, v0.16b, v7.16b
+  smmla v28.4s, v1.16b, v4.16b
+  smmla v29.4s, v1.16b, v5.16b
+  smmla v30.4s, v1.16b, v6.16b
+  smmla v31.4s, v1.16b, v7.16b
+  subs x20, x20, #0x1
   b.ne loop

@@ -1,7 +1,7 @@
-# tile 3x1: 12 SMMLA per 8-k slice, 8 slices per iteration (extracted by mca.sh from objdump -d of the kernel object)
+# tile 3x1: 12 SMMLA per 8-k slice, 32 slices per iteration (extracted by mca.sh from objdump -d of the kernel object)
 loop:
-  ld1 {v0.16b-v2.16b}, [x2], x1
-  ld1 {v4.16b-v7.16b}, [x0], x1
+  ld1 {v0.16b-v2.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
@@ -14,8 +14,8 @@ loop:
   smmla v17.4s, v2.16b, v5.16b
   smmla v18.4s, v2.16b, v6.16b
   smmla v19.4s, v2.16b, v7.16b
-  ld1 {v0.16b-v2.16b}, [x2], x1
-  ld1 {v4.16b-v7.16b}, [x0], x1
+  ld1 {v0.16b-v2.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
@@ -28,8 +28,8 @@ loop:
   smmla v17.4s, v2.16b, v5.16b
   smmla v18.4s, v2.16b, v6.16b
   smmla v19.4s, v2.16b, v7.16b
-  ld1 {v0.16b-v2.16b}, [x2], x1
-  ld1 {v4.16b-v7.16b}, [x0], x1
+  ld1 {v0.16b-v2.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
@@ -42,8 +42,8 @@ loop:
   smmla v17.4s, v2.16b, v5.16b
   smmla v18.4s, v2.16b, v6.16b
   smmla v19.4s, v2.16b, v7.16b
-  ld1 {v0.16b-v2.16b}, [x2], x1
-  ld1 {v4.16b-v7.16b}, [x0], x1
+  ld1 {v0.16b-v2.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
@@ -56,8 +56,8 @@ loop:
   smmla v17.4s, v2.16b, v5.16b
   smmla v18.4s, v2.16b, v6.16b
   smmla v19.4s, v2.16b, v7.16b
-  ld1 {v0.16b-v2.16b}, [x2], x1
-  ld1 {v4.16b-v7.16b}, [x0], x1
+  ld1 {v0.16b-v2.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
@@ -70,8 +70,8 @@ loop:
   smmla v17.4s, v2.16b, v5.16b
   smmla v18.4s, v2.16b, v6.16b
   smmla v19.4s, v2.16b, v7.16b
-  ld1 {v0.16b-v2.16b}, [x2], x1
-  ld1 {v4.16b-v7.16b}, [x0], x1
+  ld1 {v0.16b-v2.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
@@ -84,8 +84,8 @@ loop:
   smmla v17.4s, v2.16b, v5.16b
   smmla v18.4s, v2.16b, v6.16b
   smmla v19.4s, v2.16b, v7.16b
-  ld1 {v0.16b-v2.16b}, [x2], x1
-  ld1 {v4.16b-v7.16b}, [x0], x1
+  ld1 {v0.16b-v2.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
@@ -98,8 +98,8 @@ loop:
   smmla v17.4s, v2.16b, v5.16b
   smmla v18.4s, v2.16b, v6.16b
   smmla v19.4s, v2.16b, v7.16b
-  ld1 {v0.16b-v2.16b}, [x2], x1
-  ld1 {v4.16b-v7.16b}, [x0], x1
+  ld1 {v0.16b-v2.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
@@ -112,5 +112,341 @@ loop:
   smmla v17.4s, v2.16b, v5.16b
   smmla v18.4s, v2.16b, v6.16b
   smmla v19.4s, v2.16b, v7.16b
-  subs x3, x3, #0x1
+  ld1 {v0.16b-v2.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  subs x19, x19, #0x1
   b.ne loop

@@ -1,7 +1,7 @@
-# tile 3x2: 24 SMMLA per 8-k slice, 8 slices per iteration (extracted by mca.sh from objdump -d of the kernel object)
+# tile 3x2: 24 SMMLA per 8-k slice, 32 slices per iteration (extracted by mca.sh from objdump -d of the kernel object)
 loop:
-  ld1 {v0.16b-v2.16b}, [x0], x11
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v0.16b-v2.16b}, [x18], x11
+  ld1 {v4.16b-v7.16b}, [x1], x8
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
@@ -14,7 +14,7 @@ loop:
   smmla v25.4s, v2.16b, v5.16b
   smmla v26.4s, v2.16b, v6.16b
   smmla v27.4s, v2.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x10
+  ld1 {v4.16b-v7.16b}, [x1], x13
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
@@ -27,8 +27,8 @@ loop:
   smmla v29.4s, v2.16b, v5.16b
   smmla v30.4s, v2.16b, v6.16b
   smmla v31.4s, v2.16b, v7.16b
-  ld1 {v0.16b-v2.16b}, [x0], x11
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v0.16b-v2.16b}, [x18], x11
+  ld1 {v4.16b-v7.16b}, [x1], x8
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
@@ -41,7 +41,7 @@ loop:
   smmla v25.4s, v2.16b, v5.16b
   smmla v26.4s, v2.16b, v6.16b
   smmla v27.4s, v2.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x10
+  ld1 {v4.16b-v7.16b}, [x1], x13
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
@@ -54,8 +54,8 @@ loop:
   smmla v29.4s, v2.16b, v5.16b
   smmla v30.4s, v2.16b, v6.16b
   smmla v31.4s, v2.16b, v7.16b
-  ld1 {v0.16b-v2.16b}, [x0], x11
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v0.16b-v2.16b}, [x18], x11
+  ld1 {v4.16b-v7.16b}, [x1], x8
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
@@ -68,7 +68,7 @@ loop:
   smmla v25.4s, v2.16b, v5.16b
   smmla v26.4s, v2.16b, v6.16b
   smmla v27.4s, v2.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x10
+  ld1 {v4.16b-v7.16b}, [x1], x13
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
@@ -81,8 +81,8 @@ loop:
   smmla v29.4s, v2.16b, v5.16b
   smmla v30.4s, v2.16b, v6.16b
   smmla v31.4s, v2.16b, v7.16b
-  ld1 {v0.16b-v2.16b}, [x0], x11
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v0.16b-v2.16b}, [x18], x11
+  ld1 {v4.16b-v7.16b}, [x1], x8
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
@@ -95,7 +95,7 @@ loop:
   smmla v25.4s, v2.16b, v5.16b
   smmla v26.4s, v2.16b, v6.16b
   smmla v27.4s, v2.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x10
+  ld1 {v4.16b-v7.16b}, [x1], x13
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
@@ -108,8 +108,8 @@ loop:
   smmla v29.4s, v2.16b, v5.16b
   smmla v30.4s, v2.16b, v6.16b
   smmla v31.4s, v2.16b, v7.16b
-  ld1 {v0.16b-v2.16b}, [x0], x11
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v0.16b-v2.16b}, [x18], x11
+  ld1 {v4.16b-v7.16b}, [x1], x8
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
@@ -122,7 +122,7 @@ loop:
   smmla v25.4s, v2.16b, v5.16b
   smmla v26.4s, v2.16b, v6.16b
   smmla v27.4s, v2.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x10
+  ld1 {v4.16b-v7.16b}, [x1], x13
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
@@ -135,8 +135,8 @@ loop:
   smmla v29.4s, v2.16b, v5.16b
   smmla v30.4s, v2.16b, v6.16b
   smmla v31.4s, v2.16b, v7.16b
-  ld1 {v0.16b-v2.16b}, [x0], x11
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v0.16b-v2.16b}, [x18], x11
+  ld1 {v4.16b-v7.16b}, [x1], x8
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
@@ -149,7 +149,7 @@ loop:
   smmla v25.4s, v2.16b, v5.16b
   smmla v26.4s, v2.16b, v6.16b
   smmla v27.4s, v2.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x10
+  ld1 {v4.16b-v7.16b}, [x1], x13
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
@@ -162,8 +162,8 @@ loop:
   smmla v29.4s, v2.16b, v5.16b
   smmla v30.4s, v2.16b, v6.16b
   smmla v31.4s, v2.16b, v7.16b
-  ld1 {v0.16b-v2.16b}, [x0], x11
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v0.16b-v2.16b}, [x18], x11
+  ld1 {v4.16b-v7.16b}, [x1], x8
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
@@ -176,7 +176,7 @@ loop:
   smmla v25.4s, v2.16b, v5.16b
   smmla v26.4s, v2.16b, v6.16b
   smmla v27.4s, v2.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x10
+  ld1 {v4.16b-v7.16b}, [x1], x13
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
@@ -189,8 +189,8 @@ loop:
   smmla v29.4s, v2.16b, v5.16b
   smmla v30.4s, v2.16b, v6.16b
   smmla v31.4s, v2.16b, v7.16b
-  ld1 {v0.16b-v2.16b}, [x0], x11
-  ld1 {v4.16b-v7.16b}, [x1], x2
+  ld1 {v0.16b-v2.16b}, [x18], x11
+  ld1 {v4.16b-v7.16b}, [x1], x8
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
@@ -203,7 +203,7 @@ loop:
   smmla v25.4s, v2.16b, v5.16b
   smmla v26.4s, v2.16b, v6.16b
   smmla v27.4s, v2.16b, v7.16b
-  ld1 {v4.16b-v7.16b}, [x1], x10
+  ld1 {v4.16b-v7.16b}, [x1], x13
   smmla v12.4s, v0.16b, v4.16b
   smmla v13.4s, v0.16b, v5.16b
   smmla v14.4s, v0.16b, v6.16b
@@ -216,5 +216,653 @@ loop:
   smmla v29.4s, v2.16b, v5.16b
   smmla v30.4s, v2.16b, v6.16b
   smmla v31.4s, v2.16b, v7.16b
-  subs x4, x4, #0x1
+  ld1 {v0.16b-v2.16b}, [x18], x11
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  smmla v24.4s, v2.16b, v4.16b
+  smmla v25.4s, v2.16b, v5.16b
+  smmla v26.4s, v2.16b, v6.16b
+  smmla v27.4s, v2.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  smmla v28.4s, v2.16b, v4.16b
+  smmla v29.4s, v2.16b, v5.16b
+  smmla v30.4s, v2.16b, v6.16b
+  smmla v31.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x11
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  smmla v24.4s, v2.16b, v4.16b
+  smmla v25.4s, v2.16b, v5.16b
+  smmla v26.4s, v2.16b, v6.16b
+  smmla v27.4s, v2.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  smmla v28.4s, v2.16b, v4.16b
+  smmla v29.4s, v2.16b, v5.16b
+  smmla v30.4s, v2.16b, v6.16b
+  smmla v31.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x11
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  smmla v24.4s, v2.16b, v4.16b
+  smmla v25.4s, v2.16b, v5.16b
+  smmla v26.4s, v2.16b, v6.16b
+  smmla v27.4s, v2.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  smmla v28.4s, v2.16b, v4.16b
+  smmla v29.4s, v2.16b, v5.16b
+  smmla v30.4s, v2.16b, v6.16b
+  smmla v31.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x11
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  smmla v24.4s, v2.16b, v4.16b
+  smmla v25.4s, v2.16b, v5.16b
+  smmla v26.4s, v2.16b, v6.16b
+  smmla v27.4s, v2.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  smmla v28.4s, v2.16b, v4.16b
+  smmla v29.4s, v2.16b, v5.16b
+  smmla v30.4s, v2.16b, v6.16b
+  smmla v31.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x11
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  smmla v24.4s, v2.16b, v4.16b
+  smmla v25.4s, v2.16b, v5.16b
+  smmla v26.4s, v2.16b, v6.16b
+  smmla v27.4s, v2.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  smmla v28.4s, v2.16b, v4.16b
+  smmla v29.4s, v2.16b, v5.16b
+  smmla v30.4s, v2.16b, v6.16b
+  smmla v31.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x11
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  smmla v24.4s, v2.16b, v4.16b
+  smmla v25.4s, v2.16b, v5.16b
+  smmla v26.4s, v2.16b, v6.16b
+  smmla v27.4s, v2.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  smmla v28.4s, v2.16b, v4.16b
+  smmla v29.4s, v2.16b, v5.16b
+  smmla v30.4s, v2.16b, v6.16b
+  smmla v31.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x11
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  smmla v24.4s, v2.16b, v4.16b
+  smmla v25.4s, v2.16b, v5.16b
+  smmla v26.4s, v2.16b, v6.16b
+  smmla v27.4s, v2.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  smmla v28.4s, v2.16b, v4.16b
+  smmla v29.4s, v2.16b, v5.16b
+  smmla v30.4s, v2.16b, v6.16b
+  smmla v31.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x11
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  smmla v24.4s, v2.16b, v4.16b
+  smmla v25.4s, v2.16b, v5.16b
+  smmla v26.4s, v2.16b, v6.16b
+  smmla v27.4s, v2.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  smmla v28.4s, v2.16b, v4.16b
+  smmla v29.4s, v2.16b, v5.16b
+  smmla v30.4s, v2.16b, v6.16b
+  smmla v31.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x11
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  smmla v24.4s, v2.16b, v4.16b
+  smmla v25.4s, v2.16b, v5.16b
+  smmla v26.4s, v2.16b, v6.16b
+  smmla v27.4s, v2.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  smmla v28.4s, v2.16b, v4.16b
+  smmla v29.4s, v2.16b, v5.16b
+  smmla v30.4s, v2.16b, v6.16b
+  smmla v31.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x11
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  smmla v24.4s, v2.16b, v4.16b
+  smmla v25.4s, v2.16b, v5.16b
+  smmla v26.4s, v2.16b, v6.16b
+  smmla v27.4s, v2.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  smmla v28.4s, v2.16b, v4.16b
+  smmla v29.4s, v2.16b, v5.16b
+  smmla v30.4s, v2.16b, v6.16b
+  smmla v31.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x11
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  smmla v24.4s, v2.16b, v4.16b
+  smmla v25.4s, v2.16b, v5.16b
+  smmla v26.4s, v2.16b, v6.16b
+  smmla v27.4s, v2.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  smmla v28.4s, v2.16b, v4.16b
+  smmla v29.4s, v2.16b, v5.16b
+  smmla v30.4s, v2.16b, v6.16b
+  smmla v31.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x11
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  smmla v24.4s, v2.16b, v4.16b
+  smmla v25.4s, v2.16b, v5.16b
+  smmla v26.4s, v2.16b, v6.16b
+  smmla v27.4s, v2.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  smmla v28.4s, v2.16b, v4.16b
+  smmla v29.4s, v2.16b, v5.16b
+  smmla v30.4s, v2.16b, v6.16b
+  smmla v31.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x11
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  smmla v24.4s, v2.16b, v4.16b
+  smmla v25.4s, v2.16b, v5.16b
+  smmla v26.4s, v2.16b, v6.16b
+  smmla v27.4s, v2.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  smmla v28.4s, v2.16b, v4.16b
+  smmla v29.4s, v2.16b, v5.16b
+  smmla v30.4s, v2.16b, v6.16b
+  smmla v31.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x11
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  smmla v24.4s, v2.16b, v4.16b
+  smmla v25.4s, v2.16b, v5.16b
+  smmla v26.4s, v2.16b, v6.16b
+  smmla v27.4s, v2.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  smmla v28.4s, v2.16b, v4.16b
+  smmla v29.4s, v2.16b, v5.16b
+  smmla v30.4s, v2.16b, v6.16b
+  smmla v31.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x11
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  smmla v24.4s, v2.16b, v4.16b
+  smmla v25.4s, v2.16b, v5.16b
+  smmla v26.4s, v2.16b, v6.16b
+  smmla v27.4s, v2.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  smmla v28.4s, v2.16b, v4.16b
+  smmla v29.4s, v2.16b, v5.16b
+  smmla v30.4s, v2.16b, v6.16b
+  smmla v31.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x11
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  smmla v24.4s, v2.16b, v4.16b
+  smmla v25.4s, v2.16b, v5.16b
+  smmla v26.4s, v2.16b, v6.16b
+  smmla v27.4s, v2.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  smmla v28.4s, v2.16b, v4.16b
+  smmla v29.4s, v2.16b, v5.16b
+  smmla v30.4s, v2.16b, v6.16b
+  smmla v31.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x11
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  smmla v24.4s, v2.16b, v4.16b
+  smmla v25.4s, v2.16b, v5.16b
+  smmla v26.4s, v2.16b, v6.16b
+  smmla v27.4s, v2.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  smmla v28.4s, v2.16b, v4.16b
+  smmla v29.4s, v2.16b, v5.16b
+  smmla v30.4s, v2.16b, v6.16b
+  smmla v31.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x11
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  smmla v24.4s, v2.16b, v4.16b
+  smmla v25.4s, v2.16b, v5.16b
+  smmla v26.4s, v2.16b, v6.16b
+  smmla v27.4s, v2.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  smmla v28.4s, v2.16b, v4.16b
+  smmla v29.4s, v2.16b, v5.16b
+  smmla v30.4s, v2.16b, v6.16b
+  smmla v31.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x11
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  smmla v24.4s, v2.16b, v4.16b
+  smmla v25.4s, v2.16b, v5.16b
+  smmla v26.4s, v2.16b, v6.16b
+  smmla v27.4s, v2.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  smmla v28.4s, v2.16b, v4.16b
+  smmla v29.4s, v2.16b, v5.16b
+  smmla v30.4s, v2.16b, v6.16b
+  smmla v31.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x11
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  smmla v24.4s, v2.16b, v4.16b
+  smmla v25.4s, v2.16b, v5.16b
+  smmla v26.4s, v2.16b, v6.16b
+  smmla v27.4s, v2.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  smmla v28.4s, v2.16b, v4.16b
+  smmla v29.4s, v2.16b, v5.16b
+  smmla v30.4s, v2.16b, v6.16b
+  smmla v31.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x11
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  smmla v24.4s, v2.16b, v4.16b
+  smmla v25.4s, v2.16b, v5.16b
+  smmla v26.4s, v2.16b, v6.16b
+  smmla v27.4s, v2.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  smmla v28.4s, v2.16b, v4.16b
+  smmla v29.4s, v2.16b, v5.16b
+  smmla v30.4s, v2.16b, v6.16b
+  smmla v31.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x11
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  smmla v24.4s, v2.16b, v4.16b
+  smmla v25.4s, v2.16b, v5.16b
+  smmla v26.4s, v2.16b, v6.16b
+  smmla v27.4s, v2.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  smmla v28.4s, v2.16b, v4.16b
+  smmla v29.4s, v2.16b, v5.16b
+  smmla v30.4s, v2.16b, v6.16b
+  smmla v31.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x11
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  smmla v24.4s, v2.16b, v4.16b
+  smmla v25.4s, v2.16b, v5.16b
+  smmla v26.4s, v2.16b, v6.16b
+  smmla v27.4s, v2.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  smmla v28.4s, v2.16b, v4.16b
+  smmla v29.4s, v2.16b, v5.16b
+  smmla v30.4s, v2.16b, v6.16b
+  smmla v31.4s, v2.16b, v7.16b
+  ld1 {v0.16b-v2.16b}, [x18], x11
+  ld1 {v4.16b-v7.16b}, [x1], x8
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v16.4s, v1.16b, v4.16b
+  smmla v17.4s, v1.16b, v5.16b
+  smmla v18.4s, v1.16b, v6.16b
+  smmla v19.4s, v1.16b, v7.16b
+  smmla v24.4s, v2.16b, v4.16b
+  smmla v25.4s, v2.16b, v5.16b
+  smmla v26.4s, v2.16b, v6.16b
+  smmla v27.4s, v2.16b, v7.16b
+  ld1 {v4.16b-v7.16b}, [x1], x13
+  smmla v12.4s, v0.16b, v4.16b
+  smmla v13.4s, v0.16b, v5.16b
+  smmla v14.4s, v0.16b, v6.16b
+  smmla v15.4s, v0.16b, v7.16b
+  smmla v20.4s, v1.16b, v4.16b
+  smmla v21.4s, v1.16b, v5.16b
+  smmla v22.4s, v1.16b, v6.16b
+  smmla v23.4s, v1.16b, v7.16b
+  smmla v28.4s, v2.16b, v4.16b
+  smmla v29.4s, v2.16b, v5.16b
+  smmla v30.4s, v2.16b, v6.16b
+  smmla v31.4s, v2.16b, v7.16b
+  subs x19, x19, #0x1
   b.ne loop

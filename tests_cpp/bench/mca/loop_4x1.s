@@ -1,7 +1,7 @@
-# tile 4x1: 16 SMMLA per 8-k slice, 8 slices per iteration (extracted by mca.sh from objdump -d of the kernel object)
+# tile 4x1: 16 SMMLA per 8-k slice, 32 slices per iteration (extracted by mca.sh from objdump -d of the kernel object)
 loop:
-  ld1 {v0.16b-v3.16b}, [x0], x8
-  ld1 {v4.16b-v7.16b}, [x1], x8
+  ld1 {v0.16b-v3.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
@@ -18,8 +18,8 @@ loop:
   smmla v21.4s, v3.16b, v5.16b
   smmla v22.4s, v3.16b, v6.16b
   smmla v23.4s, v3.16b, v7.16b
-  ld1 {v0.16b-v3.16b}, [x0], x8
-  ld1 {v4.16b-v7.16b}, [x1], x8
+  ld1 {v0.16b-v3.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
@@ -36,8 +36,8 @@ loop:
   smmla v21.4s, v3.16b, v5.16b
   smmla v22.4s, v3.16b, v6.16b
   smmla v23.4s, v3.16b, v7.16b
-  ld1 {v0.16b-v3.16b}, [x0], x8
-  ld1 {v4.16b-v7.16b}, [x1], x8
+  ld1 {v0.16b-v3.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
@@ -54,8 +54,8 @@ loop:
   smmla v21.4s, v3.16b, v5.16b
   smmla v22.4s, v3.16b, v6.16b
   smmla v23.4s, v3.16b, v7.16b
-  ld1 {v0.16b-v3.16b}, [x0], x8
-  ld1 {v4.16b-v7.16b}, [x1], x8
+  ld1 {v0.16b-v3.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
@@ -72,8 +72,8 @@ loop:
   smmla v21.4s, v3.16b, v5.16b
   smmla v22.4s, v3.16b, v6.16b
   smmla v23.4s, v3.16b, v7.16b
-  ld1 {v0.16b-v3.16b}, [x0], x8
-  ld1 {v4.16b-v7.16b}, [x1], x8
+  ld1 {v0.16b-v3.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
@@ -90,8 +90,8 @@ loop:
   smmla v21.4s, v3.16b, v5.16b
   smmla v22.4s, v3.16b, v6.16b
   smmla v23.4s, v3.16b, v7.16b
-  ld1 {v0.16b-v3.16b}, [x0], x8
-  ld1 {v4.16b-v7.16b}, [x1], x8
+  ld1 {v0.16b-v3.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
@@ -108,8 +108,8 @@ loop:
   smmla v21.4s, v3.16b, v5.16b
   smmla v22.4s, v3.16b, v6.16b
   smmla v23.4s, v3.16b, v7.16b
-  ld1 {v0.16b-v3.16b}, [x0], x8
-  ld1 {v4.16b-v7.16b}, [x1], x8
+  ld1 {v0.16b-v3.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
@@ -126,8 +126,8 @@ loop:
   smmla v21.4s, v3.16b, v5.16b
   smmla v22.4s, v3.16b, v6.16b
   smmla v23.4s, v3.16b, v7.16b
-  ld1 {v0.16b-v3.16b}, [x0], x8
-  ld1 {v4.16b-v7.16b}, [x1], x8
+  ld1 {v0.16b-v3.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
   smmla v8.4s, v0.16b, v4.16b
   smmla v9.4s, v0.16b, v5.16b
   smmla v10.4s, v0.16b, v6.16b
@@ -144,5 +144,437 @@ loop:
   smmla v21.4s, v3.16b, v5.16b
   smmla v22.4s, v3.16b, v6.16b
   smmla v23.4s, v3.16b, v7.16b
-  subs x9, x9, #0x1
+  ld1 {v0.16b-v3.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  smmla v20.4s, v3.16b, v4.16b
+  smmla v21.4s, v3.16b, v5.16b
+  smmla v22.4s, v3.16b, v6.16b
+  smmla v23.4s, v3.16b, v7.16b
+  ld1 {v0.16b-v3.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  smmla v20.4s, v3.16b, v4.16b
+  smmla v21.4s, v3.16b, v5.16b
+  smmla v22.4s, v3.16b, v6.16b
+  smmla v23.4s, v3.16b, v7.16b
+  ld1 {v0.16b-v3.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  smmla v20.4s, v3.16b, v4.16b
+  smmla v21.4s, v3.16b, v5.16b
+  smmla v22.4s, v3.16b, v6.16b
+  smmla v23.4s, v3.16b, v7.16b
+  ld1 {v0.16b-v3.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  smmla v20.4s, v3.16b, v4.16b
+  smmla v21.4s, v3.16b, v5.16b
+  smmla v22.4s, v3.16b, v6.16b
+  smmla v23.4s, v3.16b, v7.16b
+  ld1 {v0.16b-v3.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  smmla v20.4s, v3.16b, v4.16b
+  smmla v21.4s, v3.16b, v5.16b
+  smmla v22.4s, v3.16b, v6.16b
+  smmla v23.4s, v3.16b, v7.16b
+  ld1 {v0.16b-v3.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  smmla v20.4s, v3.16b, v4.16b
+  smmla v21.4s, v3.16b, v5.16b
+  smmla v22.4s, v3.16b, v6.16b
+  smmla v23.4s, v3.16b, v7.16b
+  ld1 {v0.16b-v3.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  smmla v20.4s, v3.16b, v4.16b
+  smmla v21.4s, v3.16b, v5.16b
+  smmla v22.4s, v3.16b, v6.16b
+  smmla v23.4s, v3.16b, v7.16b
+  ld1 {v0.16b-v3.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  smmla v20.4s, v3.16b, v4.16b
+  smmla v21.4s, v3.16b, v5.16b
+  smmla v22.4s, v3.16b, v6.16b
+  smmla v23.4s, v3.16b, v7.16b
+  ld1 {v0.16b-v3.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  smmla v20.4s, v3.16b, v4.16b
+  smmla v21.4s, v3.16b, v5.16b
+  smmla v22.4s, v3.16b, v6.16b
+  smmla v23.4s, v3.16b, v7.16b
+  ld1 {v0.16b-v3.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  smmla v20.4s, v3.16b, v4.16b
+  smmla v21.4s, v3.16b, v5.16b
+  smmla v22.4s, v3.16b, v6.16b
+  smmla v23.4s, v3.16b, v7.16b
+  ld1 {v0.16b-v3.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  smmla v20.4s, v3.16b, v4.16b
+  smmla v21.4s, v3.16b, v5.16b
+  smmla v22.4s, v3.16b, v6.16b
+  smmla v23.4s, v3.16b, v7.16b
+  ld1 {v0.16b-v3.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  smmla v20.4s, v3.16b, v4.16b
+  smmla v21.4s, v3.16b, v5.16b
+  smmla v22.4s, v3.16b, v6.16b
+  smmla v23.4s, v3.16b, v7.16b
+  ld1 {v0.16b-v3.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  smmla v20.4s, v3.16b, v4.16b
+  smmla v21.4s, v3.16b, v5.16b
+  smmla v22.4s, v3.16b, v6.16b
+  smmla v23.4s, v3.16b, v7.16b
+  ld1 {v0.16b-v3.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  smmla v20.4s, v3.16b, v4.16b
+  smmla v21.4s, v3.16b, v5.16b
+  smmla v22.4s, v3.16b, v6.16b
+  smmla v23.4s, v3.16b, v7.16b
+  ld1 {v0.16b-v3.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  smmla v20.4s, v3.16b, v4.16b
+  smmla v21.4s, v3.16b, v5.16b
+  smmla v22.4s, v3.16b, v6.16b
+  smmla v23.4s, v3.16b, v7.16b
+  ld1 {v0.16b-v3.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  smmla v20.4s, v3.16b, v4.16b
+  smmla v21.4s, v3.16b, v5.16b
+  smmla v22.4s, v3.16b, v6.16b
+  smmla v23.4s, v3.16b, v7.16b
+  ld1 {v0.16b-v3.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  smmla v20.4s, v3.16b, v4.16b
+  smmla v21.4s, v3.16b, v5.16b
+  smmla v22.4s, v3.16b, v6.16b
+  smmla v23.4s, v3.16b, v7.16b
+  ld1 {v0.16b-v3.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  smmla v20.4s, v3.16b, v4.16b
+  smmla v21.4s, v3.16b, v5.16b
+  smmla v22.4s, v3.16b, v6.16b
+  smmla v23.4s, v3.16b, v7.16b
+  ld1 {v0.16b-v3.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  smmla v20.4s, v3.16b, v4.16b
+  smmla v21.4s, v3.16b, v5.16b
+  smmla v22.4s, v3.16b, v6.16b
+  smmla v23.4s, v3.16b, v7.16b
+  ld1 {v0.16b-v3.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  smmla v20.4s, v3.16b, v4.16b
+  smmla v21.4s, v3.16b, v5.16b
+  smmla v22.4s, v3.16b, v6.16b
+  smmla v23.4s, v3.16b, v7.16b
+  ld1 {v0.16b-v3.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  smmla v20.4s, v3.16b, v4.16b
+  smmla v21.4s, v3.16b, v5.16b
+  smmla v22.4s, v3.16b, v6.16b
+  smmla v23.4s, v3.16b, v7.16b
+  ld1 {v0.16b-v3.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  smmla v20.4s, v3.16b, v4.16b
+  smmla v21.4s, v3.16b, v5.16b
+  smmla v22.4s, v3.16b, v6.16b
+  smmla v23.4s, v3.16b, v7.16b
+  ld1 {v0.16b-v3.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  smmla v20.4s, v3.16b, v4.16b
+  smmla v21.4s, v3.16b, v5.16b
+  smmla v22.4s, v3.16b, v6.16b
+  smmla v23.4s, v3.16b, v7.16b
+  ld1 {v0.16b-v3.16b}, [x18], x2
+  ld1 {v4.16b-v7.16b}, [x1], x2
+  smmla v8.4s, v0.16b, v4.16b
+  smmla v9.4s, v0.16b, v5.16b
+  smmla v10.4s, v0.16b, v6.16b
+  smmla v11.4s, v0.16b, v7.16b
+  smmla v12.4s, v1.16b, v4.16b
+  smmla v13.4s, v1.16b, v5.16b
+  smmla v14.4s, v1.16b, v6.16b
+  smmla v15.4s, v1.16b, v7.16b
+  smmla v16.4s, v2.16b, v4.16b
+  smmla v17.4s, v2.16b, v5.16b
+  smmla v18.4s, v2.16b, v6.16b
+  smmla v19.4s, v2.16b, v7.16b
+  smmla v20.4s, v3.16b, v4.16b
+  smmla v21.4s, v3.16b, v5.16b
+  smmla v22.4s, v3.16b, v6.16b
+  smmla v23.4s, v3.16b, v7.16b
+  subs x19, x19, #0x1
   b.ne loop
