@@ -79,16 +79,20 @@ inline int32_t load_i32(const uint8_t* p) {
   }
 
 /// Rows [i0, i0 + MR) x columns [j0, j0 + kNr * NB) (clipped to n) over @p groups k groups: A row
-/// i at a + i * lda, B block j at b + j * bstride (bytes).
+/// i at a + i * lda, B block j at b + j * bstride (bytes). Meanwhile the same lines of the
+/// @p pf_blocks blocks at pf (stride bstride) are prefetched.
 template <class Ops, int MR, int NB, class Store>
 inline void tile_store(int64_t i0, int64_t j0, int64_t n, const uint8_t* a, int64_t lda,
-                       const uint8_t* b, int64_t bstride, int64_t groups, const Store& store) {
+                       const uint8_t* b, int64_t bstride, int64_t groups, const Store& store,
+                       const uint8_t* pf, int64_t pf_blocks) {
   static_assert(MR >= 1 && MR <= 8 && NB >= 1 && NB <= 4, "tile too large");
   static_assert(Ops::kSteps == 1 || Ops::kSteps == 2, "one or two sub-steps per group");
   using Acc = typename Ops::Acc;
   CPUMOE_TILE_ACC_DECL(0) CPUMOE_TILE_ACC_DECL(1) CPUMOE_TILE_ACC_DECL(2) CPUMOE_TILE_ACC_DECL(3)
   CPUMOE_TILE_ACC_DECL(4) CPUMOE_TILE_ACC_DECL(5) CPUMOE_TILE_ACC_DECL(6) CPUMOE_TILE_ACC_DECL(7)
   for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t j = 0; j < pf_blocks; ++j)  // one line per block and group (see run)
+      __builtin_prefetch(pf + j * bstride + Ops::kBGroupBytes * g, 0, 2);
     CPUMOE_TILE_STEP(0)
     if constexpr (Ops::kSteps > 1) CPUMOE_TILE_STEP(1)
   }
@@ -120,11 +124,11 @@ constexpr bool tile_used(int mr, int nb) {
 template <class Ops, int MR, class Store>
 inline void blocks_dispatch(int64_t nb, int64_t i0, int64_t j0, int64_t n, const uint8_t* a,
                             int64_t lda, const uint8_t* b, int64_t bstride, int64_t groups,
-                            const Store& s) {
+                            const Store& s, const uint8_t* pf, int64_t pf_blocks) {
 #define CPUMOE_TILE_BLOCKS(NB)                                                 \
   case NB:                                                                     \
     if constexpr (tile_used<Ops>(MR, NB))                                      \
-      tile_store<Ops, MR, NB>(i0, j0, n, a, lda, b, bstride, groups, s);       \
+      tile_store<Ops, MR, NB>(i0, j0, n, a, lda, b, bstride, groups, s, pf, pf_blocks); \
     break;
   switch (nb) {
     CPUMOE_TILE_BLOCKS(1) CPUMOE_TILE_BLOCKS(2) CPUMOE_TILE_BLOCKS(3) CPUMOE_TILE_BLOCKS(4)
@@ -150,11 +154,18 @@ void run(int64_t m, int64_t n, const uint8_t* a, int64_t lda, const uint8_t* b, 
     // Rows split evenly over the fewest tiles (9 rows: 5 + 4, not 8 + 1): a tile of one or two
     // rows has too few accumulator chains to hide the multiply-add latency.
     const int64_t tiles = (m + max_rows - 1) / max_rows;
+    const int64_t next_nb = std::min(step_blocks, blocks - jb - nb);
     for (int64_t t = 0, i0 = 0; t < tiles; ++t) {
       const int64_t rows = (m - i0 + (tiles - t) - 1) / (tiles - t);
       const uint8_t* ai = a + i0 * lda;
+      // The next column step's weights are prefetched (to L2) while this step runs from cache:
+      // during the second row tile (the first one streams this step's weights in), or, with one
+      // row tile of 2+ rows, during it. Single-row decode streams at memory speed already.
+      const bool pf_here = tiles > 1 ? t == 1 : m > 1;
+      const uint8_t* pf = pf_here && next_nb > 0 ? bj + nb * bstride : nullptr;
+      const int64_t pf_blocks = pf != nullptr ? next_nb : 0;
 #define CPUMOE_TILE_ROWS(R) \
-  case R: blocks_dispatch<Ops, R>(nb, i0, j0, n, ai, lda, bj, bstride, groups, store); break;
+  case R: blocks_dispatch<Ops, R>(nb, i0, j0, n, ai, lda, bj, bstride, groups, store, pf, pf_blocks); break;
       switch (rows) {
         CPUMOE_TILE_ROWS(1) CPUMOE_TILE_ROWS(2) CPUMOE_TILE_ROWS(3) CPUMOE_TILE_ROWS(4)
         CPUMOE_TILE_ROWS(5) CPUMOE_TILE_ROWS(6) CPUMOE_TILE_ROWS(7) CPUMOE_TILE_ROWS(8)
