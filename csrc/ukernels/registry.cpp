@@ -115,6 +115,9 @@ const std::vector<const BGemmUkernel*>& bgemm_registry() {
 const BGemmUkernel* bgemm_select(const Isa* cap) { return select_from(bgemm_registry(), cap); }
 const BGemmUkernel* bgemm_find(const char* name) { return find_in(bgemm_registry(), name); }
 
+#if defined(CPUMOE_HAVE_BF16)
+extern const RowOps rowops_neon_bf16;
+#endif
 #if defined(CPUMOE_HAVE_AVX512VNNI)
 extern const RowOps rowops_avx512;
 #endif
@@ -125,6 +128,9 @@ extern const RowOps rowops_portable;
 
 const std::vector<const RowOps*>& rowops_registry() {
   static const std::vector<const RowOps*> all = {
+#if defined(CPUMOE_HAVE_BF16)
+      &rowops_neon_bf16,
+#endif
 #if defined(CPUMOE_HAVE_AVX512VNNI)
       &rowops_avx512,
 #endif

@@ -261,6 +261,11 @@ CPUMOE_NEON_INLINE int64_t gated(const F& f, const float* gate, const float* up,
                      const Sink& sink) {
   int64_t i = 0;
   if (stride == 1) {
+    for (; i + 8 <= n; i += 8) {  // one ld1 of 8 floats from each half
+      const float32x4x2_t g = vld1q_f32_x2(gate + i), u = vld1q_f32_x2(up + i);
+      sink(i, f(g.val[0], u.val[0]));
+      sink(i + 4, f(g.val[1], u.val[1]));
+    }
     for (; i + 4 <= n; i += 4) sink(i, f(vld1q_f32(gate + i), vld1q_f32(up + i)));
   } else if (stride == 2 && up == gate + 1) {
     for (; i + 4 <= n; i += 4) {

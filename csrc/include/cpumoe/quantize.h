@@ -130,6 +130,21 @@ inline uint16x4_t f16_round4(float32x4_t v) {
                vdup_n_u16(0x7e00));
   return vbsl_u16(nan, quiet, h);
 }
+
+/// How the NEON row ops below round fp32 lanes to bf16: the integer rule of dtype.h in baseline
+/// NEON. A variant built with FEAT_BF16 (rowops_neon_bf16) passes its own, with the same bits.
+struct IntegerBf16 {
+  /// round_to_dtype(v, bf16), lane-wise.
+  static CPUMOE_NEON_INLINE float32x4_t round4(float32x4_t v) {
+    return vreinterpretq_f32_u32(bf16_round4(v));
+  }
+  /// f32_to_bf16 of a's lanes, then b's.
+  static CPUMOE_NEON_INLINE uint16x8_t narrow8(float32x4_t a, float32x4_t b) {
+    return vcombine_u16(vshrn_n_u32(bf16_round4(a), 16), vshrn_n_u32(bf16_round4(b), 16));
+  }
+};
+#else
+struct IntegerBf16 {};  // the NEON forms' bf16 rounding; nothing to choose elsewhere
 #endif
 
 /// a[i] = round_to_dtype(a[i], dt) for i in [0, n).
@@ -172,15 +187,15 @@ inline float round_one(float v) {
   return kDt == DType::f32 ? v : round_to_dtype(v, kDt);
 }
 #if defined(__aarch64__)
-template <DType kDt>
-inline float32x4_t round4(float32x4_t v) {
-  if constexpr (kDt == DType::bf16) return vreinterpretq_f32_u32(bf16_round4(v));
+template <DType kDt, class Bf16>
+CPUMOE_NEON_INLINE float32x4_t round4(float32x4_t v) {
+  if constexpr (kDt == DType::bf16) return Bf16::round4(v);
   if constexpr (kDt == DType::f16) return vcvt_f32_f16(vreinterpret_f16_u16(f16_round4(v)));
   return v;
 }
 #endif
 
-template <DType kDt>
+template <DType kDt, class Bf16 = IntegerBf16>
 inline float activate_round(Activation act, const float* row, int64_t inter, float* a) {
   const GateUpLayout l = gate_up_layout(act, inter);
   const float* gate = row + l.gate_offset;
@@ -191,7 +206,7 @@ inline float activate_round(Activation act, const float* row, int64_t inter, flo
   const int64_t i0 = vec::gated_vector_part(act, gate, up, l.stride, inter,
                                             [&](int64_t i, float32x4_t v)
                                                 CPUMOE_NEON_INLINE_LAMBDA {
-                                              v = round4<kDt>(v);
+                                              v = round4<kDt, Bf16>(v);
                                               vst1q_f32(a + i, v);
                                               m = vmaxq_f32(m, vabsq_f32(v));
                                             });
@@ -228,7 +243,7 @@ inline float quantize_row_with_amax(const float* a, int64_t n, float amax, int8_
 namespace detail {
 // One pass of weighted_sum_row over NJ slots (0 < NJ <= 8), unrolled so that the weights stay in
 // registers; first: the sums start at 0.0f (else from acc); last: they go to dst, else to acc.
-template <int NJ>
+template <int NJ, class Bf16 = IntegerBf16>
 inline void weighted_sum_pass(const float* const* ys, const float* ws, int64_t n, bool first,
                               bool last, DType dt, void* dst, float* acc) {
   int64_t i = 0;
@@ -243,8 +258,9 @@ inline void weighted_sum_pass(const float* const* ys, const float* ws, int64_t n
     float32x4_t a0 = first ? vdupq_n_f32(0.0f) : vld1q_f32(acc + i);
     float32x4_t a1 = first ? vdupq_n_f32(0.0f) : vld1q_f32(acc + i + 4);
     for (int s = 0; s < NJ; ++s) {
-      a0 = vaddq_f32(a0, vmulq_f32(w[s], vld1q_f32(y[s] + i)));
-      a1 = vaddq_f32(a1, vmulq_f32(w[s], vld1q_f32(y[s] + i + 4)));
+      const float32x4x2_t v = vld1q_f32_x2(y[s] + i);  // one ld1 of 8 floats
+      a0 = vaddq_f32(a0, vmulq_f32(w[s], v.val[0]));
+      a1 = vaddq_f32(a1, vmulq_f32(w[s], v.val[1]));
     }
     if (!last) {
       vst1q_f32(acc + i, a0);
@@ -253,8 +269,7 @@ inline void weighted_sum_pass(const float* const* ys, const float* ws, int64_t n
       vst1q_f32(static_cast<float*>(dst) + i, a0);
       vst1q_f32(static_cast<float*>(dst) + i + 4, a1);
     } else if (dt == DType::bf16) {
-      vst1q_u16(static_cast<uint16_t*>(dst) + i,
-                vcombine_u16(vshrn_n_u32(bf16_round4(a0), 16), vshrn_n_u32(bf16_round4(a1), 16)));
+      vst1q_u16(static_cast<uint16_t*>(dst) + i, Bf16::narrow8(a0, a1));
     } else {
       vst1q_u16(static_cast<uint16_t*>(dst) + i, vcombine_u16(f16_round4(a0), f16_round4(a1)));
     }

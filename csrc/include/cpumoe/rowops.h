@@ -14,6 +14,8 @@
 ///  - rowops_avx512: AVX-512 F/BW/VL, 16 lanes, masked tails (level avx512_vnni, whose CPUs all
 ///    have those).
 ///  - rowops_avx2: AVX2 + F16C, 8 lanes (level avx2).
+///  - rowops_neon_bf16: rowops_portable's NEON with the bf16 rounding by BFCVTN (level neon_bf16,
+///    so also with the I8MM kernel on CPUs that have both).
 /// The two x86 variants share their algorithms (csrc/ukernels/rowops_x86.h) and differ only in
 /// the vector backend.
 #pragma once
