@@ -51,7 +51,9 @@ void pack_lhs_rows(int64_t m, int64_t k, const uint16_t* const* rows, void* pack
 /// The `f32r` lhs layout: row i at i * kp floats, bf16 widened to fp32 (exact).
 template <class P>
 void pack_lhs_f32r(int64_t m, int64_t k, const uint16_t* const* rows, void* packed) {
-  pack_lhs_rows<P, float>(m, k, rows, packed, bf16_to_f32);
+  // A lambda, not &bf16_to_f32: a function whose address is taken gets an out-of-line copy, and
+  // one built with this file's ISA flags must not become the library's (IsaObjects test).
+  pack_lhs_rows<P, float>(m, k, rows, packed, [](uint16_t h) { return bf16_to_f32(h); });
 }
 
 /// The `bf16r` lhs layout: row i at i * kp bf16.
