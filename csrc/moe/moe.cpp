@@ -393,8 +393,8 @@ struct Chunk {
   int64_t* token_of = nullptr;    // [P] sorted position -> local token
 
   Chunk(const Packed& p, const MoeCall& call, int th, int64_t t_begin, int64_t t_count)
-      : pk(p), c(call), kern(p.kernel()), ro(*rowops_for(p.kernel().isa)), threads(th), t0(t_begin), tc(t_count),
-        E(p.num_experts()), H(p.hidden()), I(p.intermediate()), k(call.topk) {
+      : pk(p), c(call), kern(p.kernel()), ro(*rowops_for(p.kernel().isa)), threads(th),
+        t0(t_begin), tc(t_count), E(p.num_experts()), H(p.hidden()), I(p.intermediate()), k(call.topk) {
     sizes.elem = sizeof(Elem);
     sizes.E = E;
     sizes.H = H;
@@ -499,7 +499,8 @@ struct Chunk {
 
   // Packs, per active expert, the rows rows[first[e] .. first[e] + count[e]).
   void pack_rows(const Elem* const* rows, int64_t depth, const size_t* off, uint8_t* dst) const {
-    parallel_rows(n_active, depth * P / std::max<int64_t>(n_active, 1), threads, [&](int64_t i, int) {
+    const int64_t work = depth * P / std::max<int64_t>(n_active, 1);  // per expert, on average
+    parallel_rows(n_active, work, threads, [&](int64_t i, int) {
       const int64_t e = active[i];
       kern.pack_lhs(count[e], depth, rows + first[e], dst + off[e]);
     });
