@@ -598,14 +598,15 @@ struct Chunk {
     CPUMOE_BENCH_PHASE(activation);
     // work: the activation's polynomials cost several elements' worth per output.
     parallel_rows(P, 8 * I, threads, [&](int64_t p, int tid) {
-      float* a = tmp + int64_t(tid) * I;
       CPUMOE_BENCH_STEP(activation);
       if constexpr (kQuantized) {
+        float* a = tmp + int64_t(tid) * I;  // the rounded row, quantized next
         const float amax = ro.activate_round(c.activation, h + p * 2 * I, I, c.dtype, a);
         CPUMOE_BENCH_STEP(requant);
         sa[p] = ro.quantize_with_amax(a, I, amax, qa + p * I);
       } else {
-        ro.activate_bf16(c.activation, h + p * 2 * I, I, a, qa + p * I);
+        (void)tid;
+        ro.activate_bf16(c.activation, h + p * 2 * I, I, qa + p * I);
       }
     });
     CPUMOE_BENCH_PHASE(pack2);

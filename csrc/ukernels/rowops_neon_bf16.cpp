@@ -28,6 +28,9 @@ struct Bfcvt {
   static CPUMOE_NEON_INLINE float32x4_t round4(float32x4_t v) {
     return vcvt_f32_bf16(vcvt_bf16_f32(v));
   }
+  static CPUMOE_NEON_INLINE uint16x4_t narrow4(float32x4_t v) {
+    return vreinterpret_u16_bf16(vcvt_bf16_f32(v));
+  }
   static CPUMOE_NEON_INLINE uint16x8_t narrow8(float32x4_t a, float32x4_t b) {
     return vreinterpretq_u16_bf16(vcvtq_high_bf16_f32(vcvtq_low_bf16_f32(a), b));
   }
@@ -38,17 +41,8 @@ float activate_round(Activation act, const float* row, int64_t inter, DType dt, 
   return rowops::detail::activate_round<DType::bf16, Bfcvt>(act, row, inter, a);
 }
 
-void activate_bf16(Activation act, const float* row, int64_t inter, float* /*tmp*/,
-                   uint16_t* out) {
-  const GateUpLayout l = gate_up_layout(act, inter);
-  const float* gate = row + l.gate_offset;
-  const float* up = row + l.up_offset;
-  const int64_t i0 = vec::gated_vector_part(
-      act, gate, up, l.stride, inter, [&](int64_t i, float32x4_t v) CPUMOE_NEON_INLINE_LAMBDA {
-        vst1_bf16(reinterpret_cast<bfloat16_t*>(out + i), vcvt_bf16_f32(v));
-      });
-  for (int64_t i = i0; i < inter; ++i)
-    out[i] = f32_to_bf16(vec::apply(act, gate[i * l.stride], up[i * l.stride]));
+void activate_bf16(Activation act, const float* row, int64_t inter, uint16_t* out) {
+  rowops::detail::activate_bf16<Bfcvt>(act, row, inter, out);
 }
 
 void weighted_sum_pass(int nj, const float* const* ys, const float* ws, int64_t n, bool first,

@@ -10,11 +10,6 @@ float quantize(const void* x, DType dt, int64_t n, int8_t* q) {
   return rowops::quantize_row(x, dt, n, q);
 }
 
-void activate_bf16(Activation act, const float* row, int64_t inter, float* tmp, uint16_t* out) {
-  vec::gated_row(act, row, inter, tmp);
-  rowops::store_row(tmp, inter, DType::bf16, out);
-}
-
 void to_bf16(const void* x, DType dt, int64_t n, uint16_t* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = f32_to_bf16(load_as_f32(x, dt, i));
 }
@@ -23,7 +18,7 @@ void to_bf16(const void* x, DType dt, int64_t n, uint16_t* out) {
 
 extern const RowOps rowops_portable = {
     "rowops_portable",           Isa::portable,           quantize,
-    rowops::activate_round_row, rowops::quantize_row_with_amax, activate_bf16,
+    rowops::activate_round_row, rowops::quantize_row_with_amax, rowops::activate_bf16_row,
     to_bf16,                     rowops::weighted_sum_pass,
 };
 

@@ -253,8 +253,7 @@ struct Algo {
     });
   }
 
-  static void activate_bf16(Activation act, const float* row, int64_t inter, float* /*tmp*/,
-                            uint16_t* out) {
+  static void activate_bf16(Activation act, const float* row, int64_t inter, uint16_t* out) {
     with_activation(act, [&](auto kAct) {
       gated_row<kAct()>(row, inter, [&](int64_t i, Tail t, V v) CPUMOE_X86_INLINE_LAMBDA {
         store(v, DType::bf16, out, i, t);

@@ -138,6 +138,10 @@ struct IntegerBf16 {
   static CPUMOE_NEON_INLINE float32x4_t round4(float32x4_t v) {
     return vreinterpretq_f32_u32(bf16_round4(v));
   }
+  /// f32_to_bf16 of v's lanes.
+  static CPUMOE_NEON_INLINE uint16x4_t narrow4(float32x4_t v) {
+    return vshrn_n_u32(bf16_round4(v), 16);
+  }
   /// f32_to_bf16 of a's lanes, then b's.
   static CPUMOE_NEON_INLINE uint16x8_t narrow8(float32x4_t a, float32x4_t b) {
     return vcombine_u16(vshrn_n_u32(bf16_round4(a), 16), vshrn_n_u32(bf16_round4(b), 16));
@@ -228,6 +232,33 @@ inline float activate_round(Activation act, const float* row, int64_t inter, flo
 inline float activate_round_row(Activation act, const float* row, int64_t inter, DType dt,
                                 float* a) {
   return with_dtype(dt, [&](auto kDt) { return detail::activate_round<kDt()>(act, row, inter, a); });
+}
+
+namespace detail {
+template <class Bf16 = IntegerBf16>
+inline void activate_bf16(Activation act, const float* row, int64_t inter, uint16_t* out) {
+  const GateUpLayout l = gate_up_layout(act, inter);
+  const float* gate = row + l.gate_offset;
+  const float* up = row + l.up_offset;
+#if defined(__aarch64__)
+  const int64_t i0 = vec::gated_vector_part(
+      act, gate, up, l.stride, inter, [&](int64_t i, float32x4_t v) CPUMOE_NEON_INLINE_LAMBDA {
+        vst1_u16(out + i, Bf16::narrow4(v));
+      });
+#else
+  const int64_t i0 = 0;
+#endif
+  with_activation(act, [&](auto kAct) {  // one straight loop per activation
+    for (int64_t i = i0; i < inter; ++i)
+      out[i] = f32_to_bf16(vec::apply(kAct(), gate[i * l.stride], up[i * l.stride]));
+  });
+}
+}  // namespace detail
+
+/// The bf16 op's activation row: out[0..inter) = f32_to_bf16(act(gate, up)) of a GEMM1 row of
+/// 2 * inter values (vec::gated_row then store_row, in one pass).
+inline void activate_bf16_row(Activation act, const float* row, int64_t inter, uint16_t* out) {
+  detail::activate_bf16<>(act, row, inter, out);
 }
 
 /// quantize_row(a, DType::f32, n, q) for a row whose max |a| (NaN sticking) is already known.

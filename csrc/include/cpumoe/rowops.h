@@ -47,10 +47,8 @@ struct RowOps {
   /// quantize(a, DType::f32, n, q) for a row whose max |a| the caller already has.
   float (*quantize_with_amax)(const float* a, int64_t n, float amax, int8_t* q);
 
-  /// The bf16 op's step 5: out = f32_to_bf16(act(gate, up)), inter values; tmp: inter floats
-  /// of scratch.
-  void (*activate_bf16)(Activation act, const float* row, int64_t inter, float* tmp,
-                        uint16_t* out);
+  /// The bf16 op's step 5: out = f32_to_bf16(act(gate, up)), inter values.
+  void (*activate_bf16)(Activation act, const float* row, int64_t inter, uint16_t* out);
 
   /// out[i] = f32_to_bf16(x[i]) for x of type dt (the bf16 op's input rounding).
   void (*to_bf16)(const void* x, DType dt, int64_t n, uint16_t* out);
