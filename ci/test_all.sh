@@ -78,8 +78,10 @@ stage_python() {
 # builds can be tested side by side).
 stage_package() {
   local dest=$1 so=$2
-  rm -rf "$dest" && mkdir -p "$dest/cpumoe"
-  cp python/cpumoe/*.py python/cpumoe/*.pyi "$dest/cpumoe/"
+  rm -rf "$dest" && mkdir -p "$dest"
+  # The whole package tree (subpackages such as cpumoe/cli too), without bytecode caches.
+  cp -r python/cpumoe "$dest/"
+  find "$dest/cpumoe" -name __pycache__ -prune -exec rm -rf {} +
   cp "$so" "$dest/cpumoe/"
 }
 
