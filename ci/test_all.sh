@@ -74,15 +74,16 @@ stage_python() {
   CPUMOE_TEST_BACKEND=numpy "$PY" -m pytest tests_py -q -p no:cacheprovider
 }
 
-# Stages the package from python/ plus a built _C*.so into $1/cpumoe (no pip install: several
-# builds can be tested side by side).
+# Stages the package from python/ plus a built _C*.so and the _version.py generated beside it
+# into $1/cpumoe (no pip install: several builds can be tested side by side).
 stage_package() {
   local dest=$1 so=$2
   rm -rf "$dest" && mkdir -p "$dest"
-  # The whole package tree (subpackages such as cpumoe/cli too), without bytecode caches.
+  # The whole package tree (subpackages such as cpumoe/cli too), without bytecode caches, plus
+  # the built module and the _version.py the build writes beside it.
   cp -r python/cpumoe "$dest/"
   find "$dest/cpumoe" -name __pycache__ -prune -exec rm -rf {} +
-  cp "$so" "$dest/cpumoe/"
+  cp "$so" "$(dirname "$so")/_version.py" "$dest/cpumoe/"
 }
 
 stage_python_local() {

@@ -29,7 +29,7 @@ import pytest
 # the activation's exp/erf/tanh (the kernels use polynomials) can move a bf16 value by one ulp
 # (2^-8 relative) or an int8 code by one step (1/127 of the row's range); through GEMM2 such a flip
 # moves outputs by up to about 1% of the output scale. An independent fp64 reference lands within
-# 1.1e-2 of vLLM's Arm kernel (shared/golden/README.md); a real bug (wrong expert, scale, layout,
+# 1.1e-2 of vLLM's Arm kernel (the golden cases of test_golden.py); a real bug (wrong expert, scale, layout,
 # activation, missing bias) is off by O(1) of the scale.
 MOE_ATOL_OF_SCALE = 2e-2
 MOE_RTOL = 2e-2

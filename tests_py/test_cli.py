@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import cpumoe
-from cpumoe import __main__ as cli
+from cpumoe import cli
 from conftest import run_python
 
 SMALL = ["--experts", "8", "--topk", "2", "--hidden", "64", "--inter", "32", "--threads", "1"]
@@ -37,8 +37,9 @@ def test_check_passes_on_every_path(backend, capsys):
 
 def _few_cases(monkeypatch):
     """Only three of check's small cases (the full list runs once, above; qemu is slow)."""
-    cases = cli._small_cases()[:3]
-    monkeypatch.setattr(cli, "_small_cases", lambda: cases)
+    from cpumoe.cli import check
+    cases = check.small_cases()[:3]
+    monkeypatch.setattr(check, "small_cases", lambda: cases)
 
 
 def test_check_fails_on_wrong_result(backend, capsys, monkeypatch):
@@ -90,7 +91,8 @@ def test_bench_without_tqdm_and_matplotlib(backend, capsys, tmp_path, monkeypatc
     assert "tqdm is not installed" in cap.err and "pip install tqdm" in cap.err
     assert "matplotlib is not installed" in cap.err and "pip install matplotlib" in cap.err
     assert not png.exists()
-    assert "tokens/s" in cap.out and cpumoe.selected_path() in cap.out
+    # --paths selected: one timed row, on the selected path (the paths line names it anyway).
+    assert [r[1] for r in _bench_rows(cap.out)] == [cpumoe.selected_path()]
 
 
 def test_bench_rejects_unknown_path(backend, capsys):
@@ -99,7 +101,7 @@ def test_bench_rejects_unknown_path(backend, capsys):
 
 
 def _vllm_runs(backend) -> bool:
-    from cpumoe import vllm_cpu
+    from cpumoe.cli.bench import vllm_cpu
     return backend.name == "torch" and vllm_cpu.load() is None
 
 
@@ -166,11 +168,19 @@ def test_bench_rejects_unknown_contender(backend, capsys):
 # ---------------------------------------------------------------------------- info
 def test_info_text_and_json(capsys):
     assert cli.main(["info"]) == 0
-    out = capsys.readouterr().out
-    for word in ("cpu", "paths", "kernels", "build", "versions", cpumoe.selected_path()):
-        assert word in out
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"cpumoe {cpumoe.__version__}"
+    # Each section starts a line with its name padded to the column ("cpu" alone would match
+    # "cpumoe").
+    heads = {ln.split()[0]: ln for ln in lines[1:] if ln[:1].strip()}
+    assert list(heads) == ["cpu", "paths", "kernels", "build", "versions", "threads"]
+    assert heads["cpu"].startswith("cpu        " + cpumoe.cpu_features()["arch"] + ";")
+    assert f"; selected: {cpumoe.selected_path()}" in heads["paths"]
+    rows = {ln.split()[0]: ln.split() for ln in lines if ln.startswith("  ")}
     for k in cpumoe.kernels():
-        assert k["name"] in out
+        assert rows[k["name"]][1] == k["isa"]
+    selected = [name for name, r in rows.items() if r[-1] == "*"]
+    assert selected == [cpumoe._C.select_kernel(None)]
     assert cli.main(["info", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["paths"]["selected"] == cpumoe.selected_path()
@@ -186,11 +196,31 @@ def test_help_of_each_subcommand(capsys):
         assert e.value.code == 0
     out = capsys.readouterr().out
     assert "check | bench | info" in out and "--plot" in out and "--no-layer" in out
+    assert "usage: cpumoe info [-h] [--json]" in out
+
+
+def _python_m_cpumoe(*argv: str, env_update=None):
+    """Runs ``python -m cpumoe ARGV`` (through runpy, in the cpumoe this process tests) and prints
+    whether cpumoe.__main__ was also imported as a module (it ran twice when it was)."""
+    return run_python("import runpy, sys\n"
+                      f"sys.argv = ['cpumoe', *{list(argv)!r}]\n"
+                      "try:\n"
+                      "    runpy.run_module('cpumoe', run_name='__main__', alter_sys=True)\n"
+                      "finally:\n"
+                      "    print('cpumoe.__main__' in sys.modules, file=sys.stderr)\n",
+                      env_update=env_update)
 
 
 def test_python_dash_m_info_json():
-    r = run_python("import sys; from cpumoe.__main__ import main; sys.exit(main(['info', "
-                   "'--json']))", env_update={"CPUMOE_ISA": "portable"})
+    r = _python_m_cpumoe("info", "--json", env_update={"CPUMOE_ISA": "portable"})
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert d["paths"]["CPUMOE_ISA"] == "portable" and d["paths"]["selected"] == "portable"
+    assert r.stderr.splitlines()[-1] == "False"
+
+
+def test_python_dash_m_runs_main_once():
+    r = _python_m_cpumoe("bench", "--help")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("usage: cpumoe bench ")
+    assert r.stderr.splitlines()[-1] == "False"  # bench did not import cpumoe.__main__ again

@@ -1,7 +1,10 @@
 """cpumoe and cpumoe.reference against the 72 golden cases computed by vLLM's Arm kernel.
 
-The vectors live outside the repository, in shared/golden/ beside it (or CPUMOE_GOLDEN_DIR);
-a clone without them skips this module. Format: shared/golden/README.md.
+The vectors are not part of the repository: they are read from CPUMOE_GOLDEN_DIR, else from
+shared/golden/ beside the clone when it exists; without them this module skips. Format: a
+manifest (JSON, one entry per case: case, T, H, I, E, k, dtype, activation, bias, skip_weighted)
+and an npz holding each case's arrays as ``<case>_<array>`` (x, w13, w2, s13, s2, topk_weights,
+topk_ids, b13, b2, out).
 """
 
 from __future__ import annotations

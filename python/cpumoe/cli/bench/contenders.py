@@ -1,0 +1,167 @@
+"""The contenders of ``cpumoe bench``: cpumoe's int8 and bf16 ops and vLLM's CPU kernels on one
+layer, each checked against the reference before it is timed."""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Callable, List, Optional, Tuple
+
+import numpy as np
+
+from .. import problem
+from . import vllm_cpu
+
+
+INT8_CONTENDERS = ("cpumoe-int8", "vllm-int8")
+BF16_CONTENDERS = ("cpumoe-bf16", "vllm-bf16", "vllm-bf16-sgl")
+CONTENDERS = ("cpumoe-int8", "cpumoe-bf16", "vllm-int8", "vllm-bf16", "vllm-bf16-sgl")
+ALL_CONTENDERS = ("cpumoe-int8", "cpumoe-bf16", "vllm-int8", "vllm-bf16")
+CHECK_TOKENS = 3
+
+
+class Contender:
+    """One kernel on one layer: ``fn(x, topk_weights, topk_ids, out)``."""
+
+    def __init__(self, name: str, label: str, path: Optional[str], kernel: str,
+                 weight_bytes: int, fn: Callable, ref: str):
+        self.name, self.label, self.path, self.kernel = name, label, path, kernel
+        self.weight_bytes = weight_bytes  # bytes per weight element (1 int8, 2 bf16)
+        self.fn = fn
+        self.ref = ref  # "int8" or "bf16": the reference it is checked against
+        self.check: Optional[Tuple[bool, float]] = None
+
+
+def cpumoe_int8(layer, packed) -> Contender:
+    """cpumoe's int8 op on ``packed`` (one of ``layer.packed(path)``)."""
+    import cpumoe
+    act, threads = layer.activation, layer.threads
+
+    def fn(x, w, i, out):
+        cpumoe.fused_moe_int8(x, packed, w, i, act, out=out, num_threads=threads)
+    return Contender("cpumoe-int8", packed.path, packed.path, packed.kernel, 1, fn, "int8")
+
+
+def _cpumoe_bf16(layer, w13b, w2b, b13, b2) -> Contender:
+    import cpumoe
+    packed = cpumoe.prepack_bf16(w13b, w2b, b13, b2, num_threads=layer.threads)
+    act, threads = layer.activation, layer.threads
+
+    def fn(x, w, i, out):
+        cpumoe.fused_moe_bf16(x, packed, w, i, act, out=out, num_threads=threads)
+    return Contender("cpumoe-bf16", "cpumoe-bf16", packed.path, packed.kernel, 2, fn, "bf16")
+
+
+def _vllm(name: str, layer, x_dtype, weights) -> Contender:
+    k = vllm_cpu.KERNELS[name](*weights, activation=layer.activation, x_dtype=x_dtype)
+    return Contender(name, name, k.path, k.kernel, 1 if name in INT8_CONTENDERS else 2, k,
+                     "bf16" if name in BF16_CONTENDERS else "int8")
+
+
+def _dequant_bf16(lib, w, s):
+    """bf16 copy of int8 weights times their per-row scales, one expert at a time."""
+    E = w.shape[0]
+    if lib.torch is not None:
+        torch = lib.torch
+        out = torch.empty(tuple(w.shape), dtype=torch.bfloat16)
+        for e in range(E):
+            out[e] = (w[e].to(torch.float32) * s[e].reshape(-1, 1)).to(torch.bfloat16)
+        return out
+    out = np.empty(w.shape, lib.dtype("bfloat16"))
+    for e in range(E):
+        out[e] = (w[e].astype(np.float32) * s[e].reshape(-1, 1)).astype(out.dtype)
+    return out
+
+
+def _check_inputs(layer):
+    """x, ids, weights of the check, and (used experts, ids renumbered into them): the
+    references get only the experts the check reads (a widened copy of a whole bf16 Mixtral
+    layer would take 6 GB)."""
+    rng = np.random.default_rng([layer.seed, 777])
+    x = layer.lib.tensor(rng.standard_normal((CHECK_TOKENS, layer.H), dtype=np.float32),
+                         layer.dtype)
+    # Routed over a pool of experts whose fp32 copies (the references widen) fit in about 1 GB.
+    n_pool = int(min(layer.E, max(layer.k, 2**30 // (4 * layer.expert_bytes))))
+    pool = np.sort(rng.permutation(layer.E)[:n_pool])
+    ids, wts = problem.make_routing(rng, CHECK_TOKENS, n_pool, layer.k)
+    ids = pool[ids].astype(np.int32)
+    used, local = np.unique(ids, return_inverse=True)
+    return (x, layer.lib.tensor(ids), layer.lib.tensor(wts), used,
+            layer.lib.tensor(local.reshape(ids.shape).astype(np.int32)))
+
+
+def _subset(a, used):
+    return None if a is None else a[used]  # a copy of the experts `used` (numpy or torch)
+
+
+def _run_checks(layer, conts: List[Contender], ref, x, ids, wts) -> None:
+    lib = layer.lib
+    for c in conts:
+        out = lib.tensor(np.zeros((x.shape[0], layer.H), np.float32), layer.dtype)
+        c.fn(x, wts, ids, out)
+        c.check = problem.check_one(lib, out, ref)
+
+
+def build_contenders(layer, names: List[str], paths: List[str], out
+                     ) -> Tuple[List[Contender], List[Tuple[str, str]]]:
+    """Makes the layer's weights, packs them for each contender, checks each against the
+    reference on CHECK_TOKENS tokens, and drops the unpacked weights. Returns the contenders and
+    the (name, reason) of those skipped."""
+    import cpumoe
+    lib = layer.lib
+    t_make = layer.make()
+    w13, w2, s13, s2, b13, b2 = layer.tensors
+    x_dtype = getattr(lib.torch, layer.dtype) if lib.torch is not None else None
+    x, ids, wts, used, local_ids = _check_inputs(layer)
+    conts: List[Contender] = []
+    skipped: List[Tuple[str, str]] = []
+
+    def vllm_or_skip(name, weights):
+        if lib.torch is None:
+            skipped.append((name, "vLLM's kernels need --backend torch"))
+            return None
+        try:
+            return _vllm(name, layer, x_dtype, weights)
+        except vllm_cpu.Unsupported as e:
+            skipped.append((name, str(e)))
+            return None
+
+    # Each reference is computed before the packing: its temporaries (several GB for a Mixtral
+    # expert) then do not add to the packed copies.
+    t0 = time.perf_counter()
+    if any(n in INT8_CONTENDERS for n in names):
+        ref = cpumoe.reference.ref_fused_moe_int8(
+            x, *(_subset(a, used) for a in (w13, w2, s13, s2)), wts, local_ids, layer.activation,
+            b13=_subset(b13, used), b2=_subset(b2, used))
+        if "cpumoe-int8" in names:
+            conts += [cpumoe_int8(layer, layer.packed(p)) for p in paths]
+        if "vllm-int8" in names:
+            c = vllm_or_skip("vllm-int8", (w13, w2, s13, s2, b13, b2))
+            conts += [c] if c is not None else []
+        _run_checks(layer, conts, ref, x, ids, wts)
+    bf16_names = [n for n in names if n in BF16_CONTENDERS]
+    if bf16_names:
+        w13b, w2b = _dequant_bf16(lib, w13, s13), _dequant_bf16(lib, w2, s2)
+        layer.tensors = w13 = w2 = None  # the int8 copy is packed already
+        ref = cpumoe.reference.ref_fused_moe_bf16(
+            x, _subset(w13b, used), _subset(w2b, used), wts, local_ids, layer.activation,
+            b13=_subset(b13, used), b2=_subset(b2, used))
+        bf16 = []
+        for name in bf16_names:
+            if name == "cpumoe-bf16":
+                if hasattr(cpumoe, "fused_moe_bf16"):
+                    bf16.append(_cpumoe_bf16(layer, w13b, w2b, b13, b2))
+                else:
+                    skipped.append((name, "this cpumoe has no fused_moe_bf16"))
+            else:
+                c = vllm_or_skip(name, (w13b, w2b, b13, b2))
+                bf16 += [c] if c is not None else []
+        _run_checks(layer, bf16, ref, x, ids, wts)
+        conts += bf16
+        del w13b, w2b
+    layer.tensors = None
+    gc.collect()
+    print(f"weights  {layer.name}: {layer.E * layer.expert_bytes / 1e6:.1f} MB int8 (made in "
+          f"{t_make:.1f} s), packed for {len(conts)} contender(s) in "
+          f"{time.perf_counter() - t0:.1f} s", file=out)
+    return conts, skipped

@@ -1,0 +1,167 @@
+"""The timing of ``cpumoe bench``: alternating calls, the bandwidth and GEMM probes, table rows."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from .contenders import Contender  # noqa: F401 (annotations)
+
+
+MIN_CALLS, MAX_CALLS = 3, 200
+
+
+class ReadProbe:
+    """Plain read bandwidth: a sum over a ``mib`` MiB fp32 buffer (torch: on torch's threads)."""
+
+    def __init__(self, lib, mib: int):
+        n = mib * 2**20 // 4
+        if lib.torch is not None:
+            self.buf = lib.torch.ones(n, dtype=lib.torch.float32)
+            self.how = f"torch.sum over {mib} MiB fp32"
+        else:
+            self.buf = np.ones(n, np.float32)
+            self.how = f"numpy sum over {mib} MiB fp32 (1 thread)"
+        self.nbytes = n * 4
+        self()  # first touch done by ones(); one untimed pass
+
+    def __call__(self) -> float:
+        t = time.perf_counter()
+        self.buf.sum()
+        return time.perf_counter() - t
+
+    def gbs(self, times: List[float]) -> float:
+        return self.nbytes / float(np.median(times)) / 1e9 if times else float("nan")
+
+
+def gemm_probe(torch, dtype: str, M: int = 512, K: int = 2048, N: int = 2048,
+               reps: int = 5) -> Optional[float]:
+    """GOP/s of one big GEMM in torch (oneDNN), best of ``reps``: int8 ``torch._int_mm`` or bf16
+    ``mm``; what this CPU reaches on compute-bound work (the best call: the least disturbed on a
+    shared machine), the yardstick for prefill. None if unsupported."""
+    try:
+        if dtype == "int8":
+            a = torch.randint(-127, 128, (M, K), dtype=torch.int8)
+            b = torch.randint(-127, 128, (K, N), dtype=torch.int8)
+            f = lambda: torch._int_mm(a, b)  # noqa: E731
+        else:
+            a = torch.randn(M, K, dtype=torch.bfloat16)
+            b = torch.randn(K, N, dtype=torch.bfloat16)
+            f = lambda: torch.mm(a, b)  # noqa: E731
+        f()
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - t)
+    except (RuntimeError, AttributeError):
+        return None
+    return 2 * M * K * N / min(ts) / 1e9
+
+
+def l3_bytes() -> Optional[int]:
+    try:
+        with open("/sys/devices/system/cpu/cpu0/cache/index3/size") as f:
+            s = f.read().strip()
+    except OSError:
+        return None
+    mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(s[-1:], 1)
+    return int(s.rstrip("KMG")) * mult if s.rstrip("KMG").isdigit() else None
+
+
+def caller(c: Contender, x, routes, out_t) -> Callable[[int], float]:
+    def call(n: int) -> float:
+        ids, wts = routes[n % len(routes)]
+        t = time.perf_counter()
+        c.fn(x, wts, ids, out_t)
+        return time.perf_counter() - t
+    return call
+
+
+def measure(calls: Dict[str, Callable[[int], float]], probe: Optional[ReadProbe], warmup: int,
+            iters: Optional[int], seconds: float, rounds: int, warm: bool,
+            min_calls: int = MIN_CALLS, max_calls: int = MAX_CALLS
+            ) -> Tuple[Dict[str, List[float]], List[float]]:
+    """Times the contenders alternating: ``rounds`` rounds, each running every contender's share
+    of its calls (rotated order; in warm mode after one untimed call that brings its experts
+    back into the caches) and one probe read. ``calls[k](n)`` makes call n, returns seconds."""
+    count = dict.fromkeys(calls, 0)
+
+    def run(k: str) -> float:
+        t = calls[k](count[k])
+        count[k] += 1
+        return t
+
+    total = {}
+    for k in calls:
+        est = None
+        for _ in range(max(0, warmup)):
+            est = run(k)
+        if iters is not None:
+            total[k] = iters
+        else:
+            est = run(k) if est is None else est
+            total[k] = int(min(max_calls, max(min_calls, round(seconds / max(est, 1e-6)))))
+    n_rounds = max(1, min([rounds] + list(total.values())))
+    order = list(calls)
+    times: Dict[str, List[float]] = {k: [] for k in calls}
+    probe_times: List[float] = []
+    for r in range(n_rounds):
+        if probe is not None:
+            probe_times.append(probe())
+        s = r % len(order)
+        for k in order[s:] + order[:s]:
+            n = total[k] // n_rounds + (r < total[k] % n_rounds)
+            if warm and n:
+                run(k)
+            times[k] += [run(k) for _ in range(n)]
+    return times, probe_times
+
+
+def row(layer, mode: str, T: int, c: Contender, times: List[float], experts: float,
+         probe_gbs: Optional[float]) -> Dict[str, Any]:
+    med, best = float(np.median(times)), float(np.min(times))
+    gbs = experts * layer.expert_bytes * c.weight_bytes / med / 1e9 if med > 0 and T else 0.0
+    return {
+        "preset": layer.name, "weights": mode, "T": T, "contender": c.name, "path": c.path,
+        "label": c.label, "kernel": c.kernel, "ms_median": med * 1e3, "ms_min": best * 1e3,
+        "tokens_per_s": T / med if med > 0 else float("inf"), "weights_gbs": gbs,
+        "probe_gbs": probe_gbs,
+        "pct_probe": 100 * gbs / probe_gbs if probe_gbs and T else None,
+        "gops": 6 * T * layer.k * layer.H * layer.I / med / 1e9 if med > 0 else 0.0,
+        "experts_read": experts, "calls": len(times),
+        "check_rel": None if c.check is None else c.check[1],
+        "check_ok": None if c.check is None else c.check[0],
+    }
+
+
+TABLE_HEAD = (f"{'T':>6}  {'contender':<13} {'kernel':<40} {'ms/call med':>11} "
+              f"{'ms/call min':>11} {'tokens/s':>10} {'weights GB/s':>12} {'%probe':>6} "
+              f"{'GOP/s':>7} {'calls':>5}")
+
+
+def fmt_row(r: Dict[str, Any]) -> str:
+    pct = f"{r['pct_probe']:>6.0f}" if r["pct_probe"] is not None else f"{'-':>6}"
+    return (f"{r['T']:>6}  {r['label']:<13} {r['kernel']:<40} {r['ms_median']:>11.3f} "
+            f"{r['ms_min']:>11.3f} {r['tokens_per_s']:>10.0f} {r['weights_gbs']:>12.2f} {pct} "
+            f"{r['gops']:>7.1f} {r['calls']:>5}")
+
+
+def time_point(layer, conts: List[Contender], mode: str, T: int, x, routings,
+               probe: Optional[ReadProbe], warmup: int, iters: Optional[int], seconds: float,
+               rounds: int, min_calls: int = MIN_CALLS, max_calls: int = MAX_CALLS
+               ) -> Tuple[List[Dict[str, Any]], List[float]]:
+    """Times ``conts`` alternating at one point (T tokens ``x``, numpy ``routings``); returns
+    one row per contender and the probe's times."""
+    lib = layer.lib
+    used = routings if mode == "cold" else routings[:1]
+    routes = [(lib.tensor(i), lib.tensor(w)) for i, w in used]
+    experts = float(np.mean([len(np.unique(i)) for i, _ in used]))
+    calls = {c.label: caller(c, x, routes, lib.tensor(np.zeros((T, layer.H), np.float32),
+                                                      layer.dtype)) for c in conts}
+    times, ptimes = measure(calls, probe, warmup, iters, seconds, rounds, mode == "warm",
+                            min_calls, max_calls)
+    pgbs = probe.gbs(ptimes) if probe is not None and ptimes else None
+    return [row(layer, mode, T, c, times[c.label], experts, pgbs) for c in conts], ptimes
