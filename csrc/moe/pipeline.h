@@ -38,15 +38,8 @@ class Pipeline {
   Pipeline(const Packed& p, const MoeCall& call, int th, int64_t t_begin, int64_t t_count)
       : pk(p), c(call), kern(*p.config().gemm), ro(*p.config().rowops), tp(p.config().tiles),
         threads(th), t0(t_begin), tc(t_count), E(p.num_experts()), H(p.hidden()),
-        I(p.intermediate()), k(call.topk) {
-    sizes.elem = sizeof(Elem);
-    sizes.E = E;
-    sizes.H = H;
-    sizes.I = I;
-    sizes.tc = tc;
-    sizes.k = k;
-    sizes.threads = threads;
-  }
+        I(p.intermediate()), k(call.topk),
+        sizes(chunk_sizes(sizeof(Elem), E, H, I, tc, k, threads)) {}
 
   // The phases in order; the one bench-hook phase marker stands here.
   void run() {

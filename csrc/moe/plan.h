@@ -41,6 +41,20 @@ struct ChunkPlan {
 
 ChunkPlan plan(const ChunkSizes& s);
 
+// The sizes known before routing (P, lhs and tasks stay 0).
+inline ChunkSizes chunk_sizes(int64_t elem, int64_t E, int64_t H, int64_t I, int64_t tc,
+                              int64_t k, int threads) {
+  ChunkSizes s;
+  s.elem = elem;
+  s.E = E;
+  s.H = H;
+  s.I = I;
+  s.tc = tc;
+  s.k = k;
+  s.threads = threads;
+  return s;
+}
+
 // Bytes of the packed rows of one expert's slice of the lhs, as laid out in scratch.
 template <class Kernel>
 size_t lhs_bytes(const Kernel& kern, int64_t rows, int64_t depth) {
@@ -55,14 +69,7 @@ template <class Kernel>
 ChunkSizes worst_case(const MoeConfig<Kernel>& cfg, int64_t elem, int64_t E, int64_t H, int64_t I,
                       int64_t tc, int64_t k, int threads) {
   const Kernel& kern = *cfg.gemm;
-  ChunkSizes s;
-  s.elem = elem;
-  s.E = E;
-  s.H = H;
-  s.I = I;
-  s.tc = tc;
-  s.k = k;
-  s.threads = threads;
+  ChunkSizes s = chunk_sizes(elem, E, H, I, tc, k, threads);
   s.P = tc * k;
   const int64_t experts = std::min(E, s.P);
   s.lhs1 = align_up(kern.lhs_packed_size(s.P, H)) + size_t(experts) * lhs_bytes(kern, kern.mr, H);
