@@ -35,18 +35,24 @@ inline int resolve_threads(int n) {
 #endif
 }
 
-// Runs item i of a loop on thread tid. A body may return the work the item did (multiply-adds of
-// a GEMM task), which only the bench hooks read; a normal build discards it.
+// Runs item i of a loop on thread tid and returns the work it reports: a body may return the
+// work the item did (multiply-adds of a GEMM task), which only the bench hooks read.
 template <class Fn>
-inline void run_item(const Fn& fn, int64_t i, int tid) {
+inline int64_t call_item(const Fn& fn, int64_t i, int tid) {
   if constexpr (std::is_void_v<decltype(fn(i, tid))>) {
     fn(i, tid);
-    CPUMOE_BENCH_TASK(tid, 0);
+    return 0;
   } else {
-    const int64_t work = fn(i, tid);
-    CPUMOE_BENCH_TASK(tid, work);
-    (void)work;
+    return fn(i, tid);
   }
+}
+
+// One item of a parallel loop, counted for the bench (a normal build discards the work).
+template <class Fn>
+inline void run_item(const Fn& fn, int64_t i, int tid) {
+  const int64_t work = call_item(fn, i, tid);
+  CPUMOE_BENCH_TASK(tid, work);
+  (void)work;
 }
 
 // Runs fn(i, tid) for i in [0, n) on up to `threads` threads, dynamically scheduled; tid in
