@@ -14,7 +14,6 @@
 #include "cpumoe/cpu_features.h"
 #include "cpumoe/moe.h"
 #include "cpumoe/qgemm.h"
-#include "cpumoe/rowops.h"
 
 namespace py = pybind11;
 using namespace cpumoe;
@@ -42,13 +41,14 @@ Activation parse_act(const std::string& name) {
   return a;
 }
 
-// The kernel of a family that prepack would use under the cap `isa`.
+// The chain (kernel, row ops, tile policy) of a family that prepack builds under the cap `isa`:
+// prepack, select_kernel and select_bf16_kernel all go through here.
 template <class Kernel>
-const Kernel* kernel_for(const std::optional<std::string>& isa,
-                         const Kernel* (*select)(const Isa*)) {
-  if (!isa) return select(nullptr);
+MoeConfig<Kernel> config_for(const std::optional<std::string>& isa,
+                             MoeConfig<Kernel> (*build)(const Kernel*, const Isa*)) {
+  if (!isa) return build(nullptr, nullptr);
   const Isa cap = parse_isa(*isa, "isa");
-  return select(&cap);
+  return build(nullptr, &cap);
 }
 
 // Python names of the two packed kinds.
@@ -96,7 +96,7 @@ void def_packed(py::module_& m) {
       .def_property_readonly("has_bias2", [](py::handle h) { return packed_of<P>(h)->has_bias2(); })
       .def_property_readonly("kernel", [](py::handle h) { return packed_of<P>(h)->kernel().name; })
       .def_property_readonly("rowops",
-                             [](py::handle h) { return rowops_for(packed_of<P>(h)->kernel().isa)->name; })
+                             [](py::handle h) { return packed_of<P>(h)->config().rowops->name; })
       .def_property_readonly("path",
                              [](py::handle h) { return isa_name(packed_of<P>(h)->kernel().isa); })
       .def_property_readonly("packed_bytes",
@@ -242,11 +242,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("bf16_kernels", [] { return kernel_list(bgemm_registry()); },
         "The bf16 GEMM kernels compiled in, best first.");
   m.def("select_kernel",
-        [](std::optional<std::string> isa) { return kernel_for(isa, qgemm_select)->name; },
+        [](std::optional<std::string> isa) { return config_for(isa, int8_config).gemm->name; },
         py::arg("isa") = py::none(),
         "Name of the kernel prepack would use (capped by isa and CPUMOE_ISA).");
   m.def("select_bf16_kernel",
-        [](std::optional<std::string> isa) { return kernel_for(isa, bgemm_select)->name; },
+        [](std::optional<std::string> isa) { return config_for(isa, bf16_config).gemm->name; },
         py::arg("isa") = py::none(),
         "Name of the kernel prepack_bf16 would use (capped by isa and CPUMOE_ISA).");
 
@@ -262,9 +262,9 @@ PYBIND11_MODULE(_C, m) {
         fill_weights(&w, E, H, I, w13, w2, b13, b13_dtype, b2, b2_dtype);
         w.s13 = ptr<const float>(s13);
         w.s2 = ptr<const float>(s2);
-        const QGemmUkernel* kernel = kernel_for(isa, qgemm_select);
+        const MoeConfig<QGemmUkernel> config = config_for(isa, int8_config);
         py::gil_scoped_release nogil;
-        return std::make_shared<PackedMoe>(w, kernel, num_threads);
+        return std::make_shared<PackedMoe>(w, config, num_threads);
       },
       py::arg("E"), py::arg("H"), py::arg("I"), py::arg("w13"), py::arg("w2"), py::arg("s13"),
       py::arg("s2"), py::arg("b13"), py::arg("b13_dtype"), py::arg("b2"), py::arg("b2_dtype"),
@@ -278,9 +278,9 @@ PYBIND11_MODULE(_C, m) {
          std::optional<std::string> isa, int num_threads) {
         MoeWeightsBf16 w;
         fill_weights(&w, E, H, I, w13, w2, b13, b13_dtype, b2, b2_dtype);
-        const BGemmUkernel* kernel = kernel_for(isa, bgemm_select);
+        const MoeConfig<BGemmUkernel> config = config_for(isa, bf16_config);
         py::gil_scoped_release nogil;
-        return std::make_shared<PackedMoeBf16>(w, kernel, num_threads);
+        return std::make_shared<PackedMoeBf16>(w, config, num_threads);
       },
       py::arg("E"), py::arg("H"), py::arg("I"), py::arg("w13"), py::arg("w2"), py::arg("b13"),
       py::arg("b13_dtype"), py::arg("b2"), py::arg("b2_dtype"), py::arg("isa"),

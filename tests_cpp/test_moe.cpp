@@ -302,6 +302,13 @@ TEST(MoePacked, Accessors) {
     EXPECT_TRUE(pk.has_bias13());
     EXPECT_TRUE(pk.has_bias2());
     EXPECT_EQ(&pk.kernel(), kern);
+    // The chain is chosen at prepack: the kernel's row operations and tile policy.
+    EXPECT_EQ(pk.config().gemm, kern);
+    EXPECT_EQ(pk.config().rowops, cpumoe::rowops_for(kern->isa));
+    EXPECT_EQ(pk.config().tiles.mr, kern->mr);
+    EXPECT_EQ(pk.config().tiles.nr, kern->nr);
+    const cpumoe::PackedMoe from_config(d.weights(), cpumoe::int8_config(nullptr, &kern->isa), 2);
+    EXPECT_EQ(from_config.config().gemm, cpumoe::qgemm_select(&kern->isa));
     EXPECT_GE(pk.packed_bytes(), size_t(3 * (2 * 24 * 16 + 16 * 24)));
     for (int64_t e = 0; e < 3; ++e) {
       EXPECT_EQ(pk.s13(e)[5], d.ref.s13[size_t(e * 48 + 5)]);

@@ -1,6 +1,6 @@
-// The bench-only instrumentation of the dispatcher (see cpumoe/bench_hooks.h). Compiled into
+// The bench-only instrumentation of the dispatcher (bench_hooks.h). Compiled into
 // cpumoe_moe only when CMake's CPUMOE_BENCH_HOOKS is ON.
-#include "cpumoe/bench_hooks.h"
+#include "bench_hooks.h"
 
 #include <atomic>
 
@@ -38,14 +38,11 @@ void enter_step(int phase) {
   if (PhaseCallback cb = g_callback.load(std::memory_order_relaxed)) cb(phase);
 }
 
-void count_task(int tid) {
+void count_task(int tid, int64_t work) {
   const int p = g_phase.load(std::memory_order_relaxed);
-  if (valid(p, tid)) g_tasks[p][tid].fetch_add(1, std::memory_order_relaxed);
-}
-
-void add_work(int tid, int64_t smmla) {
-  const int p = g_phase.load(std::memory_order_relaxed);
-  if (valid(p, tid)) g_work[p][tid].fetch_add(smmla, std::memory_order_relaxed);
+  if (!valid(p, tid)) return;
+  g_tasks[p][tid].fetch_add(1, std::memory_order_relaxed);
+  if (work != 0) g_work[p][tid].fetch_add(work, std::memory_order_relaxed);
 }
 
 void set_phase_callback(PhaseCallback cb) { g_callback.store(cb); }

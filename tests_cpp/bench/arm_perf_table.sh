@@ -4,7 +4,7 @@
 # executed per call, the SMMLA floor of the routing (PERF.md) and the useful share
 # (floor / instructions), counted exactly by ../shared/tools/qemu-insn-count under qemu-aarch64,
 # one thread. Then the share of each phase of the call (bench-hooks build, see
-# csrc/include/cpumoe/bench_hooks.h).
+# csrc/moe/bench_hooks.h).
 #
 #   tests_cpp/bench/arm_perf_table.sh [--build DIR] [--src DIR] [--paths "neon_i8mm ..."]
 #                                     [--problems "qwen3:1 gptoss:64 ..."] [--iters N]

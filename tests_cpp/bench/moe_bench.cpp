@@ -12,8 +12,8 @@
 // -DCPUMOE_BENCH_HOOKS=ON), `iters` more calls follow in which the dispatcher marks every phase;
 // the bench then prints `phase_seq ...`, the phase of each of those marks in order (names in the
 // `phases` line), and one final mark closes them. tests_cpp/bench/arm_perf_table.sh reads all of it.
-// With --tasks 1 (hooks build), prints per phase the tasks (and GEMM work in SMMLA-equivalents)
-// each thread ran over the measured calls.
+// With --tasks 1 (hooks build), prints per phase the tasks (and the GEMM tasks' multiply-adds over
+// the kernel's padded tiles, "macs") each thread ran over the measured calls.
 #include <unistd.h>
 
 #include <algorithm>
@@ -25,7 +25,7 @@
 #include <string>
 #include <vector>
 
-#include "cpumoe/bench_hooks.h"
+#include "../../csrc/moe/bench_hooks.h"  // internal to the dispatcher: bench-only
 #include "cpumoe/moe.h"
 
 namespace {
@@ -220,7 +220,7 @@ int main(int argc, char** argv) {
       for (int t = 0; t < nt; ++t) {
         if (bh::tasks(p, t) == 0 && threads <= 0) continue;
         std::printf(" t%d=%lld", t, (long long)bh::tasks(p, t));
-        if (bh::work(p, t) > 0) std::printf("(%lld smmla)", (long long)bh::work(p, t));
+        if (bh::work(p, t) > 0) std::printf("(%lld macs)", (long long)bh::work(p, t));
       }
       std::printf("\n");
     }

@@ -4,8 +4,9 @@
 /// W8A8 (fused_moe_int8): int8 weights with per-channel scales, dynamic per-token int8
 /// quantization of the activations, GEMM1 (w13), a gated activation, requantization, GEMM2 (w2)
 /// and the weighted combine. BF16 (fused_moe_bf16): bf16 weights, the same pipeline with the
-/// GEMM inputs rounded to bf16 instead of quantized. The kernel is chosen once, at prepack, for
-/// this CPU (qgemm_select / bgemm_select); the MoE code knows it only through its interface.
+/// GEMM inputs rounded to bf16 instead of quantized. The whole chain (GEMM kernel, row operations,
+/// tile policy: a MoeConfig) is chosen once, at prepack, for this CPU (int8_config / bf16_config),
+/// and stored in the packed layer; the MoE code knows the kernels only through their interfaces.
 ///
 /// Errors in the arguments throw cpumoe::ArgumentError (a std::invalid_argument) whose message
 /// names the argument; nothing is written to the output then.
@@ -21,6 +22,7 @@
 #include "cpumoe/bgemm.h"
 #include "cpumoe/dtype.h"
 #include "cpumoe/qgemm.h"
+#include "cpumoe/rowops.h"
 
 namespace cpumoe {
 
@@ -36,6 +38,33 @@ constexpr int64_t kDimMultiple = 8;
 /// Floor of a token's (or activation row's) absolute maximum before dividing by 127, so an
 /// all-zero row gets a finite scale and quantizes to zeros.
 constexpr float kAmaxFloor = 1e-7f;
+
+/// How a layer cuts each GEMM into tasks over (expert, row chunk, column tile): part of its config.
+/// The tasks, and so the order of every floating-point operation, follow from it and the routing.
+struct MoeTilePolicy {
+  int64_t rows = 256;  ///< rows of a task before rounding up to mr: weights stream once per call
+                       ///< for realistic tokens per expert, a huge expert still splits
+  int64_t mr = 1;      ///< the kernel's register-tile rows (a task's rows are a multiple)
+  int64_t nr = 1;      ///< the kernel's packed column block (a column tile is a multiple)
+  int64_t max_cols = 256;        ///< a column tile spans at most about this many columns (L2)
+  int64_t tasks_per_thread = 4;  ///< ... and is small enough for about this many tasks per thread
+};
+
+/// The whole chain a packed layer runs, chosen once when it is packed and never looked up again
+/// (XNNPACK's per-family config): the GEMM kernel, the row operations that go with its ISA level
+/// (rowops_for), and the tile policy.
+template <class Kernel>
+struct MoeConfig {
+  const Kernel* gemm = nullptr;
+  const RowOps* rowops = nullptr;
+  MoeTilePolicy tiles;
+};
+
+/// The int8 op's config for @p kernel; for nullptr, for qgemm_select(@p cap) (the best kernel
+/// this CPU runs, capped by @p cap and CPUMOE_ISA). Never returns a null member.
+MoeConfig<QGemmUkernel> int8_config(const QGemmUkernel* kernel, const Isa* cap = nullptr);
+/// The bf16 op's config, as int8_config (bgemm_select).
+MoeConfig<BGemmUkernel> bf16_config(const BGemmUkernel* kernel, const Isa* cap = nullptr);
 
 /// Plain (unpacked) int8 expert weights as given by a checkpoint; all arrays dense, row-major.
 struct MoeWeights {
@@ -80,7 +109,9 @@ class PackedExperts {
   int64_t intermediate() const { return i_; }
   bool has_bias13() const { return has_b13_; }
   bool has_bias2() const { return has_b2_; }
-  const Kernel& kernel() const { return *kernel_; }
+  const Kernel& kernel() const { return *config_.gemm; }
+  /// The chain chosen at prepack: kernel, row operations, tile policy.
+  const MoeConfig<Kernel>& config() const { return config_; }
   /// Bytes held by the packed weights, scales and biases.
   size_t packed_bytes() const;
 
@@ -92,9 +123,9 @@ class PackedExperts {
 
  protected:
   /// Checks the sizes and the CPU, packs w13 [E, 2I, H] and w2 [E, H, I] (elements of the
-  /// kernel's weight type) and converts the biases. Throws ArgumentError.
+  /// kernel's weight type) for config.gemm and converts the biases. Throws ArgumentError.
   template <class Elem>
-  PackedExperts(int64_t e, int64_t h, int64_t i, const Kernel* kernel, const Elem* w13,
+  PackedExperts(int64_t e, int64_t h, int64_t i, const MoeConfig<Kernel>& config, const Elem* w13,
                 const Elem* w2, const void* b13, DType b13_dtype, const void* b2, DType b2_dtype,
                 int num_threads);
   size_t extra_bytes_ = 0;  ///< bytes a derived class holds besides the packed weights
@@ -104,7 +135,7 @@ class PackedExperts {
     void operator()(void* p) const;
   };
   int64_t e_, h_, i_;
-  const Kernel* kernel_;
+  MoeConfig<Kernel> config_;
   size_t w13_stride_ = 0, w2_stride_ = 0;  // bytes per expert
   std::unique_ptr<uint8_t, AlignedFree> w13_, w2_;
   std::unique_ptr<float[]> b13_, b2_;
@@ -118,6 +149,8 @@ class PackedMoe : public PackedExperts<QGemmUkernel> {
   /// @pre E >= 1; H, I >= kDimMultiple and multiples of it; scales finite and > 0.
   /// Throws ArgumentError otherwise. Threads: up to @p num_threads (<= 0: the OpenMP default).
   PackedMoe(const MoeWeights& w, const QGemmUkernel* kernel = nullptr, int num_threads = 0);
+  /// Packs @p w for the chain @p config (from int8_config); as above otherwise.
+  PackedMoe(const MoeWeights& w, const MoeConfig<QGemmUkernel>& config, int num_threads = 0);
 
   const float* s13(int64_t e) const { return s13_.get() + e * 2 * intermediate(); }
   const float* s2(int64_t e) const { return s2_.get() + e * hidden(); }
@@ -132,6 +165,9 @@ class PackedMoeBf16 : public PackedExperts<BGemmUkernel> {
   /// Packs @p w for @p kernel (nullptr: bgemm_select() for this CPU, capped by CPUMOE_ISA).
   /// @pre E >= 1; H, I >= kDimMultiple and multiples of it. Throws ArgumentError otherwise.
   PackedMoeBf16(const MoeWeightsBf16& w, const BGemmUkernel* kernel = nullptr,
+                int num_threads = 0);
+  /// Packs @p w for the chain @p config (from bf16_config); as above otherwise.
+  PackedMoeBf16(const MoeWeightsBf16& w, const MoeConfig<BGemmUkernel>& config,
                 int num_threads = 0);
 };
 

@@ -3,15 +3,18 @@
 /// with -DCPUMOE_BENCH_HOOKS=ON (off by default): a normal build compiles the macros below to
 /// nothing, so the op carries none of it.
 ///
-/// - Phases: the dispatcher announces each phase of a chunk (and, inside the activation loop, each
-///   step of a row) through CPUMOE_BENCH_PHASE / CPUMOE_BENCH_STEP. The bench installs a callback
+/// Internal to csrc/moe (the bench includes it by path). Four sites in the dispatcher:
+/// - Phases: the pipeline announces each phase of a chunk where it runs the phases (one
+///   CPUMOE_BENCH_PHASE in Pipeline::run) and, inside the activation loop, each step of a row
+///   (CPUMOE_BENCH_STEP: activation, then the int8 family's requant). The bench installs a callback
 ///   that calls getppid(), which ../shared/tools/qemu-insn-count turns into a "mark" line, and
 ///   records the phase of every mark: the instructions between a mark and the next belong to the
 ///   phase of the first. Steps inside a parallel loop are reported only at one thread (counting
 ///   under qemu is one-thread anyway).
 /// - Tasks: every task a parallel loop runs is counted for the thread that ran it, per phase, with
-///   the GEMM tasks' work in SMMLA-equivalents (row pairs x column pairs x 8-k slices), so the
-///   bench can show how the work splits over threads.
+///   the work its body reports (CPUMOE_BENCH_TASK in parallel_for). A GEMM task reports its
+///   multiply-adds over the kernel's padded register tiles (m, n, k rounded up to mr, nr, kr), so
+///   the bench can show how the work splits over threads whatever the kernel.
 #pragma once
 
 #include <cstdint>
@@ -38,8 +41,8 @@ const char* phase_name(int phase);
 /// The dispatcher's side.
 void enter_phase(int phase);  ///< calling thread, before the phase's parallel loop
 void enter_step(int phase);   ///< inside a loop body: forwarded only while one thread runs
-void count_task(int tid);                ///< one task of the current phase ran on thread tid
-void add_work(int tid, int64_t smmla);   ///< ... and did this many SMMLA-equivalents
+/// One task of the current phase ran on thread tid and did @p work multiply-adds (0: not a GEMM).
+void count_task(int tid, int64_t work);
 
 /// The bench's side.
 using PhaseCallback = void (*)(int phase);
@@ -53,13 +56,11 @@ int64_t work(int phase, int tid);
 }  // namespace cpumoe
 
 #if defined(CPUMOE_BENCH_HOOKS)
-#define CPUMOE_BENCH_PHASE(p) ::cpumoe::bench_hooks::enter_phase(::cpumoe::bench_hooks::p)
-#define CPUMOE_BENCH_STEP(p) ::cpumoe::bench_hooks::enter_step(::cpumoe::bench_hooks::p)
-#define CPUMOE_BENCH_TASK(tid) ::cpumoe::bench_hooks::count_task(tid)
-#define CPUMOE_BENCH_WORK(tid, w) ::cpumoe::bench_hooks::add_work((tid), (w))
+#define CPUMOE_BENCH_PHASE(p) ::cpumoe::bench_hooks::enter_phase(p)
+#define CPUMOE_BENCH_STEP(p) ::cpumoe::bench_hooks::enter_step(p)
+#define CPUMOE_BENCH_TASK(tid, work) ::cpumoe::bench_hooks::count_task((tid), (work))
 #else
 #define CPUMOE_BENCH_PHASE(p) ((void)0)
 #define CPUMOE_BENCH_STEP(p) ((void)0)
-#define CPUMOE_BENCH_TASK(tid) ((void)0)
-#define CPUMOE_BENCH_WORK(tid, w) ((void)0)
+#define CPUMOE_BENCH_TASK(tid, work) ((void)0)
 #endif

@@ -1,0 +1,77 @@
+// What the pipeline needs to know about a kernel family besides its interface struct: how a GEMM
+// input row is made (int8: quantized, with a scale; bf16: rounded) and the GEMM epilogue (int8:
+// row and column scales and the bias; bf16: the bias only). The pipeline calls these at each step
+// and is the same for both families.
+#pragma once
+
+#include <cstdint>
+
+#include "bench_hooks.h"
+#include "cpumoe/moe.h"
+#include "tiling.h"
+
+namespace cpumoe {
+namespace moe_detail {
+
+template <class Kernel>
+struct Family;
+
+template <>
+struct Family<QGemmUkernel> {
+  using Elem = int8_t;  // a GEMM input element: quantized
+  using Packed = PackedMoe;
+
+  // Whether x of dtype dt serves as GEMM input rows as it is.
+  static bool x_in_place(DType) { return false; }
+  // Step 1: token row x (n elements of dt) -> q, *scale.
+  static void input_row(const RowOps& ro, const void* x, DType dt, int64_t n, Elem* q,
+                        float* scale) {
+    *scale = ro.quantize(x, dt, n, q);
+  }
+  // Step 3: the scale of a gathered row.
+  static void gather_scale(float* dst, const float* src) { *dst = *src; }
+  // Step 5: GEMM1 row h (2 * inter values) -> q, *scale, through tmp (inter floats).
+  static void activate(const RowOps& ro, Activation act, const float* h, int64_t inter, DType dt,
+                       float* tmp, Elem* q, float* scale) {
+    const float amax = ro.activate_round(act, h, inter, dt, tmp);  // the row rounded to dt
+    CPUMOE_BENCH_STEP(bench_hooks::requant);
+    *scale = ro.quantize_with_amax(tmp, inter, amax, q);
+  }
+  // The output-channel scales of expert e's w13 / w2.
+  static const float* scale13(const Packed& pk, int64_t e) { return pk.s13(e); }
+  static const float* scale2(const Packed& pk, int64_t e) { return pk.s2(e); }
+  // One task's GEMM with its epilogue; row_scale at the task's first row, col_scale and bias
+  // (nullable) at the expert's column 0.
+  static void run(const QGemmUkernel& kern, const Task& tk, int64_t depth, const void* lhs,
+                  const void* rhs, float* dst, int64_t dst_stride, const float* row_scale,
+                  const float* col_scale, const float* bias) {
+    const QGemmEpilogue ep{row_scale, col_scale + tk.n0, bias ? bias + tk.n0 : nullptr};
+    kern.run_f32(tk.m, tk.n, depth, lhs, rhs, dst, dst_stride, ep);
+  }
+};
+
+template <>
+struct Family<BGemmUkernel> {
+  using Elem = uint16_t;  // bf16 bits
+  using Packed = PackedMoeBf16;
+
+  static bool x_in_place(DType dt) { return dt == DType::bf16; }
+  static void input_row(const RowOps& ro, const void* x, DType dt, int64_t n, Elem* q, float*) {
+    ro.to_bf16(x, dt, n, q);
+  }
+  static void gather_scale(float*, const float*) {}
+  static void activate(const RowOps& ro, Activation act, const float* h, int64_t inter, DType,
+                       float*, Elem* q, float*) {
+    ro.activate_bf16(act, h, inter, q);
+  }
+  static const float* scale13(const Packed&, int64_t) { return nullptr; }
+  static const float* scale2(const Packed&, int64_t) { return nullptr; }
+  static void run(const BGemmUkernel& kern, const Task& tk, int64_t depth, const void* lhs,
+                  const void* rhs, float* dst, int64_t dst_stride, const float*, const float*,
+                  const float* bias) {
+    kern.run_f32(tk.m, tk.n, depth, lhs, rhs, dst, dst_stride, bias ? bias + tk.n0 : nullptr);
+  }
+};
+
+}  // namespace moe_detail
+}  // namespace cpumoe

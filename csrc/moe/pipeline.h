@@ -1,0 +1,220 @@
+// The pipeline of one chunk of tokens [t0, t0 + tc), over the chain of the packed layer's config
+// (GEMM kernel, row operations, tile policy). Phases (each parallel over independent tasks; every
+// output element is computed by exactly one task in a fixed order, so results do not depend on
+// the thread count):
+//   route: stable counting sort of the tc*k slots by expert, then the scratch layout
+//   1. quantize each token once                        xq [tc, H] int8, xs [tc]  (bf16: xq bf16)
+//   3. gather + pack each active expert's token rows for the kernel
+//   4. GEMM1 tasks (expert, row chunk, column tile)     h [P, 2I] fp32 (P slots, in expert order)
+//   5. activation, round to the input dtype, requantize qa [P, I] int8, sa [P]  (bf16: round to
+//      bf16, qa bf16); pack again
+//   6. GEMM2 tasks                                      y [P, H] fp32
+//   7. combine per token: out[t] = sum_j w[t,j] * y[slot(t,j)] in fp32, stored in the input dtype
+// All buffers live in the calling thread's scratch block, laid out by plan().
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "bench_hooks.h"
+#include "cpumoe/moe.h"
+#include "cpumoe/quantize.h"
+#include "family.h"
+#include "parallel.h"
+#include "plan.h"
+#include "route.h"
+#include "scratch.h"
+
+namespace cpumoe {
+namespace moe_detail {
+
+template <class Kernel>
+class Pipeline {
+  using F = Family<Kernel>;
+  using Elem = typename F::Elem;
+  using Packed = typename F::Packed;
+
+ public:
+  Pipeline(const Packed& p, const MoeCall& call, int th, int64_t t_begin, int64_t t_count)
+      : pk(p), c(call), kern(*p.config().gemm), ro(*p.config().rowops), tp(p.config().tiles),
+        threads(th), t0(t_begin), tc(t_count), E(p.num_experts()), H(p.hidden()),
+        I(p.intermediate()), k(call.topk),
+        sizes(chunk_sizes(sizeof(Elem), E, H, I, tc, k, threads)) {}
+
+  // The phases in order; the one bench-hook phase marker stands here.
+  void run() {
+    using Step = void (Pipeline::*)();
+    static constexpr struct {
+      int phase;
+      Step step;
+    } kPhases[] = {{bench_hooks::route, &Pipeline::route_and_allocate},
+                   {bench_hooks::quantize, &Pipeline::quantize_x},
+                   {bench_hooks::pack1, &Pipeline::pack1},
+                   {bench_hooks::gemm1, &Pipeline::gemm1},
+                   {bench_hooks::activation, &Pipeline::activate},
+                   {bench_hooks::pack2, &Pipeline::pack2},
+                   {bench_hooks::gemm2, &Pipeline::gemm2},
+                   {bench_hooks::combine, &Pipeline::combine}};
+    for (const auto& ph : kPhases) {
+      CPUMOE_BENCH_PHASE(ph.phase);
+      (this->*ph.step)();
+    }
+  }
+
+ private:
+  template <class T>
+  T* at(size_t offset) const {
+    return reinterpret_cast<T*>(base + offset);
+  }
+
+  const uint8_t* x_row(int64_t t) const {
+    return static_cast<const uint8_t*>(c.x) + (t0 + t) * c.x_row_stride * dtype_size(c.dtype);
+  }
+
+  // Routes with only the routing part of the block reserved, then lays out the rest.
+  void route_and_allocate() {
+    pl = plan(sizes);  // P = 0 etc.: only the routing offsets are used yet
+    base = thread_scratch().reserve(pl.route_end, 0);
+    r.bind(base, pl);
+    route(c, t0, tc, E, at<int64_t>(pl.fill), &r);
+    sizes.P = r.P;
+    sizes.lhs1 = lhs_offsets(r, kern, H, nullptr);
+    sizes.lhs2 = lhs_offsets(r, kern, I, nullptr);
+    sizes.tasks1 = make_tasks(r, tp, 2 * I, threads, nullptr);
+    sizes.tasks2 = make_tasks(r, tp, H, threads, nullptr);
+    pl = plan(sizes);  // same routing offsets: they depend on E, tc, k only
+    base = thread_scratch().reserve(pl.total, pl.route_end);
+    r.bind(base, pl);
+    x_in_place = F::x_in_place(c.dtype);
+  }
+
+  // 1. Quantize (bf16: round) each token once. A bf16 x is used in place.
+  void quantize_x() {
+    if (x_in_place) return;
+    Elem* xq = at<Elem>(pl.xq);
+    float* xs = at<float>(pl.xs);
+    parallel_rows(tc, H, threads, [&](int64_t t, int) {
+      F::input_row(ro, x_row(t), c.dtype, H, xq + t * H, xs + t);
+    });
+  }
+
+  // Packs, per active expert, the rows rows[first[e] .. first[e] + count[e]) of depth `depth`.
+  void pack_rows(int64_t depth, size_t lhs_at, size_t off_at) {
+    const Elem* const* rows = at<const Elem*>(pl.rows);
+    size_t* off = at<size_t>(off_at);
+    uint8_t* dst = at<uint8_t>(lhs_at);
+    lhs_offsets(r, kern, depth, off);
+    const int64_t work = depth * r.P / std::max<int64_t>(r.n_active, 1);  // per expert, on average
+    parallel_rows(r.n_active, work, threads, [&](int64_t i, int) {
+      const int64_t e = r.active[i];
+      kern.pack_lhs(r.count[e], depth, rows + r.first[e], dst + off[e]);
+    });
+  }
+
+  // 3. Gather each expert's token rows and pack them.
+  void pack1() {
+    const Elem** rows = at<const Elem*>(pl.rows);
+    const Elem* xq = at<Elem>(pl.xq);
+    const float* xs = at<float>(pl.xs);
+    float* row_scale = at<float>(pl.row_scale);
+    for (int64_t p = 0; p < r.P; ++p) {
+      const int64_t t = r.token_of[p];
+      rows[p] = x_in_place ? reinterpret_cast<const Elem*>(x_row(t)) : xq + t * H;
+      F::gather_scale(row_scale + p, xs + t);
+    }
+    pack_rows(H, pl.lhs1, pl.off1);
+  }
+
+  // One GEMM over the tasks at tasks_at: dst [P, n] from the packed rows of depth `depth`.
+  template <class WeightsOf, class ScaleOf, class BiasOf>
+  void gemm(int64_t n, int64_t depth, size_t lhs_at, size_t off_at, size_t tasks_at,
+            int64_t n_tasks, const float* row_scale, float* dst, const WeightsOf& weights,
+            const ScaleOf& scale, const BiasOf& bias) const {
+    const uint8_t* lhs = at<uint8_t>(lhs_at);
+    const size_t* off = at<size_t>(off_at);
+    Task* tasks = at<Task>(tasks_at);
+    make_tasks(r, tp, n, threads, tasks);
+    parallel_for(n_tasks, threads, [&](int64_t i, int) -> int64_t {
+      const Task& tk = tasks[i];
+      const int64_t row0 = r.first[tk.e] + tk.m0;
+      const uint8_t* lp = lhs + off[tk.e] + kern.lhs_packed_offset(tk.m0, depth);
+      const uint8_t* rp =
+          static_cast<const uint8_t*>(weights(tk.e)) + kern.rhs_packed_offset(tk.n0, depth);
+      F::run(kern, tk, depth, lp, rp, dst + row0 * n + tk.n0, n, row_scale + row0, scale(tk.e),
+             bias(tk.e));
+      // The task's work for the bench hooks: multiply-adds over the kernel's padded tiles.
+      return round_up(tk.m, kern.mr) * round_up(tk.n, kern.nr) * round_up(depth, kern.kr);
+    });
+  }
+
+  // 4. GEMM1.
+  void gemm1() {
+    gemm(2 * I, H, pl.lhs1, pl.off1, pl.tasks1, sizes.tasks1, at<float>(pl.row_scale),
+         at<float>(pl.h), [&](int64_t e) { return pk.w13(e); },
+         [&](int64_t e) { return F::scale13(pk, e); }, [&](int64_t e) { return pk.b13(e); });
+  }
+
+  // 5. Activation, then rounding to the input dtype and requantization (bf16: rounding to bf16).
+  void activate() {
+    const float* h = at<float>(pl.h);
+    Elem* qa = at<Elem>(pl.qa);
+    float* sa = at<float>(pl.sa);
+    float* tmp = at<float>(pl.tmp);
+    // work: the activation's polynomials cost several elements' worth per output.
+    parallel_rows(r.P, 8 * I, threads, [&](int64_t p, int tid) {
+      CPUMOE_BENCH_STEP(bench_hooks::activation);
+      F::activate(ro, c.activation, h + p * 2 * I, I, c.dtype, tmp + int64_t(tid) * I,
+                  qa + p * I, sa + p);
+    });
+  }
+
+  // 5, end. Pack the activated rows for GEMM2.
+  void pack2() {
+    const Elem** rows = at<const Elem*>(pl.rows);
+    const Elem* qa = at<Elem>(pl.qa);
+    for (int64_t p = 0; p < r.P; ++p) rows[p] = qa + p * I;
+    pack_rows(I, pl.lhs2, pl.off2);
+  }
+
+  // 6. GEMM2.
+  void gemm2() {
+    gemm(H, I, pl.lhs2, pl.off2, pl.tasks2, sizes.tasks2, at<float>(pl.sa), at<float>(pl.y),
+         [&](int64_t e) { return pk.w2(e); }, [&](int64_t e) { return F::scale2(pk, e); },
+         [&](int64_t e) { return pk.b2(e); });
+  }
+
+  // 7. Weighted combine, fp32, slots in their given order.
+  void combine() {
+    const float* y = at<float>(pl.y);
+    float* accs = at<float>(pl.accs);
+    const int64_t xes = dtype_size(c.dtype);
+    parallel_rows(tc, k * H, threads, [&](int64_t t, int tid) {
+      auto slot = [&](int64_t j, const float** yr, float* w) {
+        if (r.pos_of[t * k + j] < 0) return false;  // expert not on this rank
+        *w = c.skip_weighted ? 1.0f : c.topk_weights[(t0 + t) * c.topk_weights_row_stride + j];
+        *yr = y + r.pos_of[t * k + j] * H;
+        return true;
+      };
+      rowops::weighted_sum_row(k, slot, H, c.dtype,
+                               static_cast<uint8_t*>(c.out) + (t0 + t) * c.out_row_stride * xes,
+                               accs + int64_t(tid) * H, ro.weighted_sum_pass);
+    });
+  }
+
+  const Packed& pk;
+  const MoeCall& c;
+  const Kernel& kern;
+  const RowOps& ro;
+  const MoeTilePolicy& tp;
+  int threads;
+  int64_t t0, tc;
+  int64_t E, H, I, k;
+  ChunkSizes sizes;
+  ChunkPlan pl{};
+  uint8_t* base = nullptr;
+  Routing r;
+  bool x_in_place = false;
+};
+
+}  // namespace moe_detail
+}  // namespace cpumoe

@@ -1,0 +1,83 @@
+// The scratch planner: the byte layout of a chunk's buffers in the calling thread's scratch block.
+// One function, plan(), computes it both for a real routing and, through worst_case(), for the
+// bound that fused_moe_scratch_bytes() reports, so the bound and the real use cannot drift apart.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+#include "cpumoe/moe.h"
+#include "scratch.h"
+#include "tiling.h"
+
+namespace cpumoe {
+namespace moe_detail {
+
+// Slots (token x expert pairs) per chunk: bounds scratch to a few tens of MB at typical shapes.
+constexpr int64_t kSlotsPerChunk = 16384;
+
+inline int64_t tokens_per_chunk(int64_t k) { return std::max<int64_t>(1, kSlotsPerChunk / k); }
+
+// Sizes that fix a chunk's scratch layout.
+struct ChunkSizes {
+  int64_t elem = 1;  // bytes of a GEMM input element (int8: 1, bf16: 2)
+  int64_t E = 0, H = 0, I = 0, tc = 0, k = 0, threads = 1;
+  int64_t P = 0;                  // routed slots
+  size_t lhs1 = 0, lhs2 = 0;      // packed activations, all experts
+  int64_t tasks1 = 0, tasks2 = 0; // GEMM tasks
+};
+
+// Byte offsets of every buffer of a chunk in its scratch block. The routing buffers come first:
+// their size is known before routing, the rest only after. Then the buffers of phases 1-5, which
+// are dead once GEMM2 starts, so GEMM2's output y reuses their space; then those that live on.
+struct ChunkPlan {
+  size_t count, first, fill, active, pos_of, token_of, route_end;
+  size_t xq, xs, rows, row_scale, off1, lhs1, tasks1, h, qa, tmp;  // phases 1-5
+  size_t y;                                                         // phases 6-7, over the above
+  size_t sa, off2, lhs2, tasks2, accs;                              // written in 5 / 6, read after
+  size_t total;
+};
+
+ChunkPlan plan(const ChunkSizes& s);
+
+// The sizes known before routing (P, lhs and tasks stay 0).
+inline ChunkSizes chunk_sizes(int64_t elem, int64_t E, int64_t H, int64_t I, int64_t tc,
+                              int64_t k, int threads) {
+  ChunkSizes s;
+  s.elem = elem;
+  s.E = E;
+  s.H = H;
+  s.I = I;
+  s.tc = tc;
+  s.k = k;
+  s.threads = threads;
+  return s;
+}
+
+// Bytes of the packed rows of one expert's slice of the lhs, as laid out in scratch.
+template <class Kernel>
+size_t lhs_bytes(const Kernel& kern, int64_t rows, int64_t depth) {
+  return align_up(kern.lhs_packed_size(rows, depth));
+}
+
+// The worst case over routings of a chunk of tc tokens: every slot routed to a local expert,
+// spread over as many experts as possible. Packed lhs: a kernel packs m rows in at most
+// lhs_packed_size(m) bytes and pads each expert's slice by less than one tile of mr rows
+// (every layout of qgemm.h does), plus the 64-byte alignment of each slice.
+template <class Kernel>
+ChunkSizes worst_case(const MoeConfig<Kernel>& cfg, int64_t elem, int64_t E, int64_t H, int64_t I,
+                      int64_t tc, int64_t k, int threads) {
+  const Kernel& kern = *cfg.gemm;
+  ChunkSizes s = chunk_sizes(elem, E, H, I, tc, k, threads);
+  s.P = tc * k;
+  const int64_t experts = std::min(E, s.P);
+  s.lhs1 = align_up(kern.lhs_packed_size(s.P, H)) + size_t(experts) * lhs_bytes(kern, kern.mr, H);
+  s.lhs2 = align_up(kern.lhs_packed_size(s.P, I)) + size_t(experts) * lhs_bytes(kern, kern.mr, I);
+  s.tasks1 = max_tasks(cfg.tiles, s.P, experts, 2 * I, threads);
+  s.tasks2 = max_tasks(cfg.tiles, s.P, experts, H, threads);
+  return s;
+}
+
+}  // namespace moe_detail
+}  // namespace cpumoe

@@ -1,0 +1,46 @@
+// The calling thread's scratch block (scratch.h) and the public functions that report or free it.
+#include "scratch.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+#include "cpumoe/moe.h"
+
+namespace cpumoe {
+namespace moe_detail {
+
+ThreadScratch::~ThreadScratch() { std::free(p_); }
+
+uint8_t* ThreadScratch::reserve(size_t bytes, size_t keep) {
+  if (bytes > cap_) {
+    const size_t cap = align_up(bytes);
+    auto* p = static_cast<uint8_t*>(std::aligned_alloc(kAlign, cap));
+    if (p == nullptr) throw std::bad_alloc();
+    if (keep > 0) std::memcpy(p, p_, std::min(keep, cap_));
+    std::free(p_);
+    p_ = p;
+    cap_ = cap;
+  }
+  return p_;
+}
+
+void ThreadScratch::release() {
+  std::free(p_);
+  p_ = nullptr;
+  cap_ = 0;
+}
+
+ThreadScratch& thread_scratch() {
+  thread_local ThreadScratch s;
+  return s;
+}
+
+}  // namespace moe_detail
+
+size_t thread_scratch_bytes() { return moe_detail::thread_scratch().capacity(); }
+
+void release_thread_scratch() { moe_detail::thread_scratch().release(); }
+
+}  // namespace cpumoe
