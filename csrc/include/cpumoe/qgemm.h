@@ -4,8 +4,8 @@
 ///
 /// A kernel computes C[m][n] = sum_k A[m][k] * B[n][k] (A: quantized activations, rows gathered
 /// per expert; B: one expert's weight matrix [N][K], row-major, as stored in checkpoints), with
-/// exact int32 accumulation over the whole K, and either stores the int32 accumulators or a
-/// dequantized fp32 value acc * lhs_scale[m] * rhs_scale[n] + bias[n].
+/// exact int32 accumulation over the whole K, and stores the dequantized fp32 value
+/// acc * lhs_scale[m] * rhs_scale[n] + bias[n].
 ///
 /// Kernel names follow one grammar (file name == kernel name):
 ///   qgemm_<lhs>_<rhs>_<mr>x<nr>_<isa>
@@ -69,11 +69,9 @@ struct QGemmUkernel {
   /// Packs B [n][k] whose row j starts at rhs + j * rhs_stride.
   void (*pack_rhs)(int64_t n, int64_t k, const int8_t* rhs, int64_t rhs_stride, void* rhs_packed);
 
-  /// dst[i * dst_stride + j] = C[i][j] for i < m, j < n (int32, exact).
+  /// dst[i * dst_stride + j] = float(C[i][j]) * lhs_scale[i] * rhs_scale[j] + bias[j] for
+  /// i < m, j < n, in that order in fp32, C the exact int32 sum; nothing else of dst is written.
   /// @p lhs_packed / @p rhs_packed point at row 0 / column 0 of the call (use the offsets).
-  void (*run_s32)(int64_t m, int64_t n, int64_t k, const void* lhs_packed, const void* rhs_packed,
-                  int32_t* dst, int64_t dst_stride);
-  /// dst[i * dst_stride + j] = float(C[i][j]) * lhs_scale[i] * rhs_scale[j] + bias[j].
   void (*run_f32)(int64_t m, int64_t n, int64_t k, const void* lhs_packed, const void* rhs_packed,
                   float* dst, int64_t dst_stride, const QGemmEpilogue& ep);
 };

@@ -10,7 +10,7 @@
 #include "cpumoe/bgemm.h"
 #include "cpumoe/dtype.h"
 #include "cpumoe/qgemm.h"
-#include "ukernels/gemm_tile.h"
+#include "ukernels/common/gemm_tile.h"
 
 namespace cpumoe {
 namespace {

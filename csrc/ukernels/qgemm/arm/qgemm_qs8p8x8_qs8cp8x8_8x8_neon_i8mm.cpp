@@ -55,21 +55,20 @@
 #include <cstring>
 
 #include "cpumoe/qgemm.h"
-#include "ukernels/qgemm_neon_common.h"
+#include "ukernels/qgemm/arm/qgemm_neon_common.h"
 
 namespace cpumoe {
 namespace {
 
 constexpr int64_t kMr = 8;
-constexpr int64_t kNr = 8;
-constexpr int64_t kKr = 8;
+// A in blocks of 8 rows (the last padded with zero rows).
+using Packing = QGemmPacking<8, 8, 1, 8>;
+constexpr int64_t kNr = Packing::kNr;
+constexpr int64_t kKr = Packing::kKr;
 constexpr int64_t kSlice = 64;     // bytes of one 8-k slice of an A block or a B block
 constexpr int64_t kStepBlocks = 6; // column blocks per step of the walk
 
-inline int64_t padded_k(int64_t k) { return round_up(k, kKr); }
 
-size_t lhs_size(int64_t m, int64_t k) { return size_t(round_up(m, kMr)) * size_t(padded_k(k)); }
-size_t lhs_offset(int64_t m_idx, int64_t k) { return size_t(m_idx) * size_t(padded_k(k)); }
 
 // Copies up to 8 bytes of a row slice, zero-filling past k (or all of it for a padding row).
 inline void copy_slice(int8_t* dst, const int8_t* row, int64_t k0, int64_t k) {
@@ -169,17 +168,15 @@ void pack_block(const int8_t* const* rows, int64_t r, int64_t k, int64_t kp, int
 }
 
 void pack_lhs(int64_t m, int64_t k, const int8_t* const* rows, void* packed) {
-  const int64_t kp = padded_k(k);
+  const int64_t kp = Packing::padded_k(k);
   auto* dst = static_cast<int8_t*>(packed);
   for (int64_t b0 = 0; b0 < m; b0 += kMr)
     pack_block(rows + b0, std::min<int64_t>(kMr, m - b0), k, kp, dst + b0 * kp);
 }
 
-size_t rhs_size(int64_t n, int64_t k) { return size_t(round_up(n, kNr)) * size_t(padded_k(k)); }
-size_t rhs_offset(int64_t n_idx, int64_t k) { return size_t(n_idx) * size_t(padded_k(k)); }
 
 void pack_rhs(int64_t n, int64_t k, const int8_t* rhs, int64_t stride, void* packed) {
-  const int64_t kp = padded_k(k);
+  const int64_t kp = Packing::padded_k(k);
   auto* dst = static_cast<int8_t*>(packed);
   for (int64_t j0 = 0; j0 < n; j0 += kNr) {
     int8_t* d = dst + j0 * kp;
@@ -614,9 +611,6 @@ inline void store_tile(const Out& out, const int32_t* acc, int64_t rows, int64_t
   }
 }
 
-__attribute__((noinline)) void tail_s32(int32_t* d, int32x4_t lo, int32x4_t hi, int64_t nc) {
-  neon_store_s32(d, lo, hi, nc);
-}
 __attribute__((noinline)) void tail_f32(float* d, int32x4_t lo, int32x4_t hi, int64_t nc, float ls,
                                         const float* rs, const float* bias) {
   neon_store_f32(d, lo, hi, nc, ls, rs, bias);
@@ -624,21 +618,6 @@ __attribute__((noinline)) void tail_f32(float* d, int32x4_t lo, int32x4_t hi, in
 
 // The outputs of a call from row i0 on. cols(j0) loads what the rows of a full block share; row()
 // stores one full row of a block, tail() a row of a partial block.
-struct S32Out {
-  int32_t* d;  // row i0
-  int64_t stride;
-  struct Cols {};
-  Cols cols(int64_t) const { return {}; }
-  void row(Cols, int64_t i, int64_t j0, int32x4_t lo, int32x4_t hi) const {
-    vst1q_s32(d + i * stride + j0, lo);
-    vst1q_s32(d + i * stride + j0 + 4, hi);
-  }
-  void tail(int64_t i, int64_t j0, int64_t nc, int32x4_t lo, int32x4_t hi) const {
-    tail_s32(d + i * stride + j0, lo, hi, nc);
-  }
-  S32Out at_row(int64_t i0) const { return {d + i0 * stride, stride}; }
-};
-
 template <bool kBias>
 struct F32Out {
   float* d;         // row i0
@@ -698,7 +677,7 @@ inline void run_blocks(const int8_t* a, const int8_t* b, int64_t kp, int64_t i0,
 
 template <class Out>
 void run(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs, const Out& out) {
-  const int64_t kp = padded_k(k);
+  const int64_t kp = Packing::padded_k(k);
   const auto* a = static_cast<const int8_t*>(lhs);
   const auto* b = static_cast<const int8_t*>(rhs);
   const int64_t blocks = (n + kNr - 1) / kNr;
@@ -714,11 +693,6 @@ void run(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs, cons
       }
     }
   }
-}
-
-void run_s32(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs, int32_t* dst,
-             int64_t dst_stride) {
-  run(m, n, k, lhs, rhs, S32Out{dst, dst_stride});
 }
 
 // Full blocks [jb, jb + nb) of a row tile of NP pairs at row i0: tiles of NB blocks through the
@@ -772,7 +746,7 @@ __attribute__((noinline)) void f32_partial_block(int64_t m, int64_t n, int64_t k
 template <bool kBias>
 void run_f32_tiles(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs,
                    const F32Out<kBias>& out) {
-  const int64_t kp = padded_k(k);
+  const int64_t kp = Packing::padded_k(k);
   const auto* a = static_cast<const int8_t*>(lhs);
   const auto* b = static_cast<const int8_t*>(rhs);
   const int64_t full = n / kNr;
@@ -803,20 +777,7 @@ void run_f32(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs, 
 
 }  // namespace
 
-extern const QGemmUkernel qgemm_qs8p8x8_qs8cp8x8_8x8_neon_i8mm = {
-    "qgemm_qs8p8x8_qs8cp8x8_8x8_neon_i8mm",
-    Isa::neon_i8mm,
-    kMr,
-    kNr,
-    kKr,
-    lhs_size,
-    lhs_offset,
-    pack_lhs,
-    rhs_size,
-    rhs_offset,
-    pack_rhs,
-    run_s32,
-    run_f32,
-};
+extern const QGemmUkernel qgemm_qs8p8x8_qs8cp8x8_8x8_neon_i8mm = make_qgemm<Packing>(
+    "qgemm_qs8p8x8_qs8cp8x8_8x8_neon_i8mm", Isa::neon_i8mm, kMr, pack_lhs, pack_rhs, run_f32);
 
 }  // namespace cpumoe
