@@ -21,12 +21,8 @@
 // of its own: accumulators and operands only, no spills), and the int32 totals wait in a small
 // stack tile across it (one store and load per 1024 k, i.e. per 4096 BFMMLA of the 6x16 tile).
 //
-// Cost vs SMMLA: one BFMMLA does 2x2x4 MACs, half of SMMLA's 2x2x8, and the packed weights take
-// twice the bytes (bf16): about half the int8 throughput, which is the price of exactness here.
-// llvm-mca per 4 k (one slice): 6x16 tile 6.0 cycles on Neoverse V1, V2 (24 BFMMLA: the peak of
-// 4 per cycle) and 12.0 on N2 (peak 2 per cycle); 8x8 tile 5.0 on V1 (16 chains over a latency
-// of 5: 3.2 per cycle), 4.0 on V2, 8.0 on N2. Per 8 k and 8x8 outputs that is 8 (V1, V2) / 16
-// (N2) cycles at the 6x16 tile, against 8 / 16 for the SDOT kernel on the same cores.
+// Cost vs SMMLA: about half the int8 throughput (BFMMLA does half of SMMLA's MACs, bf16 weights
+// take twice the bytes), the price of exactness here (llvm-mca models: docs/kernels.md).
 //
 // @pre m, n >= 0, k >= 1; packed buffers from this kernel's packers; A and B any int8 values.
 // Features used: NEON, BF16 (BFMMLA; the int8 -> bf16 conversions use plain NEON).

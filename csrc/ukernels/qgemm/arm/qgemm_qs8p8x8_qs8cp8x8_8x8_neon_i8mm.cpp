@@ -15,27 +15,13 @@
 // Register tiles: NP row pairs x NB column blocks, one int32x4 accumulator per (row pair, column
 // pair), 4 * NP * NB in all (up to 24, in v8-v31), the whole K in registers, in inline asm: GCC
 // keeps part of an accumulator array in memory and adds a pointer update per load, while the asm
-// loop is exactly the loads, the SMMLA and one subs/b.ne per 32 slices (run_f32; 8 in run_s32).
-// The B registers (v4-v7) are reloaded for each block of a tile, so a tile can be as wide as its
-// accumulators allow. Per 8-k slice:
-//   tile (NP x NB)  rows  accumulators  instructions per SMMLA: (loads + SMMLA + loop / 32) / SMMLA
-//   4 x 1 (8x8)     7-8   16            (2 + 16 + 0.06) / 16 = 1.129
-//   3 x 2 (6x16)    5-6   24            (3 + 24 + 0.06) / 24 = 1.128
-//   2 x 3 (4x24)    3-4   24            (4 + 24 + 0.06) / 24 = 1.169
-//   1 x 6 (2x48)    1-2   24            (7 + 24 + 0.06) / 24 = 1.294   decode: each B byte once
-//   6 x 1 (12x8)    11-12 24            (3 + 24 + 0.06) / 24 = 1.128   the last 9-12 rows of a
-//   5 x 1 (10x8)    9-10  20            (3 + 20 + 0.06) / 20 = 1.153   call, over two A blocks
-// (3x1, 2x2, 2x1, 1x3, 1x2, 1x1 only in the last column blocks of a call.) The loads are at the
-// floor of these layouts: one ld1 moves at most 64 bytes, a slice of A or of a B block is 64
-// bytes, and 24 accumulators + 4 A + 4 B registers are all 32. SMMLA's latency is 3 cycles and
-// V1/V2 issue 4 per cycle, N2 2: 12 independent chains fill V1/V2, 6 fill N2, and every main
-// tile has 16 or more. llvm-mca (tests_cpp/bench/mca/) models the 4x1, 3x2, 2x3, 6x1 and 5x1
-// loops at the SMMLA peak on Neoverse V1, V2 and N2 (4.0 / 4.0 / 8.0 cycles per slice for 16
-// SMMLA); the 1x6 decode loop is bound by its loads on V1/V2 (16 bytes of weights per SMMLA, 400
-// bytes per slice at 48 bytes per cycle: 8.3 cycles per slice for 24 SMMLA, 72% of the SMMLA
-// peak) and at the peak on N2.
+// loop is exactly the loads, the SMMLA and one subs/b.ne per 32 slices. The B registers (v4-v7)
+// are reloaded for each block of a tile, so a tile can be as wide as its accumulators allow: 16
+// to 24 accumulators (4x1, 3x2, 2x3, 1x6 for 8, 6, 4, 2 rows; 6x1, 5x1 for the last 9-12 rows)
+// keep SMMLA's latency hidden, and the loads are at the layouts' floor (instruction counts and
+// llvm-mca models per tile: docs/kernels.md).
 // run_f32 applies the epilogue in the asm, on the accumulators in registers (see "The fp32
-// path" below); run_s32 and tiles with a partial block store the accumulators to a small array
+// path" below); tiles with a partial block store the accumulators to a small array
 // (st1, 64 bytes per 4), and one ld2 per 4 columns separates the two rows of a pair.
 //
 // Walk: a call of one row tile (m <= 12: decode and most experts) passes over all its columns

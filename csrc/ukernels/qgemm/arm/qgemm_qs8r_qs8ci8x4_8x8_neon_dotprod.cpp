@@ -13,9 +13,7 @@
 // MACs: no lane ever multiplies padding except at the k and n tails). Fewer rows (decode: 1..7
 // tokens per expert) run the same loop with R = 1..7 rows and waste nothing. Loads are plain
 // ldr/ldp q, so the loop keeps the SIMD pipes for SDOT (ld1r would cost a SIMD slot on N1/V1).
-// llvm-mca, 8x8 loop (80 instructions per 16 k, no spills): 16.0 / 32.0 / 32.0 cycles on
-// Neoverse V1 / N1 / N2, the SDOT issue peak (4 / 2 / 2 per cycle); the 1-row loop (decode) splits
-// its accumulators over the 4-k groups and models at 3.0 / 4.5 / 4.0 cycles per 16 k (load-bound).
+// The 8x8 loop has no spills and runs at the SDOT issue peak in llvm-mca (docs/kernels.md).
 //
 // Why not SMMLA's packed weights (qs8cp8x8)? SDOT on that layout needs the row's 8-k slice in both
 // halves of the a register and leaves lane pairs to be summed: 4 accumulators per row per 8
