@@ -1,6 +1,6 @@
 // What every qgemm (int8 x int8 -> int32) microkernel shares, in plain C++: the packed sizes and
-// offsets (QGemmPacking), the `qs8r` packer, the scalar tail store and the assembly of a kernel's
-// interface table (make_qgemm). All kernels apply the epilogue in one order,
+// offsets (QGemmPacking), the `qs8r` packer, the scalar tail store and make_qgemm (the interface
+// table, common/ukernel_table.h). All kernels apply the epilogue in one order,
 // (acc * lhs_scale) * rhs_scale + bias, so their fp32 results agree bit for bit (the build
 // disables FMA contraction for the same reason).
 // Internal linkage on purpose: every kernel file is built with its own ISA flags, and one shared
@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "cpumoe/qgemm.h"
+#include "ukernels/common/ukernel_table.h"
 
 namespace cpumoe {
 namespace {
@@ -66,15 +67,9 @@ inline void store_f32_row(float* dst, const int32_t* acc, int64_t n, float lhs_s
   }
 }
 
-/// The interface table of a kernel with packing P.
+/// The interface table of a qgemm kernel with packing P.
 template <class P>
-constexpr QGemmUkernel make_qgemm(const char* name, Isa isa, int64_t mr,
-                                  decltype(QGemmUkernel::pack_lhs) pack_lhs,
-                                  decltype(QGemmUkernel::pack_rhs) pack_rhs,
-                                  decltype(QGemmUkernel::run_f32) run_f32) {
-  return QGemmUkernel{name, isa, mr, P::kNr, P::kKr, P::lhs_size, P::lhs_offset, pack_lhs,
-                      P::rhs_size, P::rhs_offset, pack_rhs, run_f32};
-}
+constexpr auto make_qgemm = make_ukernel<QGemmUkernel, P>;
 
 }  // namespace
 }  // namespace cpumoe
