@@ -2,9 +2,9 @@
 /// A builder-style tester for one QGemmUkernel (XNNPACK style):
 ///   QGemmTester().m(7).n(17).k(72).Test(kernel);
 /// It packs random int8 operands through the kernel's own packers (row pointers for A, a row
-/// stride > k for B), runs run_s32 and run_f32 (with and without bias) over the whole problem and
-/// at m / n offsets taken at multiples of mr / nr, and compares each with the naive oracle bit for
-/// bit. It also checks that packing stays inside the packed size and that nothing outside the
+/// stride > k for B), runs run_f32 (unit scales, which give the int32 sums; random scales without
+/// and with bias) over the whole problem and at m / n offsets taken at multiples of mr / nr, and
+/// compares each with the naive oracle bit for bit. It also checks that packing stays inside the packed size and that nothing outside the
 /// destination block is written.
 #pragma once
 
@@ -187,6 +187,7 @@ class QGemmTester {
     for (auto& v : ls) v = scale(rng);
     for (auto& v : rs) v = scale(rng);
     for (auto& v : bias) v = bdist(rng);
+    const std::vector<float> ones(size_t(std::max(m_, n_)), 1.0f);
 
     // The whole problem, then sub-blocks starting at tile boundaries.
     std::vector<Block> blocks{{0, m_, 0, n_}};
@@ -197,24 +198,17 @@ class QGemmTester {
       const uint8_t* lp = lhs.data() + kern.lhs_packed_offset(blk.m0, k_);
       const uint8_t* rp = rhs.data() + kern.rhs_packed_offset(blk.n0, k_);
 
-      // One extra row so a write past the last row shows up too.
-      std::vector<int32_t> ds(size_t((m_ + 1) * ldd), kSentinelS32);
-      kern.run_s32(blk.mc, blk.nc, k_, lp, rp, ds.data() + blk.m0 * ldd + blk.n0, ldd);
-      for (int64_t i = 0; i <= m_; ++i) {
-        for (int64_t j = 0; j < ldd; ++j) {
-          const int32_t got = ds[size_t(i * ldd + j)];
-          if (blk.contains(i, j)) {
-            ASSERT_EQ(got, ref[size_t(i * n_ + j)]) << "s32 at [" << i << "][" << j << "]";
-          } else {
-            ASSERT_EQ(got, kSentinelS32) << "s32 wrote outside the block at [" << i << "][" << j << "]";
-          }
-        }
-      }
-
-      for (bool with_bias : {false, true}) {
-        SCOPED_TRACE(with_bias ? "f32 with bias" : "f32 without bias");
-        const cpumoe::QGemmEpilogue ep{ls.data() + blk.m0, rs.data() + blk.n0,
+      // Unit scales first: dst = float(C), so the int32 sums themselves are compared (exactly
+      // while |C| <= 2^24, which random data at these depths keeps), then random scales without
+      // and with bias: the documented epilogue, bit for bit.
+      for (Epilogue kind : {Epilogue::kUnit, Epilogue::kScaled, Epilogue::kScaledBias}) {
+        const bool unit = kind == Epilogue::kUnit, with_bias = kind == Epilogue::kScaledBias;
+        SCOPED_TRACE(unit ? "f32 with unit scales (the int32 sums)"
+                          : with_bias ? "f32 with bias" : "f32 without bias");
+        const cpumoe::QGemmEpilogue ep{unit ? ones.data() : ls.data() + blk.m0,
+                                       unit ? ones.data() : rs.data() + blk.n0,
                                        with_bias ? bias.data() + blk.n0 : nullptr};
+        // One extra row so a write past the last row shows up too.
         std::vector<float> df(size_t((m_ + 1) * ldd), kSentinelF32);
         kern.run_f32(blk.mc, blk.nc, k_, lp, rp, df.data() + blk.m0 * ldd + blk.n0, ldd, ep);
         for (int64_t i = 0; i <= m_; ++i) {
@@ -223,8 +217,8 @@ class QGemmTester {
             float want = kSentinelF32;
             if (blk.contains(i, j)) {
               // The documented epilogue, in this order, in fp32 (the build disables contraction).
-              want = float(ref[size_t(i * n_ + j)]) * ls[size_t(i)];
-              want = want * rs[size_t(j)];
+              want = float(ref[size_t(i * n_ + j)]) * (unit ? 1.0f : ls[size_t(i)]);
+              want = want * (unit ? 1.0f : rs[size_t(j)]);
               if (with_bias) want = want + bias[size_t(j)];
             }
             ASSERT_EQ(std::memcmp(&got, &want, 4), 0)
@@ -236,9 +230,8 @@ class QGemmTester {
   }
 
  private:
-  static constexpr int32_t kSentinelS32 = 0x5eadbeef;
+  enum class Epilogue { kUnit, kScaled, kScaledBias };
   static constexpr float kSentinelF32 = -12345.678f;
-
 
   void fill(std::vector<int8_t>& v, int lo, int hi, int8_t c, std::mt19937& rng) const {
     std::uniform_int_distribution<int> d(lo, hi);

@@ -9,6 +9,8 @@
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "cpumoe/cpu_features.h"
 #include "cpumoe/moe.h"
@@ -77,6 +79,34 @@ TEST(Dispatch, IsaLadderAndNames) {
 #elif defined(__x86_64__)
   EXPECT_STREQ(cpumoe::target_arch(), "x86_64");
 #endif
+}
+
+// The levels' numbers, names and ladders are API (isa= arguments, CPUMOE_ISA, the Python
+// features): generating them from isa_table.def must keep them exactly.
+TEST(Dispatch, IsaTableKeepsTheApi) {
+  const std::pair<Isa, int> values[] = {
+      {Isa::portable, 0},     {Isa::neon_dotprod, 10}, {Isa::neon_bf16, 11}, {Isa::neon_i8mm, 12},
+      {Isa::avx2, 20},        {Isa::avx512_vnni, 21},  {Isa::avx512_bf16, 22}, {Isa::amx, 23}};
+  const char* names[] = {"portable", "neon_dotprod", "neon_bf16", "neon_i8mm",
+                         "avx2", "avx512_vnni", "avx512_bf16", "amx"};
+  for (size_t i = 0; i < 8; ++i) {
+    EXPECT_EQ(int(values[i].first), values[i].second);
+    EXPECT_STREQ(cpumoe::isa_name(values[i].first), names[i]);
+  }
+  EXPECT_STREQ(cpumoe::isa_name(Isa(99)), "?");
+#if defined(__aarch64__)
+  const std::vector<Isa> want{Isa::neon_i8mm, Isa::neon_bf16, Isa::neon_dotprod, Isa::portable};
+#elif defined(__x86_64__)
+  const std::vector<Isa> want{Isa::amx, Isa::avx512_bf16, Isa::avx512_vnni, Isa::avx2,
+                              Isa::portable};
+#else
+  const std::vector<Isa> want{Isa::portable};
+#endif
+  EXPECT_EQ(cpumoe::isa_ladder(), want);
+  // A level needs the one it requires: avx512_bf16 and amx need avx512_vnni.
+  for (Isa isa : {Isa::avx512_bf16, Isa::amx})
+    EXPECT_TRUE(!cpumoe::cpu_supports(isa) || cpumoe::cpu_supports(Isa::avx512_vnni))
+        << cpumoe::isa_name(isa);
 }
 
 TEST(Dispatch, SelectReturnsTheBestSupportedKernel) {

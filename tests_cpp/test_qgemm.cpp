@@ -2,6 +2,7 @@
 // CPU cannot run are skipped (they are compiled in, but executing them would SIGILL).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <random>
@@ -27,6 +28,22 @@ class QGemmKernelTest : public testing::TestWithParam<const QGemmUkernel*> {
                    << ", which this CPU lacks";
   }
   const QGemmUkernel& kernel() const { return *GetParam(); }
+
+  // C = A B^T for row-major A [m][k] and B [n][k] (row stride ldb, 0: k) through run_f32 with
+  // unit scales and no bias: float(C), which is C itself while |C| <= 2^24.
+  std::vector<float> run_unit(int64_t m, int64_t n, int64_t k, const std::vector<int8_t>& a,
+                              const std::vector<int8_t>& b, int64_t ldb = 0) const {
+    std::vector<const int8_t*> rows(static_cast<size_t>(m));
+    for (int64_t i = 0; i < m; ++i) rows[size_t(i)] = a.data() + i * k;
+    GuardedBuffer lhs(kernel().lhs_packed_size(m, k)), rhs(kernel().rhs_packed_size(n, k));
+    kernel().pack_lhs(m, k, rows.data(), lhs.data());
+    kernel().pack_rhs(n, k, b.data(), ldb > 0 ? ldb : k, rhs.data());
+    const std::vector<float> ones(size_t(std::max(m, n)), 1.0f);
+    std::vector<float> c(size_t(m * n), 0.0f);
+    kernel().run_f32(m, n, k, lhs.data(), rhs.data(), c.data(), n,
+                     {ones.data(), ones.data(), nullptr});
+    return c;
+  }
 };
 
 // m: every sub-tile of the 8-row tile and past it; n and k: at, below and above each tile edge
@@ -73,20 +90,17 @@ TEST_P(QGemmKernelTest, LargeKNoInt32Overflow) {
   QGemmTester().m(3).n(9).k(kK).constant(127, -128).Test(kernel());
   QGemmTester().m(2).n(5).k(kK).constant(-127, -128).Test(kernel());
 
-  // And directly, without the oracle in between.
+  // And directly, without the oracle in between (unit scales: dst = float(C)).
   const int64_t m = 2, n = 9;
   std::vector<int8_t> a(size_t(m * kK), 127), b(size_t(n * kK), -128);
-  std::vector<const int8_t*> rows{a.data(), a.data() + kK};
-  GuardedBuffer lhs(kernel().lhs_packed_size(m, kK)), rhs(kernel().rhs_packed_size(n, kK));
-  kernel().pack_lhs(m, kK, rows.data(), lhs.data());
-  kernel().pack_rhs(n, kK, b.data(), kK, rhs.data());
-  std::vector<int32_t> c(size_t(m * n), 0);
-  kernel().run_s32(m, n, kK, lhs.data(), rhs.data(), c.data(), n);
-  for (int32_t v : c) ASSERT_EQ(v, -1065353216);
-  const std::vector<float> ones(size_t(n), 1.0f);
-  std::vector<float> f(size_t(m * n), 0.0f);
-  kernel().run_f32(m, n, kK, lhs.data(), rhs.data(), f.data(), n, {ones.data(), ones.data(), nullptr});
-  for (float v : f) ASSERT_EQ(v, -1065353216.0f);  // 127 * 2^23: exact in fp32
+  EXPECT_EQ(run_unit(m, n, kK, a, b), std::vector<float>(size_t(m * n), -1065353216.0f))
+      << "127 * 2^23: exact in fp32";
+
+  // The partial sums reach -127 * 128 * 2^15 = -532676608 and come back to a total that fp32
+  // holds exactly: every bit of the int32 sum is checked, at the largest depth.
+  for (int64_t x = kK / 2; x < kK; ++x)
+    for (int64_t j = 0; j < n; ++j) b[size_t(j * kK + x)] = 127;
+  EXPECT_EQ(run_unit(m, n, kK, a, b), std::vector<float>(size_t(m * n), -127.0f * 32768.0f));
 }
 
 TEST_P(QGemmKernelTest, StridesAndPadding) {
@@ -102,11 +116,8 @@ TEST_P(QGemmKernelTest, EmptyShapesWriteNothing) {
   const std::vector<float> ones(8, 1.0f);
   cpumoe_test::for_empty_shapes(kernel(), int8_t(1), [&](int64_t m, int64_t n, int64_t k, const void* lhs,
                                             const void* rhs) {
-    std::vector<int32_t> c(64, 77);
     std::vector<float> f(64, 77.0f);
-    kernel().run_s32(m, n, k, lhs, rhs, c.data(), 8);
     kernel().run_f32(m, n, k, lhs, rhs, f.data(), 8, {ones.data(), ones.data(), ones.data()});
-    for (int32_t v : c) ASSERT_EQ(v, 77);
     for (float v : f) ASSERT_EQ(v, 77.0f);
   });
 }
@@ -123,20 +134,13 @@ TEST_P(QGemmKernelTest, PackRoundTripOneHot) {
       std::vector<int8_t> b(size_t(n * ldb));
       for (auto& v : b) v = int8_t(d(rng));
       b[0] = -128;
+      // Row i of A is one-hot at i, so C[i][j] = B[j][i]; B is stored with a stride > k.
       std::vector<int8_t> onehot(size_t(k * k), 0);
-      std::vector<const int8_t*> rows(static_cast<size_t>(k));
-      for (int64_t i = 0; i < k; ++i) {
-        onehot[size_t(i * k + i)] = 1;
-        rows[size_t(i)] = onehot.data() + i * k;
-      }
-      GuardedBuffer lhs(kernel().lhs_packed_size(k, k)), rhs(kernel().rhs_packed_size(n, k));
-      kernel().pack_lhs(k, k, rows.data(), lhs.data());
-      kernel().pack_rhs(n, k, b.data(), ldb, rhs.data());
-      std::vector<int32_t> c(size_t(k * n));
-      kernel().run_s32(k, n, k, lhs.data(), rhs.data(), c.data(), n);
+      for (int64_t i = 0; i < k; ++i) onehot[size_t(i * k + i)] = 1;
+      const std::vector<float> c = run_unit(k, n, k, onehot, b, ldb);
       for (int64_t i = 0; i < k; ++i)
         for (int64_t j = 0; j < n; ++j)
-          ASSERT_EQ(c[size_t(i * n + j)], int32_t(b[size_t(j * ldb + i)])) << i << " " << j;
+          ASSERT_EQ(c[size_t(i * n + j)], float(b[size_t(j * ldb + i)])) << i << " " << j;
     }
   }
 }

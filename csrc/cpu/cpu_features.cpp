@@ -87,6 +87,21 @@ CpuFeatures detect() {
   return f;
 }
 
+// The AMX kernel also runs AVX-512 VNNI code (small M, epilogue). Linux hands out the tile data
+// state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 18), once per
+// process for all its threads; without it tile instructions fault. The amx row of isa_table.def
+// asks last, so only where the CPU and XCR0 report AMX.
+bool amx_permission() {
+  static const bool granted = [] {
+#if defined(__x86_64__) && defined(__linux__)
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0;
+#else
+    return false;
+#endif
+  }();
+  return granted;
+}
+
 }  // namespace
 
 const CpuFeatures& cpu_features() {
@@ -106,26 +121,24 @@ const char* target_arch() {
 
 const char* isa_name(Isa isa) {
   switch (isa) {
-    case Isa::portable: return "portable";
-    case Isa::neon_dotprod: return "neon_dotprod";
-    case Isa::neon_bf16: return "neon_bf16";
-    case Isa::neon_i8mm: return "neon_i8mm";
-    case Isa::avx2: return "avx2";
-    case Isa::avx512_vnni: return "avx512_vnni";
-    case Isa::avx512_bf16: return "avx512_bf16";
-    case Isa::amx: return "amx";
+#define CPUMOE_ISA(name, ...) \
+  case Isa::name: return #name;
+#include "cpumoe/isa_table.def"
+#undef CPUMOE_ISA
   }
   return "?";
 }
 
 std::vector<Isa> isa_ladder() {
-#if defined(__aarch64__)
-  return {Isa::neon_i8mm, Isa::neon_bf16, Isa::neon_dotprod, Isa::portable};
-#elif defined(__x86_64__)
-  return {Isa::amx, Isa::avx512_bf16, Isa::avx512_vnni, Isa::avx2, Isa::portable};
-#else
-  return {Isa::portable};
-#endif
+  std::vector<Isa> ladder;
+  const std::string arch = target_arch();
+  // The rows are in ascending value order, so prepending puts the best level first and the
+  // portable row (arch `any`, value 0) last.
+#define CPUMOE_ISA(name, value, row_arch, ...) \
+  if (arch == #row_arch || std::string(#row_arch) == "any") ladder.insert(ladder.begin(), Isa::name);
+#include "cpumoe/isa_table.def"
+#undef CPUMOE_ISA
+  return ladder;
 }
 
 Isa parse_isa(const std::string& name, const char* what) {
@@ -142,28 +155,12 @@ Isa parse_isa(const std::string& name, const char* what) {
 bool cpu_supports(Isa isa) {
   const CpuFeatures& f = cpu_features();
   switch (isa) {
-    case Isa::portable: return true;
-    case Isa::neon_dotprod: return f.neon && f.dotprod;
-    case Isa::neon_bf16: return f.neon && f.bf16;
-    case Isa::neon_i8mm: return f.neon && f.i8mm;
-    case Isa::avx2: return f.avx2 && f.fma && f.f16c;  // every AVX2 + FMA CPU has F16C
-    case Isa::avx512_vnni: return f.avx512f && f.avx512bw && f.avx512vl && f.avx512vnni;
-    case Isa::avx512_bf16: return cpu_supports(Isa::avx512_vnni) && f.avx512bf16;
-    case Isa::amx: {
-      // The AMX kernel also runs AVX-512 VNNI code (small M, epilogue). Linux hands out the tile
-      // data state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 18),
-      // once per process for all its threads; without it tile instructions fault. Asked only
-      // where the CPU and XCR0 report AMX.
-      if (!(f.amx_tile && f.amx_int8 && cpu_supports(Isa::avx512_vnni))) return false;
-      static const bool granted = [] {
-#if defined(__x86_64__) && defined(__linux__)
-        return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0;
-#else
-        return false;
-#endif
-      }();
-      return granted;
-    }
+    // A row's predicate after the level it requires (portable requires itself: no recursion).
+#define CPUMOE_ISA(name, value, arch, req, have, option, dflt, flags, macros, predicate) \
+  case Isa::name:                                                                          \
+    return (Isa::req == Isa::name || cpu_supports(Isa::req)) && (predicate);
+#include "cpumoe/isa_table.def"
+#undef CPUMOE_ISA
   }
   return false;
 }

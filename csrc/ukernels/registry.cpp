@@ -1,6 +1,8 @@
-// The qgemm (int8) and bgemm (bf16) registries: every variant this build compiled, best first.
-// Adding an ISA is one kernel file, one source-list entry in CMake and one line here. Built
-// without ISA flags.
+// The qgemm (int8), bgemm (bf16) and row-operation registries: every variant this build compiled,
+// best first. The list comes from the build (cpumoe_kernels.inc, one CPUMOE_KERNEL(family, symbol)
+// line per cpumoe_add_kernel in csrc/CMakeLists.txt), so nothing here names a kernel or an ISA.
+// Built without ISA flags.
+#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -11,53 +13,37 @@
 
 namespace cpumoe {
 
-#define CPUMOE_DECLARE_QGEMM(name) extern const QGemmUkernel name;
-#if defined(CPUMOE_HAVE_I8MM)
-CPUMOE_DECLARE_QGEMM(qgemm_qs8p8x8_qs8cp8x8_8x8_neon_i8mm)
-#endif
-#if defined(CPUMOE_HAVE_BF16)
-CPUMOE_DECLARE_QGEMM(qgemm_bf16p2x4_bf16cp8x4_8x8_neon_bf16)
-#endif
-#if defined(CPUMOE_HAVE_DOTPROD)
-CPUMOE_DECLARE_QGEMM(qgemm_qs8r_qs8ci8x4_8x8_neon_dotprod)
-#endif
-#if defined(CPUMOE_HAVE_AMX)
-CPUMOE_DECLARE_QGEMM(qgemm_qu8r_qs8ci16x4s_16x16_amx)
-#endif
-#if defined(CPUMOE_HAVE_AVX512VNNI)
-CPUMOE_DECLARE_QGEMM(qgemm_qu8r_qs8ci16x4s_8x16_avx512_vnni)
-#endif
-#if defined(CPUMOE_HAVE_AVX2)
-CPUMOE_DECLARE_QGEMM(qgemm_qs16r_qs8ci8x2_4x8_avx2)
-#endif
-CPUMOE_DECLARE_QGEMM(qgemm_qs8r_qs8cr4_1x4_portable)
+// The interface struct of each family, by the family's name in CMake.
+using qgemm_ukernel = QGemmUkernel;
+using bgemm_ukernel = BGemmUkernel;
+using rowops_ukernel = RowOps;
 
-const std::vector<const QGemmUkernel*>& qgemm_registry() {
-  static const std::vector<const QGemmUkernel*> all = {
-#if defined(CPUMOE_HAVE_I8MM)
-      &qgemm_qs8p8x8_qs8cp8x8_8x8_neon_i8mm,
-#endif
-#if defined(CPUMOE_HAVE_BF16)
-      &qgemm_bf16p2x4_bf16cp8x4_8x8_neon_bf16,
-#endif
-#if defined(CPUMOE_HAVE_DOTPROD)
-      &qgemm_qs8r_qs8ci8x4_8x8_neon_dotprod,
-#endif
-#if defined(CPUMOE_HAVE_AMX)
-      &qgemm_qu8r_qs8ci16x4s_16x16_amx,
-#endif
-#if defined(CPUMOE_HAVE_AVX512VNNI)
-      &qgemm_qu8r_qs8ci16x4s_8x16_avx512_vnni,
-#endif
-#if defined(CPUMOE_HAVE_AVX2)
-      &qgemm_qs16r_qs8ci8x2_4x8_avx2,
-#endif
-      &qgemm_qs8r_qs8cr4_1x4_portable,
-  };
-  return all;
-}
+#define CPUMOE_KERNEL(family, symbol) extern const family##_ukernel symbol;
+#include "ukernels/cpumoe_kernels.inc"
+#undef CPUMOE_KERNEL
 
 namespace {
+
+// The kernels of one family (interface struct Kernel) best first: by level, highest first; ties
+// keep the CMake line order. The other families' kernels go to the template add(), which drops them.
+template <class Kernel>
+struct Collect {
+  std::vector<const Kernel*> all;
+  void add(const Kernel& k) { all.push_back(&k); }
+  template <class Other>
+  void add(const Other&) {}
+};
+
+template <class Kernel>
+std::vector<const Kernel*> best_first() {
+  Collect<Kernel> c;
+#define CPUMOE_KERNEL(family, symbol) c.add(symbol);
+#include "ukernels/cpumoe_kernels.inc"
+#undef CPUMOE_KERNEL
+  std::stable_sort(c.all.begin(), c.all.end(),
+                   [](const Kernel* a, const Kernel* b) { return int(a->isa) > int(b->isa); });
+  return c.all;
+}
 
 // The first kernel of a registry (best first) this CPU runs within both caps.
 template <class Kernel>
@@ -81,66 +67,26 @@ const Kernel* find_in(const std::vector<const Kernel*>& registry, const char* na
 
 }  // namespace
 
+const std::vector<const QGemmUkernel*>& qgemm_registry() {
+  static const std::vector<const QGemmUkernel*> all = best_first<QGemmUkernel>();
+  return all;
+}
+
+const std::vector<const BGemmUkernel*>& bgemm_registry() {
+  static const std::vector<const BGemmUkernel*> all = best_first<BGemmUkernel>();
+  return all;
+}
+
+const std::vector<const RowOps*>& rowops_registry() {
+  static const std::vector<const RowOps*> all = best_first<RowOps>();
+  return all;
+}
+
 const QGemmUkernel* qgemm_select(const Isa* cap) { return select_from(qgemm_registry(), cap); }
 const QGemmUkernel* qgemm_find(const char* name) { return find_in(qgemm_registry(), name); }
 
-#define CPUMOE_DECLARE_BGEMM(name) extern const BGemmUkernel name;
-#if defined(CPUMOE_HAVE_AVX512BF16)
-CPUMOE_DECLARE_BGEMM(bgemm_bf16r_bf16ci16x2_8x16_avx512_bf16)
-#endif
-#if defined(CPUMOE_HAVE_AVX2)
-CPUMOE_DECLARE_BGEMM(bgemm_f32r_bf16ci8x2_6x8_avx2)
-#endif
-#if defined(CPUMOE_HAVE_BF16)
-CPUMOE_DECLARE_BGEMM(bgemm_bf16p2x4_bf16cp8x4_8x8_neon_bf16)
-#endif
-CPUMOE_DECLARE_BGEMM(bgemm_f32r_bf16ck8_4x8_portable)
-
-const std::vector<const BGemmUkernel*>& bgemm_registry() {
-  static const std::vector<const BGemmUkernel*> all = {
-#if defined(CPUMOE_HAVE_AVX512BF16)
-      &bgemm_bf16r_bf16ci16x2_8x16_avx512_bf16,
-#endif
-#if defined(CPUMOE_HAVE_AVX2)
-      &bgemm_f32r_bf16ci8x2_6x8_avx2,
-#endif
-#if defined(CPUMOE_HAVE_BF16)
-      &bgemm_bf16p2x4_bf16cp8x4_8x8_neon_bf16,
-#endif
-      &bgemm_f32r_bf16ck8_4x8_portable,
-  };
-  return all;
-}
-
 const BGemmUkernel* bgemm_select(const Isa* cap) { return select_from(bgemm_registry(), cap); }
 const BGemmUkernel* bgemm_find(const char* name) { return find_in(bgemm_registry(), name); }
-
-#if defined(CPUMOE_HAVE_BF16)
-extern const RowOps rowops_neon_bf16;
-#endif
-#if defined(CPUMOE_HAVE_AVX512VNNI)
-extern const RowOps rowops_avx512;
-#endif
-#if defined(CPUMOE_HAVE_AVX2)
-extern const RowOps rowops_avx2;
-#endif
-extern const RowOps rowops_portable;
-
-const std::vector<const RowOps*>& rowops_registry() {
-  static const std::vector<const RowOps*> all = {
-#if defined(CPUMOE_HAVE_BF16)
-      &rowops_neon_bf16,
-#endif
-#if defined(CPUMOE_HAVE_AVX512VNNI)
-      &rowops_avx512,
-#endif
-#if defined(CPUMOE_HAVE_AVX2)
-      &rowops_avx2,
-#endif
-      &rowops_portable,
-  };
-  return all;
-}
 
 const RowOps* rowops_for(Isa kernel_isa) { return select_from(rowops_registry(), &kernel_isa); }
 const RowOps* rowops_find(const char* name) { return find_in(rowops_registry(), name); }

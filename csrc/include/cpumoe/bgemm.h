@@ -8,13 +8,8 @@
 /// deterministic, but two kernels may differ in the last bits). Subnormal bf16 inputs may be
 /// treated as zero by the hardware paths (BFMMLA, VDPBF16PS do so).
 ///
-/// Kernel names follow the grammar of qgemm.h (file name == kernel name):
-///   bgemm_<lhs>_<rhs>_<mr>x<nr>_<isa>
-///   <lhs>: `bf16r` row-major bf16 rows; `f32r` rows widened to fp32; `bf16p2x4` row pairs
-///          interleaved in 4-k blocks (the BFMMLA operand)
-///   <rhs>: `bf16ck<nr>` blocks of nr columns, k-major (nr bf16 per k step);
-///          `bf16ci<nr>x2` blocks of nr columns, k pairs interleaved (column c's 2 values at 2c);
-///          `bf16cp8x4` blocks of 8 columns, column pairs in 4-k blocks
+/// Kernel names (bgemm_<lhs>_<rhs>_<mr>x<nr>_<isa>, file name == kernel name) follow the grammar
+/// in csrc/ukernels/README.md.
 ///
 /// Packing pads K up to a multiple of kr and N up to a multiple of nr with zeros, so a kernel is
 /// correct for every m >= 0, n >= 0, k >= 1; callers never pad themselves.

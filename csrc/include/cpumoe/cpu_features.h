@@ -41,22 +41,20 @@ const CpuFeatures& cpu_features();
 /// "aarch64", "x86_64" or "other": the architecture this library was compiled for.
 const char* target_arch();
 
-/// ISA levels of the kernel ladder. The numeric order within one architecture is the preference
+/// ISA levels of the kernel ladder, one per row of cpumoe/isa_table.def (which also gives their
+/// compile flags and CPU predicates). The numeric order within one architecture is the preference
 /// order (higher = preferred); `portable` is the floor everywhere.
+///  - AArch64: neon_i8mm (12) -> neon_bf16 (11) -> neon_dotprod (10) -> portable.
+///  - x86-64: amx (23) -> avx512_bf16 (22) -> avx512_vnni (21) -> avx2 (20) -> portable.
+///    avx512_bf16 (VNNI plus VDPBF16PS) only has bf16-op kernels: the int8 op under that cap
+///    runs avx512_vnni.
 enum class Isa : int {
-  portable = 0,
-  // AArch64 ladder: i8mm -> bf16 -> dotprod -> portable
-  neon_dotprod = 10,
-  neon_bf16 = 11,
-  neon_i8mm = 12,
-  // x86-64 ladder: amx -> avx512_bf16 -> avx512_vnni -> avx2 -> portable. avx512_bf16 (VNNI plus
-  // VDPBF16PS) only has bf16-op kernels: the int8 op under that cap runs avx512_vnni.
-  avx2 = 20,
-  avx512_vnni = 21,
-  avx512_bf16 = 22,
-  amx = 23,
+#define CPUMOE_ISA(name, value, ...) name = value,
+#include "cpumoe/isa_table.def"
+#undef CPUMOE_ISA
 };
 
+/// The level's name in isa_table.def ("portable", "neon_i8mm", ...); "?" for a value not in it.
 const char* isa_name(Isa isa);
 
 /// The ladder of this build's architecture, best first, `portable` last.
@@ -66,7 +64,8 @@ std::vector<Isa> isa_ladder();
 /// @p what and the accepted names when @p name is not one of them.
 Isa parse_isa(const std::string& name, const char* what);
 
-/// True when the running CPU can execute kernels of level @p isa.
+/// True when the running CPU can execute kernels of level @p isa (its isa_table.def predicate and
+/// that of the level it requires; AMX also asks Linux for the tile state, once per process).
 bool cpu_supports(Isa isa);
 
 /// The cap from the environment variable CPUMOE_ISA, read once; `nullptr` when unset or empty.

@@ -4,27 +4,11 @@
 ///
 /// A kernel computes C[m][n] = sum_k A[m][k] * B[n][k] (A: quantized activations, rows gathered
 /// per expert; B: one expert's weight matrix [N][K], row-major, as stored in checkpoints), with
-/// exact int32 accumulation over the whole K, and either stores the int32 accumulators or a
-/// dequantized fp32 value acc * lhs_scale[m] * rhs_scale[n] + bias[n].
+/// exact int32 accumulation over the whole K, and stores the dequantized fp32 value
+/// acc * lhs_scale[m] * rhs_scale[n] + bias[n].
 ///
-/// Kernel names follow one grammar (file name == kernel name):
-///   qgemm_<lhs>_<rhs>_<mr>x<nr>_<isa>
-///   <lhs>: how A is packed  - `qs8r`    row-major int8 rows
-///                             `qs8p8x8` blocks of 8 rows (4 row pairs, the last block padded
-///                                       with zero rows), row pairs interleaved in 8-k slices
-///                             `bf16p2x4` row pairs interleaved in 4-k blocks, converted to bf16
-///                             `qu8r`    row-major rows shifted to uint8 (a + 128), for u8 x s8
-///                             `qs16r`   row-major rows sign-extended to int16
-///   <rhs>: how B is packed  - `qs8cr<nr>` blocks of nr rows of B (output columns), row-major
-///                             `qs8cp8x8`  blocks of 8 columns, column pairs in 8-k blocks
-///                             `qs8ci8x4`  blocks of 8 columns interleaved in 4-k groups (the 4
-///                                         bytes of column c at 4c: one column per int32 lane)
-///                             `bf16cp8x4` blocks of 8 columns, column pairs in 4-k blocks, bf16
-///                             `qs8ci<nr>x<g>` blocks of nr columns interleaved in g-k groups
-///                                         (column c's g bytes at g * c), as `qs8ci8x4`
-///                             `...s`      suffix: each block followed by its nr int32 values
-///                                         128 * column sum (undoes the `qu8r` shift)
-///   <mr>x<nr>: the main register tile; <isa>: portable, neon_i8mm, ...
+/// Kernel names (qgemm_<lhs>_<rhs>_<mr>x<nr>_<isa>, file name == kernel name) follow the grammar
+/// in csrc/ukernels/README.md.
 ///
 /// Packing pads K up to a multiple of kr and N up to a multiple of nr with zeros, so a kernel is
 /// correct for every m >= 0, n >= 0, k >= 1; callers never pad themselves.
@@ -69,11 +53,9 @@ struct QGemmUkernel {
   /// Packs B [n][k] whose row j starts at rhs + j * rhs_stride.
   void (*pack_rhs)(int64_t n, int64_t k, const int8_t* rhs, int64_t rhs_stride, void* rhs_packed);
 
-  /// dst[i * dst_stride + j] = C[i][j] for i < m, j < n (int32, exact).
+  /// dst[i * dst_stride + j] = float(C[i][j]) * lhs_scale[i] * rhs_scale[j] + bias[j] for
+  /// i < m, j < n, in that order in fp32, C the exact int32 sum; nothing else of dst is written.
   /// @p lhs_packed / @p rhs_packed point at row 0 / column 0 of the call (use the offsets).
-  void (*run_s32)(int64_t m, int64_t n, int64_t k, const void* lhs_packed, const void* rhs_packed,
-                  int32_t* dst, int64_t dst_stride);
-  /// dst[i * dst_stride + j] = float(C[i][j]) * lhs_scale[i] * rhs_scale[j] + bias[j].
   void (*run_f32)(int64_t m, int64_t n, int64_t k, const void* lhs_packed, const void* rhs_packed,
                   float* dst, int64_t dst_stride, const QGemmEpilogue& ep);
 };

@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
-# Models the SMMLA kernel's inner loops with llvm-mca (method: ../shared/PERF.md, section 3).
+# Models the SMMLA kernel's inner loops with llvm-mca (results: docs/kernels.md).
 #
-#   tests_cpp/bench/mca/mca.sh [OBJECT] [--extract-only]
+#   [MCA_OUT=<dir>] tests_cpp/bench/mca/mca.sh [OBJECT] [--extract-only]
 #
 # OBJECT: the compiled qgemm_qs8p8x8_qs8cp8x8_8x8_neon_i8mm.cpp.o of an aarch64 build (default:
 # found under /tmp/cpumoe-arm-perf-build, the build of tests_cpp/bench/arm_perf_table.sh). The
 # script disassembles it (aarch64-linux-gnu-objdump -d), takes every steady-state loop (the body
 # between a backward b.ne and its target that holds 8 or more unrolled slices of SMMLA; per tile
-# the most unrolled one, i.e. the fp32 path's 32-slice loop), names it by its tile (NPxNB from
-# the accumulators and the B loads per slice), writes it as loop_<tile>.s next to this script
-# and runs llvm-mca-19 -mtriple=aarch64 -mcpu=<cpu> -mattr=+i8mm,+bf16 -iterations=500 on it for
+# the most unrolled one, i.e. the 32-slice loop), names it by its tile (NPxNB from
+# the accumulators and the B loads per slice), writes it as loop_<tile>.s into MCA_OUT (default
+# /tmp/cpumoe-mca; generated, never committed) and runs llvm-mca-19 -mtriple=aarch64 -mcpu=<cpu> -mattr=+i8mm,+bf16 -iterations=500 on it for
 # neoverse-v1, -v2 and -n2. Prints cycles per 8-k slice against the SMMLA peak (4 per cycle on
 # V1/V2, 2 on N2).
 set -euo pipefail
-here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+here=${MCA_OUT:-/tmp/cpumoe-mca}
+mkdir -p "$here"
 obj=${1:-$(find /tmp/cpumoe-arm-perf-build -name 'qgemm_qs8p8x8_qs8cp8x8_8x8_neon_i8mm.cpp.o' | head -1)}
 [ -f "$obj" ] || { echo "no object file (build the aarch64 tree first)" >&2; exit 1; }
 aarch64-linux-gnu-objdump -d --no-show-raw-insn "$obj" > "$here/.objdump.txt"
@@ -49,7 +50,7 @@ for i, (a, t) in enumerate(ins):
     np_ = len(acc) // (4 * nb)
     name = f'{np_}x{nb}'
     if name in seen and seen[name][0] >= slices:
-        continue  # keep the most unrolled loop of each tile (the fp32 path's)
+        continue  # keep the most unrolled loop of each tile
     seen[name] = (slices, body)
 for f in glob.glob(os.path.join(here, 'loop_*.s')):
     os.remove(f)

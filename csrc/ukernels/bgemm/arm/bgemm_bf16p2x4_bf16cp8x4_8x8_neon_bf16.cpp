@@ -34,7 +34,7 @@
 #include <cstring>
 
 #include "cpumoe/bgemm.h"
-#include "ukernels/neon_bf16_common.h"
+#include "ukernels/common/arm/neon_bf16_common.h"
 
 namespace cpumoe {
 namespace {

@@ -15,27 +15,13 @@
 // Register tiles: NP row pairs x NB column blocks, one int32x4 accumulator per (row pair, column
 // pair), 4 * NP * NB in all (up to 24, in v8-v31), the whole K in registers, in inline asm: GCC
 // keeps part of an accumulator array in memory and adds a pointer update per load, while the asm
-// loop is exactly the loads, the SMMLA and one subs/b.ne per 32 slices (run_f32; 8 in run_s32).
-// The B registers (v4-v7) are reloaded for each block of a tile, so a tile can be as wide as its
-// accumulators allow. Per 8-k slice:
-//   tile (NP x NB)  rows  accumulators  instructions per SMMLA: (loads + SMMLA + loop / 32) / SMMLA
-//   4 x 1 (8x8)     7-8   16            (2 + 16 + 0.06) / 16 = 1.129
-//   3 x 2 (6x16)    5-6   24            (3 + 24 + 0.06) / 24 = 1.128
-//   2 x 3 (4x24)    3-4   24            (4 + 24 + 0.06) / 24 = 1.169
-//   1 x 6 (2x48)    1-2   24            (7 + 24 + 0.06) / 24 = 1.294   decode: each B byte once
-//   6 x 1 (12x8)    11-12 24            (3 + 24 + 0.06) / 24 = 1.128   the last 9-12 rows of a
-//   5 x 1 (10x8)    9-10  20            (3 + 20 + 0.06) / 20 = 1.153   call, over two A blocks
-// (3x1, 2x2, 2x1, 1x3, 1x2, 1x1 only in the last column blocks of a call.) The loads are at the
-// floor of these layouts: one ld1 moves at most 64 bytes, a slice of A or of a B block is 64
-// bytes, and 24 accumulators + 4 A + 4 B registers are all 32. SMMLA's latency is 3 cycles and
-// V1/V2 issue 4 per cycle, N2 2: 12 independent chains fill V1/V2, 6 fill N2, and every main
-// tile has 16 or more. llvm-mca (tests_cpp/bench/mca/) models the 4x1, 3x2, 2x3, 6x1 and 5x1
-// loops at the SMMLA peak on Neoverse V1, V2 and N2 (4.0 / 4.0 / 8.0 cycles per slice for 16
-// SMMLA); the 1x6 decode loop is bound by its loads on V1/V2 (16 bytes of weights per SMMLA, 400
-// bytes per slice at 48 bytes per cycle: 8.3 cycles per slice for 24 SMMLA, 72% of the SMMLA
-// peak) and at the peak on N2.
+// loop is exactly the loads, the SMMLA and one subs/b.ne per 32 slices. The B registers (v4-v7)
+// are reloaded for each block of a tile, so a tile can be as wide as its accumulators allow: 16
+// to 24 accumulators (4x1, 3x2, 2x3, 1x6 for 8, 6, 4, 2 rows; 6x1, 5x1 for the last 9-12 rows)
+// keep SMMLA's latency hidden, and the loads are at the layouts' floor (instruction counts and
+// llvm-mca models per tile: docs/kernels.md).
 // run_f32 applies the epilogue in the asm, on the accumulators in registers (see "The fp32
-// path" below); run_s32 and tiles with a partial block store the accumulators to a small array
+// path" below); tiles with a partial block store the accumulators to a small array
 // (st1, 64 bytes per 4), and one ld2 per 4 columns separates the two rows of a pair.
 //
 // Walk: a call of one row tile (m <= 12: decode and most experts) passes over all its columns
@@ -55,21 +41,20 @@
 #include <cstring>
 
 #include "cpumoe/qgemm.h"
-#include "ukernels/qgemm_neon_common.h"
+#include "ukernels/qgemm/arm/qgemm_neon_common.h"
 
 namespace cpumoe {
 namespace {
 
 constexpr int64_t kMr = 8;
-constexpr int64_t kNr = 8;
-constexpr int64_t kKr = 8;
+// A in blocks of 8 rows (the last padded with zero rows).
+using Packing = QGemmPacking<8, 8, 1, 8>;
+constexpr int64_t kNr = Packing::kNr;
+constexpr int64_t kKr = Packing::kKr;
 constexpr int64_t kSlice = 64;     // bytes of one 8-k slice of an A block or a B block
 constexpr int64_t kStepBlocks = 6; // column blocks per step of the walk
 
-inline int64_t padded_k(int64_t k) { return round_up(k, kKr); }
 
-size_t lhs_size(int64_t m, int64_t k) { return size_t(round_up(m, kMr)) * size_t(padded_k(k)); }
-size_t lhs_offset(int64_t m_idx, int64_t k) { return size_t(m_idx) * size_t(padded_k(k)); }
 
 // Copies up to 8 bytes of a row slice, zero-filling past k (or all of it for a padding row).
 inline void copy_slice(int8_t* dst, const int8_t* row, int64_t k0, int64_t k) {
@@ -169,17 +154,15 @@ void pack_block(const int8_t* const* rows, int64_t r, int64_t k, int64_t kp, int
 }
 
 void pack_lhs(int64_t m, int64_t k, const int8_t* const* rows, void* packed) {
-  const int64_t kp = padded_k(k);
+  const int64_t kp = Packing::padded_k(k);
   auto* dst = static_cast<int8_t*>(packed);
   for (int64_t b0 = 0; b0 < m; b0 += kMr)
     pack_block(rows + b0, std::min<int64_t>(kMr, m - b0), k, kp, dst + b0 * kp);
 }
 
-size_t rhs_size(int64_t n, int64_t k) { return size_t(round_up(n, kNr)) * size_t(padded_k(k)); }
-size_t rhs_offset(int64_t n_idx, int64_t k) { return size_t(n_idx) * size_t(padded_k(k)); }
 
 void pack_rhs(int64_t n, int64_t k, const int8_t* rhs, int64_t stride, void* packed) {
-  const int64_t kp = padded_k(k);
+  const int64_t kp = Packing::padded_k(k);
   auto* dst = static_cast<int8_t*>(packed);
   for (int64_t j0 = 0; j0 < n; j0 += kNr) {
     int8_t* d = dst + j0 * kp;
@@ -614,9 +597,6 @@ inline void store_tile(const Out& out, const int32_t* acc, int64_t rows, int64_t
   }
 }
 
-__attribute__((noinline)) void tail_s32(int32_t* d, int32x4_t lo, int32x4_t hi, int64_t nc) {
-  neon_store_s32(d, lo, hi, nc);
-}
 __attribute__((noinline)) void tail_f32(float* d, int32x4_t lo, int32x4_t hi, int64_t nc, float ls,
                                         const float* rs, const float* bias) {
   neon_store_f32(d, lo, hi, nc, ls, rs, bias);
@@ -624,21 +604,6 @@ __attribute__((noinline)) void tail_f32(float* d, int32x4_t lo, int32x4_t hi, in
 
 // The outputs of a call from row i0 on. cols(j0) loads what the rows of a full block share; row()
 // stores one full row of a block, tail() a row of a partial block.
-struct S32Out {
-  int32_t* d;  // row i0
-  int64_t stride;
-  struct Cols {};
-  Cols cols(int64_t) const { return {}; }
-  void row(Cols, int64_t i, int64_t j0, int32x4_t lo, int32x4_t hi) const {
-    vst1q_s32(d + i * stride + j0, lo);
-    vst1q_s32(d + i * stride + j0 + 4, hi);
-  }
-  void tail(int64_t i, int64_t j0, int64_t nc, int32x4_t lo, int32x4_t hi) const {
-    tail_s32(d + i * stride + j0, lo, hi, nc);
-  }
-  S32Out at_row(int64_t i0) const { return {d + i0 * stride, stride}; }
-};
-
 template <bool kBias>
 struct F32Out {
   float* d;         // row i0
@@ -698,7 +663,7 @@ inline void run_blocks(const int8_t* a, const int8_t* b, int64_t kp, int64_t i0,
 
 template <class Out>
 void run(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs, const Out& out) {
-  const int64_t kp = padded_k(k);
+  const int64_t kp = Packing::padded_k(k);
   const auto* a = static_cast<const int8_t*>(lhs);
   const auto* b = static_cast<const int8_t*>(rhs);
   const int64_t blocks = (n + kNr - 1) / kNr;
@@ -714,11 +679,6 @@ void run(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs, cons
       }
     }
   }
-}
-
-void run_s32(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs, int32_t* dst,
-             int64_t dst_stride) {
-  run(m, n, k, lhs, rhs, S32Out{dst, dst_stride});
 }
 
 // Full blocks [jb, jb + nb) of a row tile of NP pairs at row i0: tiles of NB blocks through the
@@ -772,7 +732,7 @@ __attribute__((noinline)) void f32_partial_block(int64_t m, int64_t n, int64_t k
 template <bool kBias>
 void run_f32_tiles(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs,
                    const F32Out<kBias>& out) {
-  const int64_t kp = padded_k(k);
+  const int64_t kp = Packing::padded_k(k);
   const auto* a = static_cast<const int8_t*>(lhs);
   const auto* b = static_cast<const int8_t*>(rhs);
   const int64_t full = n / kNr;
@@ -803,20 +763,7 @@ void run_f32(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs, 
 
 }  // namespace
 
-extern const QGemmUkernel qgemm_qs8p8x8_qs8cp8x8_8x8_neon_i8mm = {
-    "qgemm_qs8p8x8_qs8cp8x8_8x8_neon_i8mm",
-    Isa::neon_i8mm,
-    kMr,
-    kNr,
-    kKr,
-    lhs_size,
-    lhs_offset,
-    pack_lhs,
-    rhs_size,
-    rhs_offset,
-    pack_rhs,
-    run_s32,
-    run_f32,
-};
+extern const QGemmUkernel qgemm_qs8p8x8_qs8cp8x8_8x8_neon_i8mm = make_qgemm<Packing>(
+    "qgemm_qs8p8x8_qs8cp8x8_8x8_neon_i8mm", Isa::neon_i8mm, kMr, pack_lhs, pack_rhs, run_f32);
 
 }  // namespace cpumoe

@@ -10,7 +10,8 @@
 #include "cpumoe/bgemm.h"
 #include "cpumoe/dtype.h"
 #include "cpumoe/qgemm.h"
-#include "ukernels/gemm_tile.h"
+#include "ukernels/common/gemm_tile.h"
+#include "ukernels/common/ukernel_table.h"
 
 namespace cpumoe {
 namespace {
@@ -87,15 +88,9 @@ void run_f32_tiles(int64_t m, int64_t n, int64_t k, const void* lhs, const void*
                       Store{dst, dst_stride, bias});
 }
 
-/// The interface table of a kernel with packing P.
+/// The interface table of a bgemm kernel with packing P.
 template <class P>
-constexpr BGemmUkernel make_bgemm(const char* name, Isa isa, int64_t mr,
-                                  decltype(BGemmUkernel::pack_lhs) pack_lhs,
-                                  decltype(BGemmUkernel::pack_rhs) pack_rhs,
-                                  decltype(BGemmUkernel::run_f32) run_f32) {
-  return BGemmUkernel{name, isa, mr, P::kNr, P::kKr, P::lhs_size, P::lhs_offset, pack_lhs,
-                      P::rhs_size, P::rhs_offset, pack_rhs, run_f32};
-}
+constexpr auto make_bgemm = make_ukernel<BGemmUkernel, P>;
 
 }  // namespace
 }  // namespace cpumoe

@@ -25,9 +25,9 @@
 
 #include <immintrin.h>
 
-#include "ukernels/bgemm_common.h"
-#include "ukernels/gemm_tile.h"
-#include "ukernels/qgemm_avx2_common.h"
+#include "ukernels/bgemm/bgemm_common.h"
+#include "ukernels/common/gemm_tile.h"
+#include "ukernels/common/x86/avx2_common.h"
 
 namespace cpumoe {
 namespace {

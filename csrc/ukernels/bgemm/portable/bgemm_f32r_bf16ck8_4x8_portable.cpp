@@ -10,7 +10,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "ukernels/bgemm_common.h"
+#include "ukernels/bgemm/bgemm_common.h"
 
 namespace cpumoe {
 namespace {

@@ -24,9 +24,7 @@ inline constexpr int64_t rhs_block_bytes(int64_t kp) { return kBlockCols * kp + 
 void pack_lhs(int64_t m, int64_t k, int64_t kp, const int8_t* const* rows, void* packed);
 /// @pre kp >= k, kp % 4 == 0. ceil(n / 16) blocks of rhs_block_bytes(kp) bytes.
 void pack_rhs(int64_t n, int64_t k, int64_t kp, const int8_t* rhs, int64_t stride, void* packed);
-/// The QGemmUkernel run functions, over packed operands of padded depth kp.
-void run_s32(int64_t m, int64_t n, int64_t kp, const void* lhs, const void* rhs, int32_t* dst,
-             int64_t dst_stride);
+/// QGemmUkernel::run_f32 over packed operands of padded depth kp.
 void run_f32(int64_t m, int64_t n, int64_t kp, const void* lhs, const void* rhs, float* dst,
              int64_t dst_stride, const QGemmEpilogue& ep);
 

@@ -13,22 +13,10 @@
 
 #include <cstdint>
 
-#include "ukernels/qgemm_common.h"
+#include "ukernels/qgemm/qgemm_common.h"
 
 namespace cpumoe {
 namespace {
-
-inline void neon_store_s32(int32_t* d, int32x4_t lo, int32x4_t hi, int64_t nc) {
-  if (nc == 8) {
-    vst1q_s32(d, lo);
-    vst1q_s32(d + 4, hi);
-    return;
-  }
-  int32_t tmp[8];
-  vst1q_s32(tmp, lo);
-  vst1q_s32(tmp + 4, hi);
-  store_s32_row(d, tmp, nc);
-}
 
 inline void neon_store_f32(float* d, int32x4_t lo, int32x4_t hi, int64_t nc, float lhs_scale,
                            const float* rs, const float* bias) {

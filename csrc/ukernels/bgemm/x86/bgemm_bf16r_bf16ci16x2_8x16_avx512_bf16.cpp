@@ -29,9 +29,9 @@
 
 #include <immintrin.h>
 
-#include "ukernels/bgemm_common.h"
-#include "ukernels/gemm_tile.h"
-#include "ukernels/qgemm_avx512_common.h"
+#include "ukernels/bgemm/bgemm_common.h"
+#include "ukernels/common/gemm_tile.h"
+#include "ukernels/common/x86/avx512_common.h"
 
 namespace cpumoe {
 namespace {

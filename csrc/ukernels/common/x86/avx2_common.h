@@ -1,18 +1,19 @@
 // Row stores shared by the AVX2 kernels (the int8 qgemm one and the bf16 bgemm one): one row of
-// up to 8 int32 (or, StoreF32Acc, fp32) columns per call, vpmaskmov at the tail (nothing past n
-// is written), epilogue in the order of qgemm_common.h.
+// up to 8 columns per call from int32 (StoreF32, with the epilogue in the order of
+// qgemm_common.h) or fp32 (StoreF32Acc) accumulators, vpmaskmov at the tail (nothing past n is
+// written).
 // Internal linkage on purpose: each kernel file has its own ISA flags (see qgemm_common.h).
 #pragma once
 
 #if !defined(__AVX2__)
-#error "qgemm_avx2_common.h is for files built with AVX2 flags only"
+#error "avx2_common.h is for files built with AVX2 flags only"
 #endif
 
 #include <immintrin.h>
 
 #include <cstdint>
 
-#include "cpumoe/qgemm.h"
+#include "cpumoe/qgemm.h"  // QGemmEpilogue
 
 namespace cpumoe {
 namespace {
@@ -22,17 +23,6 @@ inline __m256i lane_mask(int64_t nc) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(nc)),
                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
-
-struct StoreS32 {
-  int32_t* dst;
-  int64_t ld;
-  // Row i of the call, columns [j0, j0 + 8) of which the first nc are real.
-  void operator()(int64_t i, int64_t j0, int64_t nc, __m256i v) const {
-    int32_t* d = dst + i * ld + j0;
-    if (nc >= 8) _mm256_storeu_si256(reinterpret_cast<__m256i*>(d), v);
-    else _mm256_maskstore_epi32(d, lane_mask(nc), v);
-  }
-};
 
 // fp32 accumulators (the bgemm kernel), + bias[j] when bias is not null.
 struct StoreF32Acc {

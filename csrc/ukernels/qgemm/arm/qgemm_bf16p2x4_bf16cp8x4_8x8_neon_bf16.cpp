@@ -21,12 +21,8 @@
 // of its own: accumulators and operands only, no spills), and the int32 totals wait in a small
 // stack tile across it (one store and load per 1024 k, i.e. per 4096 BFMMLA of the 6x16 tile).
 //
-// Cost vs SMMLA: one BFMMLA does 2x2x4 MACs, half of SMMLA's 2x2x8, and the packed weights take
-// twice the bytes (bf16): about half the int8 throughput, which is the price of exactness here.
-// llvm-mca per 4 k (one slice): 6x16 tile 6.0 cycles on Neoverse V1, V2 (24 BFMMLA: the peak of
-// 4 per cycle) and 12.0 on N2 (peak 2 per cycle); 8x8 tile 5.0 on V1 (16 chains over a latency
-// of 5: 3.2 per cycle), 4.0 on V2, 8.0 on N2. Per 8 k and 8x8 outputs that is 8 (V1, V2) / 16
-// (N2) cycles at the 6x16 tile, against 8 / 16 for the SDOT kernel on the same cores.
+// Cost vs SMMLA: about half the int8 throughput (BFMMLA does half of SMMLA's MACs, bf16 weights
+// take twice the bytes), the price of exactness here (llvm-mca models: docs/kernels.md).
 //
 // @pre m, n >= 0, k >= 1; packed buffers from this kernel's packers; A and B any int8 values.
 // Features used: NEON, BF16 (BFMMLA; the int8 -> bf16 conversions use plain NEON).
@@ -40,15 +36,16 @@
 #include <cstring>
 
 #include "cpumoe/qgemm.h"
-#include "ukernels/neon_bf16_common.h"
-#include "ukernels/qgemm_neon_common.h"
+#include "ukernels/common/arm/neon_bf16_common.h"
+#include "ukernels/qgemm/arm/qgemm_neon_common.h"
 
 namespace cpumoe {
 namespace {
 
 constexpr int64_t kMr = 8;
-constexpr int64_t kNr = 8;
-constexpr int64_t kKr = kBf16pKr;
+// A row pairs and B blocks of 8 columns, both bf16 (the `bf16p2x4` / `bf16cp8x4` layouts).
+using Packing = QGemmPacking<8, kBf16pKr, 2, 2, 2>;
+constexpr int64_t kKr = Packing::kKr;
 // The largest K block whose fp32 partial sums are all exact integers: 1024 * 128 * 128 = 2^24.
 constexpr int64_t kKBlock = 1024;
 static_assert(kKBlock * 128 * 128 <= (int64_t(1) << 24), "fp32 sums of a K block must be exact");
@@ -91,14 +88,6 @@ struct ExactInt32Sum {
   }
 };
 
-void run_s32(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs, int32_t* dst,
-             int64_t dst_stride) {
-  bfmmla_run<ExactInt32Sum>(
-      m, n, k, lhs, rhs, [&](int64_t i, int64_t j0, int64_t nc, int32x4_t lo, int32x4_t hi) {
-        neon_store_s32(dst + i * dst_stride + j0, lo, hi, nc);
-      });
-}
-
 void run_f32(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs, float* dst,
              int64_t dst_stride, const QGemmEpilogue& ep) {
   bfmmla_run<ExactInt32Sum>(
@@ -110,20 +99,7 @@ void run_f32(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs, 
 
 }  // namespace
 
-extern const QGemmUkernel qgemm_bf16p2x4_bf16cp8x4_8x8_neon_bf16 = {
-    "qgemm_bf16p2x4_bf16cp8x4_8x8_neon_bf16",
-    Isa::neon_bf16,
-    kMr,
-    kNr,
-    kKr,
-    bf16p2x4_size,
-    bf16p2x4_offset,
-    bf16p2x4_pack<FromInt8>,
-    bf16cp8x4_size,
-    bf16cp8x4_offset,
-    bf16cp8x4_pack<FromInt8>,
-    run_s32,
-    run_f32,
-};
+extern const QGemmUkernel qgemm_bf16p2x4_bf16cp8x4_8x8_neon_bf16 = make_qgemm<Packing>(
+    "qgemm_bf16p2x4_bf16cp8x4_8x8_neon_bf16", Isa::neon_bf16, kMr, bf16p2x4_pack<FromInt8>, bf16cp8x4_pack<FromInt8>, run_f32);
 
 }  // namespace cpumoe

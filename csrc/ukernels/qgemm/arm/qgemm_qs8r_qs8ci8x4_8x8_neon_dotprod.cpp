@@ -13,9 +13,7 @@
 // MACs: no lane ever multiplies padding except at the k and n tails). Fewer rows (decode: 1..7
 // tokens per expert) run the same loop with R = 1..7 rows and waste nothing. Loads are plain
 // ldr/ldp q, so the loop keeps the SIMD pipes for SDOT (ld1r would cost a SIMD slot on N1/V1).
-// llvm-mca, 8x8 loop (80 instructions per 16 k, no spills): 16.0 / 32.0 / 32.0 cycles on
-// Neoverse V1 / N1 / N2, the SDOT issue peak (4 / 2 / 2 per cycle); the 1-row loop (decode) splits
-// its accumulators over the 4-k groups and models at 3.0 / 4.5 / 4.0 cycles per 16 k (load-bound).
+// The 8x8 loop has no spills and runs at the SDOT issue peak in llvm-mca (docs/kernels.md).
 //
 // Why not SMMLA's packed weights (qs8cp8x8)? SDOT on that layout needs the row's 8-k slice in both
 // halves of the a register and leaves lane pairs to be summed: 4 accumulators per row per 8
@@ -34,29 +32,17 @@
 #include <cstring>
 
 #include "cpumoe/qgemm.h"
-#include "ukernels/qgemm_neon_common.h"
+#include "ukernels/qgemm/arm/qgemm_neon_common.h"
 
 namespace cpumoe {
 namespace {
 
 constexpr int64_t kMr = 8;
-constexpr int64_t kNr = 8;
-constexpr int64_t kKr = 16;
-
-inline int64_t padded_k(int64_t k) { return round_up(k, kKr); }
-
-size_t lhs_size(int64_t m, int64_t k) { return size_t(m) * size_t(padded_k(k)); }
-size_t lhs_offset(int64_t m_idx, int64_t k) { return size_t(m_idx) * size_t(padded_k(k)); }
-
-void pack_lhs(int64_t m, int64_t k, const int8_t* const* rows, void* packed) {
-  pack_lhs_qs8r(m, k, padded_k(k), rows, static_cast<int8_t*>(packed));
-}
-
-size_t rhs_size(int64_t n, int64_t k) { return size_t(round_up(n, kNr)) * size_t(padded_k(k)); }
-size_t rhs_offset(int64_t n_idx, int64_t k) { return size_t(n_idx) * size_t(padded_k(k)); }
+using Packing = QGemmPacking<8, 16>;
+constexpr int64_t kNr = Packing::kNr;
 
 void pack_rhs(int64_t n, int64_t k, const int8_t* rhs, int64_t stride, void* packed) {
-  const int64_t kp = padded_k(k);
+  const int64_t kp = Packing::padded_k(k);
   auto* dst = static_cast<int8_t*>(packed);
   for (int64_t j0 = 0; j0 < n; j0 += kNr) {
     int8_t* d = dst + j0 * kp;
@@ -128,7 +114,7 @@ inline void tile_and_store(const int8_t* a, const int8_t* b, int64_t kp, int64_t
 
 template <class Store>
 void run(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs, const Store& store) {
-  const int64_t kp = padded_k(k);
+  const int64_t kp = Packing::padded_k(k);
   const auto* a = static_cast<const int8_t*>(lhs);
   const auto* b = static_cast<const int8_t*>(rhs);
   // Column block outer: the block (8 * kp bytes) stays in L1 while every row tile streams past.
@@ -152,13 +138,6 @@ void run(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs, cons
   }
 }
 
-void run_s32(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs, int32_t* dst,
-             int64_t dst_stride) {
-  run(m, n, k, lhs, rhs, [&](int64_t i, int64_t j0, int64_t nc, int32x4_t lo, int32x4_t hi) {
-    neon_store_s32(dst + i * dst_stride + j0, lo, hi, nc);
-  });
-}
-
 void run_f32(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs, float* dst,
              int64_t dst_stride, const QGemmEpilogue& ep) {
   run(m, n, k, lhs, rhs, [&](int64_t i, int64_t j0, int64_t nc, int32x4_t lo, int32x4_t hi) {
@@ -169,20 +148,7 @@ void run_f32(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs, 
 
 }  // namespace
 
-extern const QGemmUkernel qgemm_qs8r_qs8ci8x4_8x8_neon_dotprod = {
-    "qgemm_qs8r_qs8ci8x4_8x8_neon_dotprod",
-    Isa::neon_dotprod,
-    kMr,
-    kNr,
-    kKr,
-    lhs_size,
-    lhs_offset,
-    pack_lhs,
-    rhs_size,
-    rhs_offset,
-    pack_rhs,
-    run_s32,
-    run_f32,
-};
+extern const QGemmUkernel qgemm_qs8r_qs8ci8x4_8x8_neon_dotprod = make_qgemm<Packing>(
+    "qgemm_qs8r_qs8ci8x4_8x8_neon_dotprod", Isa::neon_dotprod, kMr, pack_lhs_qs8r<Packing>, pack_rhs, run_f32);
 
 }  // namespace cpumoe

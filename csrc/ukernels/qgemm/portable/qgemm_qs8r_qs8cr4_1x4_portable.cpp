@@ -9,29 +9,17 @@
 #include <cstring>
 
 #include "cpumoe/qgemm.h"
-#include "ukernels/qgemm_common.h"
+#include "ukernels/qgemm/qgemm_common.h"
 
 namespace cpumoe {
 namespace {
 
 constexpr int64_t kMr = 1;
-constexpr int64_t kNr = 4;
-constexpr int64_t kKr = 16;
-
-inline int64_t padded_k(int64_t k) { return round_up(k, kKr); }
-
-size_t lhs_size(int64_t m, int64_t k) { return size_t(m) * size_t(padded_k(k)); }
-size_t lhs_offset(int64_t m_idx, int64_t k) { return size_t(m_idx) * size_t(padded_k(k)); }
-
-void pack_lhs(int64_t m, int64_t k, const int8_t* const* rows, void* packed) {
-  pack_lhs_qs8r(m, k, padded_k(k), rows, static_cast<int8_t*>(packed));
-}
-
-size_t rhs_size(int64_t n, int64_t k) { return size_t(round_up(n, kNr)) * size_t(padded_k(k)); }
-size_t rhs_offset(int64_t n_idx, int64_t k) { return size_t(n_idx) * size_t(padded_k(k)); }
+using Packing = QGemmPacking<4, 16>;
+constexpr int64_t kNr = Packing::kNr;
 
 void pack_rhs(int64_t n, int64_t k, const int8_t* rhs, int64_t stride, void* packed) {
-  const int64_t kp = padded_k(k);
+  const int64_t kp = Packing::padded_k(k);
   auto* dst = static_cast<int8_t*>(packed);
   const int64_t np = round_up(n, kNr);
   for (int64_t j = 0; j < np; ++j) {
@@ -68,7 +56,7 @@ inline void dot4(const int8_t* __restrict a, const int8_t* __restrict b, int64_t
 
 template <class Store>
 void run(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs, const Store& store) {
-  const int64_t kp = padded_k(k);
+  const int64_t kp = Packing::padded_k(k);
   const auto* a = static_cast<const int8_t*>(lhs);
   const auto* b = static_cast<const int8_t*>(rhs);
   for (int64_t j0 = 0; j0 < n; j0 += kNr) {
@@ -81,13 +69,6 @@ void run(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs, cons
   }
 }
 
-void run_s32(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs, int32_t* dst,
-             int64_t dst_stride) {
-  run(m, n, k, lhs, rhs, [&](int64_t i, int64_t j0, int64_t nc, const int32_t* acc) {
-    store_s32_row(dst + i * dst_stride + j0, acc, nc);
-  });
-}
-
 void run_f32(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs, float* dst,
              int64_t dst_stride, const QGemmEpilogue& ep) {
   run(m, n, k, lhs, rhs, [&](int64_t i, int64_t j0, int64_t nc, const int32_t* acc) {
@@ -98,20 +79,7 @@ void run_f32(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs, 
 
 }  // namespace
 
-extern const QGemmUkernel qgemm_qs8r_qs8cr4_1x4_portable = {
-    "qgemm_qs8r_qs8cr4_1x4_portable",
-    Isa::portable,
-    kMr,
-    kNr,
-    kKr,
-    lhs_size,
-    lhs_offset,
-    pack_lhs,
-    rhs_size,
-    rhs_offset,
-    pack_rhs,
-    run_s32,
-    run_f32,
-};
+extern const QGemmUkernel qgemm_qs8r_qs8cr4_1x4_portable = make_qgemm<Packing>(
+    "qgemm_qs8r_qs8cr4_1x4_portable", Isa::portable, kMr, pack_lhs_qs8r<Packing>, pack_rhs, run_f32);
 
 }  // namespace cpumoe

@@ -1,11 +1,12 @@
 // Row stores shared by the AVX-512 qgemm kernels (VNNI, and AMX for its tile rows) and the bgemm
-// ones: one row of up to 16 int32 (or, StoreF32Acc, fp32) columns per call, masked at the tail,
-// epilogue in the order of qgemm_common.h; and the operand loads of the AVX-512 tiles.
+// ones: one row of up to 16 columns per call from int32 (StoreF32, epilogue in the order of
+// qgemm_common.h) or fp32 (StoreF32Acc) accumulators, masked at the tail; and the operand loads
+// of the AVX-512 tiles.
 // Internal linkage on purpose: each kernel file has its own ISA flags (see qgemm_common.h).
 #pragma once
 
 #if !defined(__AVX512F__)
-#error "qgemm_avx512_common.h is for files built with AVX-512 flags only"
+#error "avx512_common.h is for files built with AVX-512 flags only"
 #endif
 
 #include <immintrin.h>
@@ -13,21 +14,12 @@
 #include <cstdint>
 
 #include "cpumoe/qgemm.h"
-#include "ukernels/gemm_tile.h"
+#include "ukernels/common/gemm_tile.h"
 
 namespace cpumoe {
 namespace {
 
 inline __mmask16 mask16(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1); }
-
-struct StoreS32 {
-  int32_t* dst;
-  int64_t ld;
-  // Row i of the call, columns [j0, j0 + 16) of which the first nc are real.
-  void operator()(int64_t i, int64_t j0, int64_t nc, __m512i v) const {
-    _mm512_mask_storeu_epi32(dst + i * ld + j0, mask16(nc), v);
-  }
-};
 
 // fp32 accumulators (the bgemm kernels), + bias[j] when bias is not null.
 struct StoreF32Acc {

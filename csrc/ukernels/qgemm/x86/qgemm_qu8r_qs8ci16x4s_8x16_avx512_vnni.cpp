@@ -32,10 +32,10 @@
 #include <cstring>
 
 #include "cpumoe/qgemm.h"
-#include "ukernels/gemm_tile.h"
-#include "ukernels/qgemm_common.h"
-#include "ukernels/qgemm_avx512_common.h"
-#include "ukernels/qgemm_x86_vnni.h"
+#include "ukernels/common/gemm_tile.h"
+#include "ukernels/qgemm/qgemm_common.h"
+#include "ukernels/common/x86/avx512_common.h"
+#include "ukernels/qgemm/x86/qgemm_x86_vnni.h"
 
 namespace cpumoe {
 namespace x86_vnni {
@@ -100,11 +100,6 @@ void pack_rhs(int64_t n, int64_t k, int64_t kp, const int8_t* rhs, int64_t strid
   }
 }
 
-void run_s32(int64_t m, int64_t n, int64_t kp, const void* lhs, const void* rhs, int32_t* dst,
-             int64_t dst_stride) {
-  run(m, n, kp, lhs, rhs, StoreS32{dst, dst_stride});
-}
-
 void run_f32(int64_t m, int64_t n, int64_t kp, const void* lhs, const void* rhs, float* dst,
              int64_t dst_stride, const QGemmEpilogue& ep) {
   run(m, n, kp, lhs, rhs, StoreF32{dst, dst_stride, &ep});
@@ -115,50 +110,23 @@ void run_f32(int64_t m, int64_t n, int64_t kp, const void* lhs, const void* rhs,
 namespace {
 
 constexpr int64_t kMr = 8;
-constexpr int64_t kKr = 4;
+// B blocks of 16 columns, each followed by its 16 int32 column sums (x86_vnni::rhs_block_bytes).
+using Packing = QGemmPacking<x86_vnni::kBlockCols, 4, 1, 1, 1, 64>;
 
-inline int64_t padded_k(int64_t k) { return round_up(k, kKr); }
-
-size_t lhs_size(int64_t m, int64_t k) { return size_t(m) * size_t(padded_k(k)); }
-size_t lhs_offset(int64_t m_idx, int64_t k) { return size_t(m_idx) * size_t(padded_k(k)); }
 void pack_lhs(int64_t m, int64_t k, const int8_t* const* rows, void* packed) {
-  x86_vnni::pack_lhs(m, k, padded_k(k), rows, packed);
-}
-size_t rhs_size(int64_t n, int64_t k) {
-  return size_t((n + x86_vnni::kBlockCols - 1) / x86_vnni::kBlockCols) *
-         size_t(x86_vnni::rhs_block_bytes(padded_k(k)));
-}
-size_t rhs_offset(int64_t n_idx, int64_t k) {
-  return size_t(n_idx / x86_vnni::kBlockCols) * size_t(x86_vnni::rhs_block_bytes(padded_k(k)));
+  x86_vnni::pack_lhs(m, k, Packing::padded_k(k), rows, packed);
 }
 void pack_rhs(int64_t n, int64_t k, const int8_t* rhs, int64_t stride, void* packed) {
-  x86_vnni::pack_rhs(n, k, padded_k(k), rhs, stride, packed);
-}
-void run_s32(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs, int32_t* dst,
-             int64_t dst_stride) {
-  x86_vnni::run_s32(m, n, padded_k(k), lhs, rhs, dst, dst_stride);
+  x86_vnni::pack_rhs(n, k, Packing::padded_k(k), rhs, stride, packed);
 }
 void run_f32(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs, float* dst,
              int64_t dst_stride, const QGemmEpilogue& ep) {
-  x86_vnni::run_f32(m, n, padded_k(k), lhs, rhs, dst, dst_stride, ep);
+  x86_vnni::run_f32(m, n, Packing::padded_k(k), lhs, rhs, dst, dst_stride, ep);
 }
 
 }  // namespace
 
-extern const QGemmUkernel qgemm_qu8r_qs8ci16x4s_8x16_avx512_vnni = {
-    "qgemm_qu8r_qs8ci16x4s_8x16_avx512_vnni",
-    Isa::avx512_vnni,
-    kMr,
-    x86_vnni::kBlockCols,
-    kKr,
-    lhs_size,
-    lhs_offset,
-    pack_lhs,
-    rhs_size,
-    rhs_offset,
-    pack_rhs,
-    run_s32,
-    run_f32,
-};
+extern const QGemmUkernel qgemm_qu8r_qs8ci16x4s_8x16_avx512_vnni = make_qgemm<Packing>(
+    "qgemm_qu8r_qs8ci16x4s_8x16_avx512_vnni", Isa::avx512_vnni, kMr, pack_lhs, pack_rhs, run_f32);
 
 }  // namespace cpumoe

@@ -28,31 +28,23 @@
 #include <cstring>
 
 #include "cpumoe/qgemm.h"
-#include "ukernels/qgemm_avx512_common.h"
-#include "ukernels/qgemm_x86_vnni.h"
+#include "ukernels/common/x86/avx512_common.h"
+#include "ukernels/qgemm/qgemm_common.h"
+#include "ukernels/qgemm/x86/qgemm_x86_vnni.h"
 
 namespace cpumoe {
 namespace {
 
 constexpr int64_t kMr = 16;  // rows of one AMX tile; lhs offsets are taken at multiples of it
-constexpr int64_t kKr = 64;  // bytes of one A tile row: K pads to it
-constexpr int64_t kNr = x86_vnni::kBlockCols;
+// K pads to 64, the bytes of one A tile row; B as the VNNI kernel's (x86_vnni::rhs_block_bytes).
+using Packing = QGemmPacking<x86_vnni::kBlockCols, 64, 1, 1, 1, 64>;
+constexpr int64_t kNr = Packing::kNr;
 
-inline int64_t padded_k(int64_t k) { return round_up(k, kKr); }
-
-size_t lhs_size(int64_t m, int64_t k) { return size_t(m) * size_t(padded_k(k)); }
-size_t lhs_offset(int64_t m_idx, int64_t k) { return size_t(m_idx) * size_t(padded_k(k)); }
 void pack_lhs(int64_t m, int64_t k, const int8_t* const* rows, void* packed) {
-  x86_vnni::pack_lhs(m, k, padded_k(k), rows, packed);
-}
-size_t rhs_size(int64_t n, int64_t k) {
-  return size_t((n + kNr - 1) / kNr) * size_t(x86_vnni::rhs_block_bytes(padded_k(k)));
-}
-size_t rhs_offset(int64_t n_idx, int64_t k) {
-  return size_t(n_idx / kNr) * size_t(x86_vnni::rhs_block_bytes(padded_k(k)));
+  x86_vnni::pack_lhs(m, k, Packing::padded_k(k), rows, packed);
 }
 void pack_rhs(int64_t n, int64_t k, const int8_t* rhs, int64_t stride, void* packed) {
-  x86_vnni::pack_rhs(n, k, padded_k(k), rhs, stride, packed);
+  x86_vnni::pack_rhs(n, k, Packing::padded_k(k), rhs, stride, packed);
 }
 
 // The ldtilecfg operand (palette 1): tiles 0-7 all 16 rows x 64 bytes.
@@ -139,21 +131,10 @@ void run_amx(int64_t m16, int64_t n, int64_t kp, const uint8_t* a, const int8_t*
 // Fewer rows than this go to the VNNI tiles entirely: AMX only pays off from a full tile.
 constexpr int64_t kAmxMinRows = 16;
 
-void run_s32(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs, int32_t* dst,
-             int64_t dst_stride) {
-  if (m <= 0 || n <= 0) return;
-  const int64_t kp = padded_k(k);
-  const int64_t m16 = m >= kAmxMinRows ? m / 16 * 16 : 0;
-  const auto* a = static_cast<const uint8_t*>(lhs);
-  if (m16 > 0) run_amx(m16, n, kp, a, static_cast<const int8_t*>(rhs), StoreS32{dst, dst_stride});
-  if (m16 < m)
-    x86_vnni::run_s32(m - m16, n, kp, a + m16 * kp, rhs, dst + m16 * dst_stride, dst_stride);
-}
-
 void run_f32(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs, float* dst,
              int64_t dst_stride, const QGemmEpilogue& ep) {
   if (m <= 0 || n <= 0) return;
-  const int64_t kp = padded_k(k);
+  const int64_t kp = Packing::padded_k(k);
   const int64_t m16 = m >= kAmxMinRows ? m / 16 * 16 : 0;
   const auto* a = static_cast<const uint8_t*>(lhs);
   if (m16 > 0)
@@ -166,20 +147,7 @@ void run_f32(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs, 
 
 }  // namespace
 
-extern const QGemmUkernel qgemm_qu8r_qs8ci16x4s_16x16_amx = {
-    "qgemm_qu8r_qs8ci16x4s_16x16_amx",
-    Isa::amx,
-    kMr,
-    kNr,
-    kKr,
-    lhs_size,
-    lhs_offset,
-    pack_lhs,
-    rhs_size,
-    rhs_offset,
-    pack_rhs,
-    run_s32,
-    run_f32,
-};
+extern const QGemmUkernel qgemm_qu8r_qs8ci16x4s_16x16_amx = make_qgemm<Packing>(
+    "qgemm_qu8r_qs8ci16x4s_16x16_amx", Isa::amx, kMr, pack_lhs, pack_rhs, run_f32);
 
 }  // namespace cpumoe

@@ -25,24 +25,19 @@
 #include <immintrin.h>
 
 #include "cpumoe/qgemm.h"
-#include "ukernels/gemm_tile.h"
-#include "ukernels/qgemm_avx2_common.h"
-#include "ukernels/qgemm_common.h"
+#include "ukernels/common/gemm_tile.h"
+#include "ukernels/common/x86/avx2_common.h"
+#include "ukernels/qgemm/qgemm_common.h"
 
 namespace cpumoe {
 namespace {
 
 constexpr int64_t kMr = 4;
-constexpr int64_t kNr = 8;
-constexpr int64_t kKr = 8;
-
-inline int64_t padded_k(int64_t k) { return round_up(k, kKr); }
-
-size_t lhs_size(int64_t m, int64_t k) { return size_t(m) * size_t(padded_k(k)) * 2; }
-size_t lhs_offset(int64_t m_idx, int64_t k) { return size_t(m_idx) * size_t(padded_k(k)) * 2; }
+using Packing = QGemmPacking<8, 8, 2>;  // A widened to int16
+constexpr int64_t kNr = Packing::kNr;
 
 void pack_lhs(int64_t m, int64_t k, const int8_t* const* rows, void* packed) {
-  const int64_t kp = padded_k(k);
+  const int64_t kp = Packing::padded_k(k);
   auto* dst = static_cast<int16_t*>(packed);
   for (int64_t i = 0; i < m; ++i) {
     const int8_t* r = rows[i];
@@ -56,11 +51,8 @@ void pack_lhs(int64_t m, int64_t k, const int8_t* const* rows, void* packed) {
   }
 }
 
-size_t rhs_size(int64_t n, int64_t k) { return size_t(round_up(n, kNr)) * size_t(padded_k(k)); }
-size_t rhs_offset(int64_t n_idx, int64_t k) { return size_t(n_idx / kNr * kNr) * size_t(padded_k(k)); }
-
 void pack_rhs(int64_t n, int64_t k, const int8_t* rhs, int64_t stride, void* packed) {
-  const int64_t kp = padded_k(k);
+  const int64_t kp = Packing::padded_k(k);
   gemm_tile::pack_rhs_groups<int8_t, 2>(n, k, kp, kNr, rhs, stride, static_cast<int8_t*>(packed),
                                         kNr * kp);
 }
@@ -89,14 +81,9 @@ struct Ops {
 
 template <class Store>
 void run(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs, const Store& store) {
-  const int64_t kp = padded_k(k);
+  const int64_t kp = Packing::padded_k(k);
   gemm_tile::run<Ops>(m, n, static_cast<const uint8_t*>(lhs), 2 * kp,
                       static_cast<const uint8_t*>(rhs), kNr * kp, kp / 2, store);
-}
-
-void run_s32(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs, int32_t* dst,
-             int64_t dst_stride) {
-  run(m, n, k, lhs, rhs, StoreS32{dst, dst_stride});
 }
 
 void run_f32(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs, float* dst,
@@ -106,20 +93,7 @@ void run_f32(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs, 
 
 }  // namespace
 
-extern const QGemmUkernel qgemm_qs16r_qs8ci8x2_4x8_avx2 = {
-    "qgemm_qs16r_qs8ci8x2_4x8_avx2",
-    Isa::avx2,
-    kMr,
-    kNr,
-    kKr,
-    lhs_size,
-    lhs_offset,
-    pack_lhs,
-    rhs_size,
-    rhs_offset,
-    pack_rhs,
-    run_s32,
-    run_f32,
-};
+extern const QGemmUkernel qgemm_qs16r_qs8ci8x2_4x8_avx2 = make_qgemm<Packing>(
+    "qgemm_qs16r_qs8ci8x2_4x8_avx2", Isa::avx2, kMr, pack_lhs, pack_rhs, run_f32);
 
 }  // namespace cpumoe
