@@ -12,7 +12,7 @@
 #include <random>
 #include <vector>
 
-#include "cpumoe/quantize.h"
+#include "../csrc/ukernels/rowops/quantize.h"
 #include "cpumoe/rowops.h"
 #include "reference/reference.h"
 
@@ -203,7 +203,7 @@ TEST_P(RowOpsTest, ActivateRoundMatchesTheSteps) {
           std::vector<int8_t> want_q(static_cast<size_t>(inter)), got_q(static_cast<size_t>(inter));
           cpumoe::vec::gated_row(act, row.data(), inter, want_a.data());
           for (auto& v : want_a) v = cpumoe::round_to_dtype(v, dt);
-          const float want_s = rowops::quantize_row(want_a.data(), DType::f32, inter, want_q.data());
+          const float want_s = rowops::quantize_row_scalar(want_a.data(), DType::f32, inter, want_q.data());
           const float amax = ops().activate_round(act, row.data(), inter, dt, got_a.data());
           const float got_s = ops().quantize_with_amax(got_a.data(), inter, amax, got_q.data());
           ASSERT_EQ(std::isnan(got_s), std::isnan(want_s));

@@ -36,7 +36,7 @@
 #include <vector>
 
 #include "cpumoe/bench_hooks.h"  // no-ops unless built with CPUMOE_BENCH_HOOKS
-#include "cpumoe/quantize.h"
+#include "../ukernels/rowops/quantize.h"  // internal: the scalar row operations
 #include "cpumoe/rowops.h"
 
 #if defined(_OPENMP)

@@ -21,6 +21,7 @@
 #include "cpumoe/bgemm.h"
 #include "cpumoe/dtype.h"
 #include "cpumoe/qgemm.h"
+#include "cpumoe/rowops.h"  // kAmaxFloor
 
 namespace cpumoe {
 
@@ -33,9 +34,7 @@ class ArgumentError : public std::invalid_argument {
 /// The hidden and intermediate sizes must be multiples of this (the rule every path shares; a
 /// kernel that wants more pads internally).
 constexpr int64_t kDimMultiple = 8;
-/// Floor of a token's (or activation row's) absolute maximum before dividing by 127, so an
-/// all-zero row gets a finite scale and quantizes to zeros.
-constexpr float kAmaxFloor = 1e-7f;
+// kAmaxFloor (the floor of a row's absolute maximum in quantization) comes from rowops.h.
 
 /// Plain (unpacked) int8 expert weights as given by a checkpoint; all arrays dense, row-major.
 struct MoeWeights {
