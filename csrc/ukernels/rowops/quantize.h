@@ -70,12 +70,6 @@ inline float quantize_row(const void* x, DType dt, int64_t n, int8_t* q) {
   return rowops_portable.quantize(x, dt, n, q);
 }
 
-/// a[i] = round_to_dtype(a[i], dt) for i in [0, n).
-inline void round_row(float* a, int64_t n, DType dt) {
-  if (dt == DType::f32) return;
-  for (int64_t i = 0; i < n; ++i) a[i] = round_to_dtype(a[i], dt);
-}
-
 /// Stores n fp32 values in dtype dt (rounding to nearest even).
 inline void store_row(const float* acc, int64_t n, DType dt, void* dst) {
   if (dt == DType::f32) {
@@ -87,7 +81,7 @@ inline void store_row(const float* acc, int64_t n, DType dt, void* dst) {
 }
 
 /// The activation row of the op: a[0..inter) = round_to_dtype(act(gate, up)) of a GEMM1 row of
-/// 2 * inter values (vec::gated_row then round_row, in one pass); returns max |a| with a NaN
+/// 2 * inter values (vec::gated_row then round_to_dtype, in one pass); returns max |a| with a NaN
 /// sticking, for quantize_row_with_amax.
 inline float activate_round_row(Activation act, const float* row, int64_t inter, DType dt,
                                 float* a) {

@@ -20,19 +20,12 @@ void to_bf16(const void* x, DType dt, int64_t n, uint16_t* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = f32_to_bf16(load_as_f32(x, dt, i));
 }
 
-void weighted_sum_pass(int nj, const float* const* ys, const float* ws, int64_t n, bool first,
-                       bool last, DType dt, void* dst, float* acc) {
-  rowops::with_slot_count(nj, [&](auto kNj) {
-    rowops::detail::weighted_sum_pass<kNj()>(ys, ws, n, first, last, dt, dst, acc);
-  });
-}
-
 }  // namespace
 
 extern const RowOps rowops_portable = {
     "rowops_portable",           Isa::portable,           rowops::quantize_row_scalar,
     rowops::activate_round_row, rowops::quantize_row_with_amax, rowops::activate_bf16_row,
-    to_bf16,                     weighted_sum_pass,
+    to_bf16,                     rowops::weighted_sum_pass,
 };
 #endif
 
