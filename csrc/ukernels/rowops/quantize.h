@@ -86,13 +86,19 @@ inline void store_row(const float* acc, int64_t n, DType dt, void* dst) {
 inline float activate_round_row(Activation act, const float* row, int64_t inter, DType dt,
                                 float* a) {
   const GateUpLayout l = gate_up_layout(act, inter);
-  vec::gated(act, row + l.gate_offset, row + l.up_offset, l.stride, a, inter);
-  float amax = 0.0f;
-  for (int64_t i = 0; i < inter; ++i) {
-    a[i] = round_to_dtype(a[i], dt);
-    amax = amax_step(amax, std::fabs(a[i]));
-  }
-  return amax;
+  const float* gate = row + l.gate_offset;
+  const float* up = row + l.up_offset;
+  // One element at a time, in this shape: the compiler's operand order, and so which NaN a
+  // two-NaN operation passes on, follows it (the bits this variant always gave).
+  return with_dtype(dt, [&](auto kDt) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < inter; ++i) {
+      const float v = vec::apply(act, gate[i * l.stride], up[i * l.stride]);
+      a[i] = kDt() == DType::f32 ? v : round_to_dtype(v, kDt());
+      amax = amax_step(amax, std::fabs(a[i]));
+    }
+    return amax;
+  });
 }
 
 /// The bf16 op's activation row: out[0..inter) = f32_to_bf16(act(gate, up)) of a GEMM1 row of

@@ -33,7 +33,7 @@
 // Masked-tail backends: store_i8, min_i32, max_i32, deinterleave(lo, hi, &even, &odd).
 // Remainder backends: load_f32x2, load_deinterleaved, kQuantUnroll and store_q (that many
 // int32 vectors, saturated to int8, low bound -127), H2, combine_h, store_h2 (and, with
-// kBf16Cvt, bf16_narrow2).
+// kBf16Cvt, bf16_narrow2), acc_add(a, p) (a + p, with p's NaN when both are NaN).
 //
 // Internal linkage on purpose: each variant's file instantiates these with its own ISA flags.
 #pragma once
@@ -318,13 +318,13 @@ struct Algo {
       for (int s = 0; s < NJ; ++s) y[s] = ys[s];
       const Tail full = B::tail(kLanes);
       for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
-        V a0 = B::splat(0.0f), a1 = a0;
-        if (!first) B::load_f32x2(acc + i, &a0, &a1);
+        V a0 = first ? B::splat(0.0f) : B::load_f32(acc + i, full);
+        V a1 = first ? B::splat(0.0f) : B::load_f32(acc + i + kLanes, full);
         for (int s = 0; s < NJ; ++s) {
           V v0, v1;
           B::load_f32x2(y[s] + i, &v0, &v1);  // one load of 2 kLanes
-          a0 = B::add(a0, B::mul(w[s], v0));
-          a1 = B::add(a1, B::mul(w[s], v1));
+          a0 = B::acc_add(a0, B::mul(w[s], v0));
+          a1 = B::acc_add(a1, B::mul(w[s], v1));
         }
         if (!last) {
           B::store_f32(acc + i, full, a0);

@@ -41,6 +41,14 @@ struct Neon {
   static CPUMOE_ROWOPS_INLINE V sub(V a, V b) { return vsubq_f32(a, b); }
   static CPUMOE_ROWOPS_INLINE V mul(V a, V b) { return vmulq_f32(a, b); }
   static CPUMOE_ROWOPS_INLINE V div(V a, V b) { return vdivq_f32(a, b); }
+  // a + p for the combine's sums: FADD returns its first operand's NaN when both are NaN, and
+  // the compiler orders the operands of vaddq_f32 as it likes, so asm pins p first (the bits
+  // rowops_portable always gave).
+  static CPUMOE_ROWOPS_INLINE V acc_add(V a, V p) {
+    V r;
+    asm("fadd %0.4s, %1.4s, %2.4s" : "=w"(r) : "w"(p), "w"(a));
+    return r;
+  }
   static CPUMOE_ROWOPS_INLINE V min(V c, V x) { return vminq_f32(x, c); }
   static CPUMOE_ROWOPS_INLINE V max(V c, V x) { return vmaxq_f32(x, c); }
   static CPUMOE_ROWOPS_INLINE V neg(V x) { return vnegq_f32(x); }
