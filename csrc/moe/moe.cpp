@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <string>
 
-#include "cpumoe/quantize.h"
 #include "parallel.h"
 #include "pipeline.h"
 #include "plan.h"

@@ -18,7 +18,7 @@
 
 #include "bench_hooks.h"
 #include "cpumoe/moe.h"
-#include "cpumoe/quantize.h"
+#include "ukernels/rowops/quantize.h"
 #include "family.h"
 #include "parallel.h"
 #include "plan.h"

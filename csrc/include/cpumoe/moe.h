@@ -22,7 +22,7 @@
 #include "cpumoe/bgemm.h"
 #include "cpumoe/dtype.h"
 #include "cpumoe/qgemm.h"
-#include "cpumoe/rowops.h"
+#include "cpumoe/rowops.h"  // MoeConfig, kAmaxFloor
 
 namespace cpumoe {
 
@@ -35,9 +35,7 @@ class ArgumentError : public std::invalid_argument {
 /// The hidden and intermediate sizes must be multiples of this (the rule every path shares; a
 /// kernel that wants more pads internally).
 constexpr int64_t kDimMultiple = 8;
-/// Floor of a token's (or activation row's) absolute maximum before dividing by 127, so an
-/// all-zero row gets a finite scale and quantizes to zeros.
-constexpr float kAmaxFloor = 1e-7f;
+// kAmaxFloor (the floor of a row's absolute maximum in quantization) comes from rowops.h.
 
 /// How a layer cuts each GEMM into tasks over (expert, row chunk, column tile): part of its config.
 /// The tasks, and so the order of every floating-point operation, follow from it and the routing.

@@ -3,20 +3,21 @@
 /// the fused activation + dtype rounding + requantization, the bf16 op's conversions, the
 /// weighted combine), as one interface struct that every ISA variant fills in, and a registry.
 ///
-/// Every variant gives the bits of the scalar definitions in cpumoe/quantize.h (and, for the
-/// activations, of the per-element vec:: forms of cpumoe/activation.h), for every length, dtype
+/// Every variant gives the bits of the scalar definitions in csrc/ukernels/rowops/quantize.h (and,
+/// for the activations, of the per-element vec:: forms of cpumoe/activation.h), for every length, dtype
 /// and special value: which variant ran never changes a result. The dispatcher takes the variant
 /// that goes with the GEMM kernel of the packed weights (rowops_for()), so a cap on the kernel
 /// (`isa=`, CPUMOE_ISA) caps the row operations too.
 ///
-/// Variants (file name == variant name, in csrc/ukernels):
-///  - rowops_portable: quantize.h as compiled for the baseline (scalar on x86-64, NEON on AArch64).
+/// Variants (file name == variant name, in csrc/ukernels/rowops/{portable,arm,x86}):
+///  - rowops_portable: the baseline build: quantize.h's scalar definitions on x86-64, the NEON
+///    backend (Armv8.0 Advanced SIMD, 4 lanes) on AArch64.
 ///  - rowops_avx512: AVX-512 F/BW/VL, 16 lanes, masked tails (level avx512_vnni, whose CPUs all
 ///    have those).
 ///  - rowops_avx2: AVX2 + F16C, 8 lanes (level avx2).
 ///  - rowops_neon_bf16: rowops_portable's NEON with the bf16 rounding by BFCVTN (level neon_bf16,
 ///    so also with the I8MM kernel on CPUs that have both).
-/// The two x86 variants share their algorithms (csrc/ukernels/rowops_x86.h) and differ only in
+/// The vector variants share one algorithm (csrc/ukernels/rowops/rowops_vec.h) and differ only in
 /// the vector backend.
 #pragma once
 
@@ -28,6 +29,10 @@
 #include "cpumoe/dtype.h"
 
 namespace cpumoe {
+
+/// Floor of a token's (or activation row's) absolute maximum before dividing by 127, so an
+/// all-zero row gets a finite scale and quantizes to zeros.
+constexpr float kAmaxFloor = 1e-7f;
 
 /// One row-operation variant. Rows are contiguous; n, inter >= 0; every pointer valid for the
 /// elements it covers. Outputs never overlap inputs.

@@ -1,0 +1,197 @@
+/// @file quantize.h
+/// The scalar definitions of the row operations of the MoE pipeline around the GEMMs: per-row
+/// int8 quantization (of x and of the activation rows), rounding a row to the input dtype,
+/// storing an fp32 row in a dtype, the weighted combine. Every RowOps variant (cpumoe/rowops.h)
+/// gives these bits; the vector ones are written once in rowops_vec.h, which runs the remainders
+/// of its rows through the forms here. rowops_portable is these forms on x86-64.
+/// Header-only; internal to the row operations, the dispatcher (csrc/moe) and their tests.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstddef>
+#include <cstring>
+#include <type_traits>
+
+#include "cpumoe/activation.h"
+#include "cpumoe/dtype.h"
+#include "cpumoe/rowops.h"  // kAmaxFloor
+
+namespace cpumoe {
+namespace rowops {
+
+/// The scalar definition of one element: q = round_half_even(v / s) clamped to [-127, 127], NaN
+/// to 0.
+inline int8_t quantize_one(float x, float s) {
+  float v = x / s;
+  v = (v + 12582912.0f) - 12582912.0f;  // round half to even (|v| <= 127 here)
+  v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+  return v == v ? int8_t(v) : int8_t(0);  // NaN quantizes to 0 instead of undefined behaviour
+}
+
+/// A NaN sticks: once amax is NaN it stays NaN.
+inline float amax_step(float amax, float a) { return (a > amax || a != a) ? a : amax; }
+
+/// The second half of quantize() below, given the row's absolute maximum amax.
+template <class Load1>
+inline float quantize_with_amax(int64_t n, int8_t* q, float amax, const Load1& load) {
+  // NaN stays NaN (std::max returns its first argument when the comparison is false); an inf
+  // gives an inf scale. Either way every q is 0 and the row's results are NaN.
+  const float s = std::max(amax, kAmaxFloor) / 127.0f;
+  for (int64_t i = 0; i < n; ++i) q[i] = quantize_one(load(i), s);
+  return s;
+}
+
+/// Quantizes n elements, element i being load(i) (fp32); writes q[0..n), returns the scale
+/// s = max(max|x|, kAmaxFloor) / 127.
+template <class Load1>
+inline float quantize(int64_t n, int8_t* q, const Load1& load) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < n; ++i) amax = amax_step(amax, std::fabs(load(i)));
+  return quantize_with_amax(n, q, amax, load);
+}
+
+/// Dynamic symmetric int8 quantization of one row of @p n elements of type @p dt, by definition.
+inline float quantize_row_scalar(const void* x, DType dt, int64_t n, int8_t* q) {
+  return with_dtype(dt, [&](auto kDt) {
+    return quantize(n, q, [x](int64_t i) { return load_as_f32(x, decltype(kDt)::value, i); });
+  });
+}
+
+}  // namespace rowops
+
+extern const RowOps rowops_portable;
+
+namespace rowops {
+
+/// quantize_row_scalar's bits by the baseline variant (NEON on AArch64): cpumoe::quantize_row.
+inline float quantize_row(const void* x, DType dt, int64_t n, int8_t* q) {
+  return rowops_portable.quantize(x, dt, n, q);
+}
+
+/// Stores n fp32 values in dtype dt (rounding to nearest even).
+inline void store_row(const float* acc, int64_t n, DType dt, void* dst) {
+  if (dt == DType::f32) {
+    std::memcpy(dst, acc, size_t(n) * 4);
+    return;
+  }
+  auto* d = static_cast<uint16_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) d[i] = dt == DType::bf16 ? f32_to_bf16(acc[i]) : f32_to_f16(acc[i]);
+}
+
+/// The activation row of the op: a[0..inter) = round_to_dtype(act(gate, up)) of a GEMM1 row of
+/// 2 * inter values (vec::gated_row then round_to_dtype, in one pass); returns max |a| with a NaN
+/// sticking, for quantize_row_with_amax.
+inline float activate_round_row(Activation act, const float* row, int64_t inter, DType dt,
+                                float* a) {
+  const GateUpLayout l = gate_up_layout(act, inter);
+  const float* gate = row + l.gate_offset;
+  const float* up = row + l.up_offset;
+  // One element at a time, in this shape: the compiler's operand order, and so which NaN a
+  // two-NaN operation passes on, follows it (the bits this variant always gave).
+  return with_dtype(dt, [&](auto kDt) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < inter; ++i) {
+      const float v = vec::apply(act, gate[i * l.stride], up[i * l.stride]);
+      a[i] = kDt() == DType::f32 ? v : round_to_dtype(v, kDt());
+      amax = amax_step(amax, std::fabs(a[i]));
+    }
+    return amax;
+  });
+}
+
+/// The bf16 op's activation row: out[0..inter) = f32_to_bf16(act(gate, up)) of a GEMM1 row of
+/// 2 * inter values (vec::gated_row then store_row, in one pass).
+inline void activate_bf16_row(Activation act, const float* row, int64_t inter, uint16_t* out) {
+  const GateUpLayout l = gate_up_layout(act, inter);
+  with_activation(act, [&](auto kAct) {  // one straight loop per activation
+    for (int64_t i = 0; i < inter; ++i)
+      out[i] = f32_to_bf16(vec::apply<kAct()>(row[l.gate_offset + i * l.stride], row[l.up_offset + i * l.stride]));
+  });
+}
+
+/// quantize_row(a, DType::f32, n, q) for a row whose max |a| (NaN sticking) is already known.
+inline float quantize_row_with_amax(const float* a, int64_t n, float amax, int8_t* q) {
+  return quantize_with_amax(n, q, amax, [a](int64_t i) { return a[i]; });
+}
+
+namespace detail {
+// One pass of weighted_sum_row over NJ slots (0 < NJ <= 8), unrolled so that the weights stay in
+// registers; first: the sums start at 0.0f (else from acc); last: they go to dst, else to acc.
+template <int NJ>
+inline void weighted_sum_pass(const float* const* ys, const float* ws, int64_t n, bool first,
+                              bool last, DType dt, void* dst, float* acc) {
+  for (int64_t i = 0; i < n; ++i) {
+    float a = first ? 0.0f : acc[i];
+    for (int s = 0; s < NJ; ++s) a += ws[s] * ys[s][i];
+    if (!last) acc[i] = a;
+    else if (dt == DType::f32) static_cast<float*>(dst)[i] = a;
+    else static_cast<uint16_t*>(dst)[i] = dt == DType::bf16 ? f32_to_bf16(a) : f32_to_f16(a);
+  }
+}
+}  // namespace detail
+
+/// f(std::integral_constant<int, nj>{}) for a slot count nj in 1..8 (8 for anything larger): the
+/// passes of the weighted combine are unrolled over their slots.
+template <class F>
+inline void with_slot_count(int nj, const F& f) {
+  switch (nj) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
+}
+
+/// detail::weighted_sum_pass for a run-time slot count nj in 1..8 (RowOps::weighted_sum_pass).
+inline void weighted_sum_pass(int nj, const float* const* ys, const float* ws, int64_t n,
+                              bool first, bool last, DType dt, void* dst, float* acc) {
+  with_slot_count(nj, [&](auto kNj) {
+    detail::weighted_sum_pass<kNj()>(ys, ws, n, first, last, dt, dst, acc);
+  });
+}
+
+/// The signature of a weighted_sum_pass (this one, or a RowOps variant's).
+using WeightedSumPass = void (*)(int nj, const float* const* ys, const float* ws, int64_t n,
+                                 bool first, bool last, DType dt, void* dst, float* acc);
+
+/// dst = sum over the slots j < count with slot(j, &y, &w) true of w * y[0..n), in fp32, in
+/// order from 0.0f (the bits of `acc = 0; for each slot: acc[i] += w * y[i]`), stored in dtype
+/// dt; no slot: zeros. Up to 8 slots are summed in registers per pass over the row (by @p pass);
+/// acc (n floats of scratch) carries the sums between passes when there are more.
+template <class Slot>
+inline void weighted_sum_row(int64_t count, const Slot& slot, int64_t n, DType dt, void* dst,
+                             float* acc, WeightedSumPass pass = &weighted_sum_pass) {
+  constexpr int kFused = 8;
+  const float* ys[kFused];
+  float ws[kFused];
+  int64_t j = 0;
+  bool first = true;
+  for (;;) {
+    int nj = 0;
+    for (; j < count && nj < kFused; ++j)
+      if (slot(j, &ys[nj], &ws[nj])) ++nj;
+    bool last = true;  // no valid slot after these?
+    for (int64_t r = j; r < count && last; ++r) {
+      const float* yr;
+      float wr;
+      last = !slot(r, &yr, &wr);
+    }
+    if (nj == 0) {  // no slot at all (nj is 0 only then): zeros
+      std::fill(acc, acc + n, 0.0f);
+      store_row(acc, n, dt, dst);
+      return;
+    }
+    pass(nj, ys, ws, n, first, last, dt, dst, acc);
+    if (last) return;
+    first = false;
+  }
+}
+
+}  // namespace rowops
+}  // namespace cpumoe
