@@ -324,6 +324,38 @@ TEST(MoePacked, Accessors) {
   EXPECT_EQ(pk.b2(1), nullptr);
 }
 
+// A hand-made config is checked as the weights are: a missing kernel or row-op table, a tile
+// policy that does not match the kernel or would cut zero-sized tasks.
+TEST(MoePacked, BadConfigIsAnArgumentError) {
+  const MoeData d = make_moe_data({1, 2, 1, 16, 16}, DType::f32, Activation::silu, false, 19);
+  const cpumoe::MoeConfig<cpumoe::QGemmUkernel> good = cpumoe::int8_config(nullptr);
+  auto expect_bad = [&](cpumoe::MoeConfig<cpumoe::QGemmUkernel> cfg, const char* what) {
+    try {
+      const cpumoe::PackedMoe pk(d.weights(), cfg, 1);
+      ADD_FAILURE() << what << ": accepted";
+    } catch (const ArgumentError& e) {
+      EXPECT_EQ(std::string(e.what()).rfind("config:", 0), 0u) << what << ": " << e.what();
+    }
+  };
+  auto cfg = good;
+  cfg.gemm = nullptr;
+  expect_bad(cfg, "no kernel");
+  cfg = good;
+  cfg.rowops = nullptr;
+  expect_bad(cfg, "no row operations");
+  cfg = good;
+  cfg.tiles.rows = 0;
+  expect_bad(cfg, "zero rows per task");
+  cfg = good;
+  cfg.tiles.max_cols = 0;
+  expect_bad(cfg, "zero columns per tile");
+  cfg = good;
+  cfg.tiles.nr = good.tiles.nr + 1;
+  expect_bad(cfg, "nr not the kernel's");
+  const cpumoe::PackedMoe ok(d.weights(), good, 1);
+  EXPECT_EQ(ok.config().gemm, good.gemm);
+}
+
 // --- Argument errors -------------------------------------------------------------------------
 
 static_assert(std::is_base_of<std::invalid_argument, ArgumentError>::value,
