@@ -101,8 +101,7 @@ def run(args: argparse.Namespace) -> int:
     import cpumoe
 
     layer = problem.Layer(args)
-    if layer.k > layer.E:
-        print(f"cpumoe check: --topk {layer.k} exceeds --experts {layer.E}", file=sys.stderr)
+    if not problem.topk_fits(layer, "cpumoe check"):
         return 2
     out = sys.stdout
     if problem.print_header(layer, out) is None:

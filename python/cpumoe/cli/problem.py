@@ -295,6 +295,14 @@ def paths_under(isa: Optional[str]) -> List[str]:
     return [p for p in paths if p in allowed]
 
 
+def topk_fits(layer: Layer, prog: str) -> bool:
+    """False (reported on stderr as `prog: ...`) when --topk exceeds --experts."""
+    if layer.k > layer.E:
+        print(f"{prog}: --topk {layer.k} exceeds --experts {layer.E}", file=sys.stderr)
+        return False
+    return True
+
+
 def print_header(layer: Layer, out) -> Optional[str]:
     """Prints the header lines; returns the selected path (None after a bad --isa, reported)."""
     import cpumoe

@@ -29,8 +29,7 @@ def run(args: argparse.Namespace) -> int:
     import cpumoe
 
     layer = problem.Layer(args)
-    if layer.k > layer.E:
-        print(f"cpumoe: --topk {layer.k} exceeds --experts {layer.E}", file=sys.stderr)
+    if not problem.topk_fits(layer, "cpumoe"):
         return 2
     out = sys.stdout
     chosen = problem.print_header(layer, out)

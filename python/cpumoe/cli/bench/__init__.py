@@ -121,10 +121,8 @@ def run(args: argparse.Namespace) -> int:
     names = args.contenders or ["cpumoe-int8"]
     modes = args.weights or ["cold"]
     layers = [_layer_for(args, p) for p in args.preset or [problem.DEFAULT_PRESET]]
-    for layer in layers:
-        if layer.k > layer.E:
-            print(f"cpumoe bench: --topk {layer.k} exceeds --experts {layer.E}", file=sys.stderr)
-            return 2
+    if not all(problem.topk_fits(layer, "cpumoe bench") for layer in layers):
+        return 2
     out = sys.stdout
     if problem.print_header(layers[0], out) is None:
         return 2
