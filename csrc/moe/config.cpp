@@ -9,8 +9,6 @@ MoeConfig<Kernel> config_for(const Kernel* kernel) {
   MoeConfig<Kernel> cfg;
   cfg.gemm = kernel;
   cfg.rowops = rowops_for(kernel->isa);  // a cap on the kernel caps the row operations too
-  cfg.tiles.mr = kernel->mr;
-  cfg.tiles.nr = kernel->nr;
   return cfg;
 }
 

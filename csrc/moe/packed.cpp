@@ -57,12 +57,9 @@ PackedExperts<Kernel>::PackedExperts(int64_t e, int64_t h, int64_t i,
   if (!cpu_supports(config_.rowops->isa))
     fail(std::string("config: row operations ") + config_.rowops->name + " need " +
          isa_name(config_.rowops->isa) + ", which this CPU lacks");
-  // A hand-made policy must keep the task split well formed (tasks are cut in multiples of the
-  // kernel's tile; a zero would divide by zero when tasks are made).
+  // A hand-made policy must keep the task split well formed (a zero would divide by zero when
+  // tasks are made).
   const MoeTilePolicy& tp = config_.tiles;
-  if (tp.mr != k.mr || tp.nr != k.nr)
-    fail("config: tile policy mr/nr must be the kernel's (" + std::to_string(k.mr) + ", " +
-         std::to_string(k.nr) + ")");
   if (tp.rows < 1 || tp.max_cols < 1 || tp.tasks_per_thread < 1)
     fail("config: tile policy rows, max_cols and tasks_per_thread must be >= 1");
 

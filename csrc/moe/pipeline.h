@@ -80,8 +80,8 @@ class Pipeline {
     sizes.P = r.P;
     sizes.lhs1 = lhs_offsets(r, kern, H, nullptr);
     sizes.lhs2 = lhs_offsets(r, kern, I, nullptr);
-    sizes.tasks1 = make_tasks(r, tp, 2 * I, threads, nullptr);
-    sizes.tasks2 = make_tasks(r, tp, H, threads, nullptr);
+    sizes.tasks1 = make_tasks(r, tp, kern.mr, kern.nr, 2 * I, threads, nullptr);
+    sizes.tasks2 = make_tasks(r, tp, kern.mr, kern.nr, H, threads, nullptr);
     pl = plan(sizes);  // same routing offsets: they depend on E, tc, k only
     base = thread_scratch().reserve(pl.total, pl.route_end);
     r.bind(base, pl);
@@ -133,7 +133,7 @@ class Pipeline {
     const uint8_t* lhs = at<uint8_t>(lhs_at);
     const size_t* off = at<size_t>(off_at);
     Task* tasks = at<Task>(tasks_at);
-    make_tasks(r, tp, n, threads, tasks);
+    make_tasks(r, tp, kern.mr, kern.nr, n, threads, tasks);
     parallel_for(n_tasks, threads, [&](int64_t i, int) -> int64_t {
       const Task& tk = tasks[i];
       const int64_t row0 = r.first[tk.e] + tk.m0;

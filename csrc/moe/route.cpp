@@ -49,11 +49,12 @@ void route(const MoeCall& c, int64_t t0, int64_t tc, int64_t E, int64_t* fill, R
   }
 }
 
-int64_t make_tasks(const Routing& r, const MoeTilePolicy& tp, int64_t n, int threads, Task* out) {
-  const int64_t rows = rows_per_task(tp);
+int64_t make_tasks(const Routing& r, const MoeTilePolicy& tp, int64_t mr, int64_t nr, int64_t n,
+                   int threads, Task* out) {
+  const int64_t rows = rows_per_task(tp, mr);
   int64_t row_tasks = 0;
   for (int64_t i = 0; i < r.n_active; ++i) row_tasks += ceil_div(r.count[r.active[i]], rows);
-  const int64_t tile = choose_n_tile(tp, n, row_tasks, threads);
+  const int64_t tile = choose_n_tile(tp, nr, n, row_tasks, threads);
   int64_t nt = 0;
   for (int64_t i = 0; i < r.n_active; ++i) {
     const int64_t e = r.active[i];

@@ -31,9 +31,10 @@ struct Routing {
 // block); fill is scratch of E entries.
 void route(const MoeCall& c, int64_t t0, int64_t tc, int64_t E, int64_t* fill, Routing* r);
 
-// Tasks of a GEMM with n output columns under the tile policy; writes them to `out` when given,
-// returns how many there are.
-int64_t make_tasks(const Routing& r, const MoeTilePolicy& tp, int64_t n, int threads, Task* out);
+// Tasks of a GEMM with n output columns under the tile policy, cut in the kernel's mr x nr tiles;
+// writes them to `out` when given, returns how many there are.
+int64_t make_tasks(const Routing& r, const MoeTilePolicy& tp, int64_t mr, int64_t nr, int64_t n,
+                   int threads, Task* out);
 
 // Byte offsets of each active expert's packed rows of depth `depth` (off[e]); returns the total.
 template <class Kernel>

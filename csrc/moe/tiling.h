@@ -17,17 +17,18 @@ struct Task {
   int64_t e, m0, m, n0, n;
 };
 
-// Rows of a task: the policy's row chunk rounded up to the kernel's register tile.
-inline int64_t rows_per_task(const MoeTilePolicy& tp) { return round_up(tp.rows, tp.mr); }
+// Rows of a task: the policy's row chunk rounded up to the kernel's register tile (mr rows).
+inline int64_t rows_per_task(const MoeTilePolicy& tp, int64_t mr) { return round_up(tp.rows, mr); }
 
-// Column tile of a GEMM of n columns over row_tasks row chunks: a multiple of nr, at most
+// Column tile of a GEMM of n columns over row_tasks row chunks: a multiple of the kernel's nr, at most
 // max_cols columns, and small enough that there are about tasks_per_thread tasks per thread.
-inline int64_t choose_n_tile(const MoeTilePolicy& tp, int64_t n, int64_t row_tasks, int threads) {
+inline int64_t choose_n_tile(const MoeTilePolicy& tp, int64_t nr, int64_t n, int64_t row_tasks,
+                             int threads) {
   const int64_t want_tasks = tp.tasks_per_thread * int64_t(threads);
   int64_t tiles = std::max<int64_t>(1, ceil_div(want_tasks, std::max<int64_t>(1, row_tasks)));
   tiles = std::max(tiles, ceil_div(n, tp.max_cols));
-  const int64_t tile = round_up(ceil_div(n, tiles), tp.nr);
-  return std::max(tp.nr, tile);
+  const int64_t tile = round_up(ceil_div(n, tiles), nr);
+  return std::max(nr, tile);
 }
 
 // Upper bound of the number of tasks of a GEMM over P rows in at most `experts` non-empty

@@ -40,10 +40,9 @@ constexpr int64_t kDimMultiple = 8;
 /// How a layer cuts each GEMM into tasks over (expert, row chunk, column tile): part of its config.
 /// The tasks, and so the order of every floating-point operation, follow from it and the routing.
 struct MoeTilePolicy {
-  int64_t rows = 256;  ///< rows of a task before rounding up to mr: weights stream once per call
-                       ///< for realistic tokens per expert, a huge expert still splits
-  int64_t mr = 1;      ///< the kernel's register-tile rows (a task's rows are a multiple)
-  int64_t nr = 1;      ///< the kernel's packed column block (a column tile is a multiple)
+  int64_t rows = 256;  ///< rows of a task before rounding up to the kernel's mr: weights stream
+                       ///< once per call for realistic tokens per expert, a huge expert still
+                       ///< splits (column tiles are multiples of the kernel's nr)
   int64_t max_cols = 256;        ///< a column tile spans at most about this many columns (L2)
   int64_t tasks_per_thread = 4;  ///< ... and is small enough for about this many tasks per thread
 };
