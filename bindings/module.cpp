@@ -127,7 +127,7 @@ py::list kernel_list(const std::vector<const Kernel*>& registry) {
     d["mr"] = k->mr;
     d["nr"] = k->nr;
     d["kr"] = k->kr;
-    d["supported"] = cpu_supports(k->isa);
+    d["supported"] = cpu_has(k->isa);  // a query: no AMX permission request here
     out.append(d);
   }
   return out;
@@ -231,7 +231,8 @@ PYBIND11_MODULE(_C, m) {
     for (Isa isa : isa_ladder()) out.append(isa_name(isa));
     return out;
   }, "ISA levels of this architecture, best first.");
-  m.def("cpu_supports", [](const std::string& isa) { return cpu_supports(parse_isa(isa, "isa")); });
+  // A yes/no query (cpu_has): asks the OS for nothing (AMX: no tile-state request).
+  m.def("cpu_supports", [](const std::string& isa) { return cpu_has(parse_isa(isa, "isa")); });
   m.def("env_isa_cap", []() -> std::optional<std::string> {
     const Isa* cap = env_isa_cap();
     if (cap == nullptr) return std::nullopt;

@@ -11,6 +11,9 @@
 #include <vector>
 
 #include "bgemm_tester.h"
+#if defined(CPUMOE_TEST_AMX_TILE_MODEL)
+#include "amx/amx_model_kernels.h"
+#endif
 #include "cpumoe/bgemm.h"
 #include "cpumoe/cpu_features.h"
 #include "cpumoe/dtype.h"
@@ -184,8 +187,14 @@ std::string KernelName(const testing::TestParamInfo<const BGemmUkernel*>& info) 
   return info.param->name;
 }
 
+#if defined(CPUMOE_TEST_AMX_TILE_MODEL)
+// The AMX kernels' code over the tile model (tests_cpp/amx), in a binary of its own.
+INSTANTIATE_TEST_SUITE_P(AmxTileModel, BGemmKernelTest,
+                         testing::Values(&cpumoe_test::bgemm_amx_tilemodel), KernelName);
+#else
 INSTANTIATE_TEST_SUITE_P(Registry, BGemmKernelTest, testing::ValuesIn(cpumoe::bgemm_registry()),
                          KernelName);
+#endif
 
 bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;

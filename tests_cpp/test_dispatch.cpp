@@ -3,6 +3,11 @@
 // does not.
 #include <gtest/gtest.h>
 
+#if defined(__x86_64__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include <algorithm>
 #include <cstdlib>
 #include <iostream>
@@ -103,11 +108,41 @@ TEST(Dispatch, IsaTableKeepsTheApi) {
   const std::vector<Isa> want{Isa::portable};
 #endif
   EXPECT_EQ(cpumoe::isa_ladder(), want);
-  // A level needs the one it requires: avx512_bf16 and amx need avx512_vnni.
-  for (Isa isa : {Isa::avx512_bf16, Isa::amx})
-    EXPECT_TRUE(!cpumoe::cpu_supports(isa) || cpumoe::cpu_supports(Isa::avx512_vnni))
-        << cpumoe::isa_name(isa);
+  // A level needs the one it requires: avx512_bf16 needs avx512_vnni, amx needs avx512_bf16.
+  for (Isa isa : {Isa::avx512_bf16, Isa::amx}) {
+    EXPECT_TRUE(!cpumoe::cpu_has(isa) || cpumoe::cpu_has(Isa::avx512_vnni)) << cpumoe::isa_name(isa);
+    EXPECT_TRUE(!cpumoe::cpu_supports(isa) || cpumoe::cpu_has(isa)) << cpumoe::isa_name(isa);
+  }
+  EXPECT_TRUE(!cpumoe::cpu_has(Isa::amx) || cpumoe::cpu_has(Isa::avx512_bf16));
 }
+
+#if defined(__x86_64__) && defined(__linux__)
+// The AMX tile-state permission is asked for when an AMX kernel is first chosen, never by the
+// yes/no queries (ctest runs each test in a process of its own, so this one starts without it).
+// ARCH_GET_XCOMP_PERM (0x1022) reports the permitted features; bit 18 is the tile data.
+TEST(Dispatch, AmxPermissionAskedOnlyWhenAnAmxKernelIsChosen) {
+  if (!cpumoe::cpu_has(Isa::amx)) GTEST_SKIP() << "this CPU has no AMX";
+  const auto permitted = [] {
+    uint64_t mask = 0;
+    EXPECT_EQ(syscall(SYS_arch_prctl, 0x1022, &mask), 0);
+    return (mask >> 18) & 1;
+  };
+  if (permitted()) GTEST_SKIP() << "the process already had the permission when the test began";
+  // Every query: features, levels, registries, the listing the bindings make.
+  (void)cpumoe::cpu_features();
+  for (Isa isa : cpumoe::isa_ladder()) (void)cpumoe::cpu_has(isa);
+  (void)cpumoe::qgemm_registry();
+  (void)cpumoe::bgemm_registry();
+  EXPECT_EQ(permitted(), 0u) << "a yes/no query asked Linux for the AMX tile state";
+  // Choosing the AMX kernel asks (once).
+  const Isa amx = Isa::amx;
+  const QGemmUkernel* k = cpumoe::qgemm_select(&amx);
+  if (within_env_cap(Isa::amx)) {
+    EXPECT_EQ(k->isa, Isa::amx);
+    EXPECT_EQ(permitted(), 1u);
+  }
+}
+#endif
 
 TEST(Dispatch, SelectReturnsTheBestSupportedKernel) {
   const QGemmUkernel* sel = cpumoe::qgemm_select();

@@ -13,6 +13,9 @@
 #include "cpumoe/qgemm.h"
 #include "qgemm_tester.h"
 #include "reference/reference.h"
+#if defined(CPUMOE_TEST_AMX_TILE_MODEL)
+#include "amx/amx_model_kernels.h"
+#endif
 
 namespace {
 
@@ -184,7 +187,13 @@ std::string KernelName(const testing::TestParamInfo<const QGemmUkernel*>& info) 
   return info.param->name;
 }
 
+#if defined(CPUMOE_TEST_AMX_TILE_MODEL)
+// The AMX kernels' code over the tile model (tests_cpp/amx), in a binary of its own.
+INSTANTIATE_TEST_SUITE_P(AmxTileModel, QGemmKernelTest,
+                         testing::Values(&cpumoe_test::qgemm_amx_tilemodel), KernelName);
+#else
 INSTANTIATE_TEST_SUITE_P(Registry, QGemmKernelTest, testing::ValuesIn(cpumoe::qgemm_registry()),
                          KernelName);
+#endif
 
 }  // namespace

@@ -123,6 +123,8 @@ TEST(Int64Offsets, ScratchPlannerBeyond2To32) {
       // One chunk of at most 16384 slots.
       const u128 tc = u128(std::min<int64_t>(b.T, std::max<int64_t>(1, 16384 / b.k)));
       const u128 P = tc * u128(b.k), H = u128(b.H), I = u128(b.I);
+      // Packed A rows are padded to the kernel's kr (64 for AMX: 8 columns take 64 bytes).
+      const u128 Hp = u128(cpumoe::round_up(b.H, kp->kr)), Ip = u128(cpumoe::round_up(b.I, kp->kr));
       // Phases 1-5 (h fp32, qa, xq, packed lhs1 at >= 1 byte per element) share their space
       // with GEMM2's output y (fp32); packed lhs2 and the routing come on top.
       const u128 route = 2 * P * 8;                           // pos_of, token_of
@@ -133,10 +135,10 @@ TEST(Int64Offsets, ScratchPlannerBeyond2To32) {
       // Slack: 64-byte alignment of ~25 buffers, the per-expert padding of the packed rows (one
       // tile of mr rows each, 2 bytes per element at most), task lists, per-thread rows, scales.
       const u128 experts = std::min<u128>(u128(b.E), P);
-      const u128 slack = 25 * 64 + experts * (u128(kp->mr) * 2 * (H + I) + 128 + 4 * 8) +
+      const u128 slack = 25 * 64 + experts * (u128(kp->mr) * 2 * (Hp + Ip) + 128 + 4 * 8) +
                          threads * (H + I) * 4 + P * 16 + (P / 256 + experts + 16) *
                          ((2 * I + H) / 256 + 8) * 40 + (u128(1) << 20);
-      const u128 ceiling = route + std::max(early + P * H, y) + 2 * P * I + slack;  // lhs <= 2 B
+      const u128 ceiling = route + std::max(early + P * Hp, y) + 2 * P * Ip + slack;  // lhs <= 2 B
       EXPECT_TRUE(u128(got) <= ceiling) << got << " > " << str(ceiling);
       if (b.H >= 16384) {
         EXPECT_GT(got, size_t(1) << (b.H >= (1 << 20) ? 36 : 31));

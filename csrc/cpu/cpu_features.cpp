@@ -79,7 +79,7 @@ CpuFeatures detect() {
   f.avx512vnni = os_avx512 && ((c7 >> 11) & 1);
   f.avx512bf16 = os_avx512 && ((a71 >> 5) & 1);
   f.avx_vnni = os_avx && ((a71 >> 4) & 1);
-  // AMX also needs the per-process permission (arch_prctl), which the AMX kernel asks for.
+  // AMX also needs the per-process permission (arch_prctl): the amx row's enable step.
   f.amx_bf16 = os_amx && ((d7 >> 22) & 1);
   f.amx_tile = os_amx && ((d7 >> 24) & 1);
   f.amx_int8 = os_amx && ((d7 >> 25) & 1);
@@ -87,10 +87,12 @@ CpuFeatures detect() {
   return f;
 }
 
-// The AMX kernel also runs AVX-512 VNNI code (small M, epilogue). Linux hands out the tile data
-// state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 18), once per
-// process for all its threads; without it tile instructions fault. The amx row of isa_table.def
-// asks last, so only where the CPU and XCR0 report AMX.
+// Linux hands out the AMX tile data state only on request (arch_prctl ARCH_REQ_XCOMP_PERM,
+// XFEATURE_XTILEDATA = 18), once per process for all its threads; without it tile instructions
+// fault. The amx row's enable step: asked once, the first time an AMX kernel is selected or
+// checked (cpu_supports), never by the yes/no query cpu_has, and only where the CPU and XCR0
+// report AMX. The request also makes the kernel reserve signal frames large enough for the
+// tile state (it refuses when a thread's sigaltstack is too small).
 bool amx_permission() {
   static const bool granted = [] {
 #if defined(__x86_64__) && defined(__linux__)
@@ -152,13 +154,27 @@ Isa parse_isa(const std::string& name, const char* what) {
                               target_arch() + " (one of: " + names + ")");
 }
 
-bool cpu_supports(Isa isa) {
+bool cpu_has(Isa isa) {
   const CpuFeatures& f = cpu_features();
   switch (isa) {
     // A row's predicate after the level it requires (portable requires itself: no recursion).
-#define CPUMOE_ISA(name, value, arch, req, have, option, dflt, flags, macros, predicate) \
-  case Isa::name:                                                                          \
-    return (Isa::req == Isa::name || cpu_supports(Isa::req)) && (predicate);
+#define CPUMOE_ISA(name, value, arch, req, have, option, dflt, flags, macros, predicate, enable) \
+  case Isa::name:                                                                                  \
+    return (Isa::req == Isa::name || cpu_has(Isa::req)) && (predicate);
+#include "cpumoe/isa_table.def"
+#undef CPUMOE_ISA
+  }
+  return false;
+}
+
+bool cpu_supports(Isa isa) {
+  if (!cpu_has(isa)) return false;
+  switch (isa) {
+    // The level's enable step (memoized where it has an effect, as amx_permission is) after
+    // that of the level it requires.
+#define CPUMOE_ISA(name, value, arch, req, have, option, dflt, flags, macros, predicate, enable) \
+  case Isa::name:                                                                                  \
+    return (Isa::req == Isa::name || cpu_supports(Isa::req)) && (enable);
 #include "cpumoe/isa_table.def"
 #undef CPUMOE_ISA
   }

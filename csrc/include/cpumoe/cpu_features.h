@@ -47,7 +47,8 @@ const char* target_arch();
 ///  - AArch64: neon_i8mm (12) -> neon_bf16 (11) -> neon_dotprod (10) -> portable.
 ///  - x86-64: amx (23) -> avx512_bf16 (22) -> avx512_vnni (21) -> avx2 (20) -> portable.
 ///    avx512_bf16 (VNNI plus VDPBF16PS) only has bf16-op kernels: the int8 op under that cap
-///    runs avx512_vnni.
+///    runs avx512_vnni. amx (AMX-TILE, -INT8, -BF16 on top of avx512_bf16: Sapphire Rapids and
+///    later) has kernels for both ops.
 enum class Isa : int {
 #define CPUMOE_ISA(name, value, ...) name = value,
 #include "cpumoe/isa_table.def"
@@ -64,8 +65,15 @@ std::vector<Isa> isa_ladder();
 /// @p what and the accepted names when @p name is not one of them.
 Isa parse_isa(const std::string& name, const char* what);
 
-/// True when the running CPU can execute kernels of level @p isa (its isa_table.def predicate and
-/// that of the level it requires; AMX also asks Linux for the tile state, once per process).
+/// True when the running CPU and OS state (XCR0) have what kernels of level @p isa execute: its
+/// isa_table.def predicate and that of the level it requires. A pure query: no side effects (AMX
+/// reports true here before the process has asked Linux for the tile state).
+bool cpu_has(Isa isa);
+
+/// True when this process can run kernels of level @p isa now: cpu_has(isa), and the level's
+/// enable step done (isa_table.def; AMX: the tile-state permission, asked of Linux once per
+/// process, on the first call for that level). Call it before running a kernel of the level;
+/// the registries' select functions and the packed layers do.
 bool cpu_supports(Isa isa);
 
 /// The cap from the environment variable CPUMOE_ISA, read once; `nullptr` when unset or empty.

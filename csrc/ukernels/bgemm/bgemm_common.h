@@ -17,17 +17,19 @@ namespace cpumoe {
 namespace {
 
 /// A kernel's packing: K padded to kp = round_up(k, Kr); A rows of kp elements of LhsBytes bytes
-/// (2: bf16, 4: widened to fp32); B in blocks of Nr columns x kp bf16 (a multiple of 64 bytes
-/// when Nr * Kr is a multiple of 32).
-template <int64_t Nr, int64_t Kr, int64_t LhsBytes>
+/// (2: bf16, 4: widened to fp32), the row count rounded up to LhsRows (zero rows); B in blocks of
+/// Nr columns x kp bf16 (a multiple of 64 bytes when Nr * Kr is a multiple of 32).
+template <int64_t Nr, int64_t Kr, int64_t LhsBytes, int64_t LhsRows = 1>
 struct BGemmPacking {
   static_assert(Nr * Kr % 32 == 0, "packed B blocks must be multiples of 64 bytes");
-  static constexpr int64_t kNr = Nr, kKr = Kr, kLhsBytes = LhsBytes;
+  static constexpr int64_t kNr = Nr, kKr = Kr, kLhsBytes = LhsBytes, kLhsRows = LhsRows;
   static int64_t padded_k(int64_t k) { return round_up(k, Kr); }
   static size_t lhs_size(int64_t m, int64_t k) {
-    return size_t(m) * size_t(padded_k(k)) * size_t(LhsBytes);
+    return size_t(round_up(m, LhsRows)) * size_t(padded_k(k)) * size_t(LhsBytes);
   }
-  static size_t lhs_offset(int64_t m_idx, int64_t k) { return lhs_size(m_idx, k); }
+  static size_t lhs_offset(int64_t m_idx, int64_t k) {
+    return size_t(m_idx) * size_t(padded_k(k)) * size_t(LhsBytes);
+  }
   static size_t rhs_size(int64_t n, int64_t k) {
     return size_t(round_up(n, Nr)) * size_t(padded_k(k)) * 2;
   }
@@ -36,7 +38,8 @@ struct BGemmPacking {
   }
 };
 
-/// Row i of A at i * kp elements of T, each cvt(the bf16 bits), zero-padded from k to kp.
+/// Row i of A at i * kp elements of T, each cvt(the bf16 bits), zero-padded from k to kp; the
+/// padding rows up to a multiple of LhsRows are zero.
 template <class P, class T, class Cvt>
 void pack_lhs_rows(int64_t m, int64_t k, const uint16_t* const* rows, void* packed, Cvt cvt) {
   static_assert(sizeof(T) == P::kLhsBytes, "the packing's A element");
@@ -47,6 +50,7 @@ void pack_lhs_rows(int64_t m, int64_t k, const uint16_t* const* rows, void* pack
     for (int64_t x = 0; x < k; ++x) d[x] = cvt(rows[i][x]);
     for (int64_t x = k; x < kp; ++x) d[x] = T(0);
   }
+  for (int64_t x = m * kp; x < round_up(m, P::kLhsRows) * kp; ++x) dst[x] = T(0);
 }
 
 /// The `f32r` lhs layout: row i at i * kp floats, bf16 widened to fp32 (exact).
