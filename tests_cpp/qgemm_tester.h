@@ -110,6 +110,31 @@ void expect_packed_sizes_consistent(const Kernel& kn, size_t elem_bytes) {
   }
 }
 
+/// Packing A in row pieces that start at multiples of mr, each at lhs_packed_offset(m0), writes
+/// the bytes one call for all rows writes (the dispatcher packs an expert's row chunks in
+/// separate tasks). @p elem makes element i of the source (Elem: int8_t or bf16 bits).
+template <class Kernel, class Elem, class MakeElem>
+void expect_lhs_packs_in_row_pieces(const Kernel& kn, const MakeElem& elem) {
+  for (int64_t k : {1, 17, 72, 136}) {
+    for (int64_t m : {kn.mr, 2 * kn.mr + 3, 5 * kn.mr}) {
+      for (int64_t piece : {kn.mr, 2 * kn.mr}) {
+        SCOPED_TRACE(testing::Message() << "k=" << k << " m=" << m << " piece=" << piece);
+        std::vector<Elem> src(size_t(m * k));
+        for (size_t i = 0; i < src.size(); ++i) src[i] = elem(i);
+        std::vector<const Elem*> rows(static_cast<size_t>(m));
+        for (int64_t r = 0; r < m; ++r) rows[size_t(r)] = src.data() + r * k;
+        const size_t ls = kn.lhs_packed_size(m, k);
+        std::vector<uint8_t> whole(ls, 0x5a), pieces(ls, 0x5a);
+        kn.pack_lhs(m, k, rows.data(), whole.data());
+        for (int64_t m0 = 0; m0 < m; m0 += piece)
+          kn.pack_lhs(std::min(piece, m - m0), k, rows.data() + m0,
+                      pieces.data() + kn.lhs_packed_offset(m0, k));
+        ASSERT_EQ(whole, pieces);
+      }
+    }
+  }
+}
+
 /// Packs 8 rows of A and 8 columns of B of depth 16, every element @p one, and calls
 /// run(m, n, k, lhs, rhs) for the empty shapes 0 x 8, 8 x 0 and 0 x 0 (the caller runs the
 /// kernel into a pre-filled output and checks that nothing was written).

@@ -179,6 +179,11 @@ TEST_P(BGemmKernelTest, SubBlocksAreBitIdenticalToTheFullCall) {
   }
 }
 
+TEST_P(BGemmKernelTest, PackingInRowPiecesMatchesOneCall) {
+  cpumoe_test::expect_lhs_packs_in_row_pieces<BGemmUkernel, uint16_t>(
+      kernel(), [](size_t i) { return cpumoe::f32_to_bf16(float(int(i % 97) - 48) * 0.25f); });
+}
+
 TEST_P(BGemmKernelTest, PackedSizesAndOffsetsAreConsistent) {
   cpumoe_test::expect_packed_sizes_consistent(kernel(), 2);
 }

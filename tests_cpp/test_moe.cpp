@@ -323,6 +323,30 @@ TEST(MoePacked, Accessors) {
   EXPECT_EQ(pk.b2(1), nullptr);
 }
 
+// Phases 4-5 fused into row tasks (MoeTilePolicy::fuse_gemm1) and phase by phase give the same
+// bits, the oracle's, on every kernel: experts of several row chunks (pieces of the GEMM2 packing
+// at row offsets), a partial last chunk, 1 and 3 threads (fused and not under the default rule).
+TEST(MoeFusion, FusedAndPhasedGiveTheOraclesBits) {
+  MoeData d = make_moe_data({700, 3, 2, 64, 40}, DType::bf16, Activation::silu, true, 23);
+  const std::vector<float> exact = cpumoe_ref::fused_moe(d.ref, d.ref_inputs(), cpumoe::vec::apply);
+  for (const cpumoe::QGemmUkernel* kern : cpumoe_test::supported_kernels()) {
+    SCOPED_TRACE(kern->name);
+    for (bool fuse : {true, false}) {
+      cpumoe::MoeConfig<cpumoe::QGemmUkernel> cfg = cpumoe::int8_config(kern);
+      cfg.tiles.fuse_gemm1 = fuse;
+      cfg.tiles.rows = 200;  // 3-4 row chunks per expert (rounded up to mr)
+      const cpumoe::PackedMoe pk(d.weights(), cfg, 1);
+      for (int threads : {1, 3}) {
+        SCOPED_TRACE(testing::Message() << "fuse=" << fuse << " threads=" << threads);
+        const std::vector<float> got = cpumoe_test::output_values(d, run_moe(pk, d, threads));
+        ASSERT_EQ(got.size(), exact.size());
+        for (size_t i = 0; i < got.size(); ++i)
+          ASSERT_EQ(std::memcmp(&got[i], &exact[i], 4), 0) << "element " << i;
+      }
+    }
+  }
+}
+
 // A hand-made config is checked as the weights are: a missing kernel or row-op table, a tile
 // policy that would cut zero-sized tasks.
 TEST(MoePacked, BadConfigIsAnArgumentError) {

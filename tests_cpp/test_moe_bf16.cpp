@@ -109,6 +109,33 @@ void check_all_kernels(const Bf16Data& b) {
   }
 }
 
+// Phases 4-5 fused into row tasks (MoeTilePolicy::fuse_gemm1) and phase by phase give the same
+// bits on every kernel (experts of several row chunks, a partial last chunk, 1 and 3 threads),
+// within the oracle's tolerance.
+TEST(MoeBf16Fusion, FusedAndPhasedGiveTheSameBits) {
+  const Bf16Data b = to_bf16(cpumoe_test::make_moe_data({700, 3, 2, 64, 40}, DType::bf16,
+                                                         Activation::gelu, true, 29));
+  const MoeData& d = b.d;
+  const std::vector<float> want = cpumoe_ref::fused_moe_bf16(b.ref, d.ref_inputs());
+  for (const cpumoe::BGemmUkernel* kern : supported_bf16_kernels()) {
+    SCOPED_TRACE(kern->name);
+    std::vector<uint8_t> first;
+    for (bool fuse : {true, false}) {
+      cpumoe::MoeConfig<cpumoe::BGemmUkernel> cfg = cpumoe::bf16_config(kern);
+      cfg.tiles.fuse_gemm1 = fuse;
+      cfg.tiles.rows = 200;
+      const cpumoe::PackedMoeBf16 pk(weights_of(b), cfg, 1);
+      for (int threads : {1, 3}) {
+        SCOPED_TRACE(testing::Message() << "fuse=" << fuse << " threads=" << threads);
+        std::vector<uint8_t> out = run(pk, d, threads);
+        if (first.empty()) first = out;
+        ASSERT_TRUE(out == first);
+      }
+    }
+    cpumoe_test::expect_close(cpumoe_test::output_values(d, first), want, kTol);
+  }
+}
+
 class MoeBf16GridTest : public testing::TestWithParam<std::tuple<Activation, DType>> {};
 
 TEST_P(MoeBf16GridTest, MatchesOracle) {

@@ -179,6 +179,11 @@ TEST_P(QGemmKernelTest, PackingIsFullyDetermined) {
   }
 }
 
+TEST_P(QGemmKernelTest, PackingInRowPiecesMatchesOneCall) {
+  cpumoe_test::expect_lhs_packs_in_row_pieces<QGemmUkernel, int8_t>(
+      kernel(), [](size_t i) { return int8_t(int(i * 37 % 255) - 127); });
+}
+
 TEST_P(QGemmKernelTest, PackedSizesAndOffsetsAreConsistent) {
   cpumoe_test::expect_packed_sizes_consistent(kernel(), 1);
 }

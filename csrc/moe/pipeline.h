@@ -8,6 +8,9 @@
 //   4. GEMM1 tasks (expert, row chunk, column tile)     h [P, 2I] fp32 (P slots, in expert order)
 //   5. activation, round to the input dtype, requantize qa [P, I] int8, sa [P]  (bf16: round to
 //      bf16, qa bf16); pack again
+//   4-5 fused (MoeTilePolicy::fuse_gemm1, calls with enough row chunks per thread): one task per
+//      (expert, row chunk) runs GEMM1 over all 2I columns into a per-thread h block, activates
+//      and requantizes those rows and packs them for GEMM2, so h never leaves the core's cache
 //   6. GEMM2 tasks                                      y [P, H] fp32
 //   7. combine per token: out[t] = sum_j w[t,j] * y[slot(t,j)] in fp32, stored in the input dtype
 // All buffers live in the calling thread's scratch block, laid out by plan().
@@ -86,6 +89,20 @@ class Pipeline {
     base = thread_scratch().reserve(pl.total, pl.route_end);
     r.bind(base, pl);
     x_in_place = F::x_in_place(c.dtype);
+    fused = tp.fuse_gemm1 && row_tasks(nullptr) >= tp.tasks_per_thread * int64_t(threads);
+  }
+
+  // The (expert, row chunk) tasks of the fused phases 4-5 (all 2I columns each) into `out` when
+  // given; returns their number (at most that of GEMM1's tasks, whose space they use).
+  int64_t row_tasks(Task* out) const {
+    const int64_t rows = rows_per_task(tp, kern.mr);
+    int64_t nt = 0;
+    for (int64_t i = 0; i < r.n_active; ++i) {
+      const int64_t e = r.active[i];
+      for (int64_t m0 = 0; m0 < r.count[e]; m0 += rows, ++nt)
+        if (out != nullptr) out[nt] = {e, m0, std::min(rows, r.count[e] - m0), 0, 2 * I};
+    }
+    return nt;
   }
 
   // 1. Quantize (bf16: round) each token once. A bf16 x is used in place.
@@ -147,15 +164,55 @@ class Pipeline {
     });
   }
 
-  // 4. GEMM1.
+  // 4. GEMM1 (or 4-5 fused).
   void gemm1() {
+    if (fused) {
+      gemm1_activate_pack();
+      return;
+    }
     gemm(2 * I, H, pl.lhs1, pl.off1, pl.tasks1, sizes.tasks1, at<float>(pl.row_scale),
          at<float>(pl.h), [&](int64_t e) { return pk.w13(e); },
          [&](int64_t e) { return F::scale13(pk, e); }, [&](int64_t e) { return pk.b13(e); });
   }
 
+  // 4-5 fused: per row task, GEMM1 over all columns, the activation of its rows and their
+  // packing for GEMM2. h: a block of rows_per_task rows per thread where P has room for them
+  // (reused by each task of the thread, so it stays in its cache), else the task's own rows.
+  void gemm1_activate_pack() {
+    const uint8_t* lhs1 = at<uint8_t>(pl.lhs1);
+    const size_t* off1 = at<size_t>(pl.off1);
+    uint8_t* lhs2 = at<uint8_t>(pl.lhs2);
+    size_t* off2 = at<size_t>(pl.off2);
+    lhs_offsets(r, kern, I, off2);
+    Task* tasks = at<Task>(pl.tasks1);
+    const int64_t n_tasks = row_tasks(tasks);
+    const float* row_scale = at<float>(pl.row_scale);
+    float* h = at<float>(pl.h);
+    Elem* qa = at<Elem>(pl.qa);
+    float* sa = at<float>(pl.sa);
+    float* tmp = at<float>(pl.tmp);
+    const Elem** rows = at<const Elem*>(pl.rows);  // pack1 is done with them
+    const int64_t rows_per = rows_per_task(tp, kern.mr);
+    const bool thread_h = int64_t(threads) * rows_per <= r.P;
+    parallel_for(n_tasks, threads, [&](int64_t i, int tid) -> int64_t {
+      const Task& tk = tasks[i];
+      const int64_t row0 = r.first[tk.e] + tk.m0;
+      float* ht = thread_h ? h + int64_t(tid) * rows_per * 2 * I : h + row0 * 2 * I;
+      F::run(kern, tk, H, lhs1 + off1[tk.e] + kern.lhs_packed_offset(tk.m0, H), pk.w13(tk.e), ht,
+             2 * I, row_scale + row0, F::scale13(pk, tk.e), pk.b13(tk.e));
+      for (int64_t p = 0; p < tk.m; ++p) {
+        F::activate(ro, c.activation, ht + p * 2 * I, I, c.dtype, tmp + int64_t(tid) * I,
+                    qa + (row0 + p) * I, sa + row0 + p);
+        rows[row0 + p] = qa + (row0 + p) * I;
+      }
+      kern.pack_lhs(tk.m, I, rows + row0, lhs2 + off2[tk.e] + kern.lhs_packed_offset(tk.m0, I));
+      return round_up(tk.m, kern.mr) * round_up(2 * I, kern.nr) * round_up(H, kern.kr);
+    });
+  }
+
   // 5. Activation, then rounding to the input dtype and requantization (bf16: rounding to bf16).
   void activate() {
+    if (fused) return;
     const float* h = at<float>(pl.h);
     Elem* qa = at<Elem>(pl.qa);
     float* sa = at<float>(pl.sa);
@@ -170,6 +227,7 @@ class Pipeline {
 
   // 5, end. Pack the activated rows for GEMM2.
   void pack2() {
+    if (fused) return;
     const Elem** rows = at<const Elem*>(pl.rows);
     const Elem* qa = at<Elem>(pl.qa);
     for (int64_t p = 0; p < r.P; ++p) rows[p] = qa + p * I;
@@ -214,6 +272,7 @@ class Pipeline {
   uint8_t* base = nullptr;
   Routing r;
   bool x_in_place = false;
+  bool fused = false;  // phases 4-5 as one loop of row tasks
 };
 
 }  // namespace moe_detail

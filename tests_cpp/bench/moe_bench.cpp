@@ -46,11 +46,13 @@ void fill_int8(std::vector<int8_t>& v, uint64_t seed) {
 }
 
 std::vector<int> g_phase_seq;
+std::vector<std::chrono::steady_clock::time_point> g_phase_time;  // natively: wall time per phase
 bool g_recording = false;
 
 void on_phase(int phase) {
   if (!g_recording) return;
   g_phase_seq.push_back(phase);
+  g_phase_time.push_back(std::chrono::steady_clock::now());
   getppid();
 }
 
@@ -175,6 +177,7 @@ int main(int argc, char** argv) {
     g_recording = true;
     for (int64_t i = 0; i < iters; ++i) cpumoe::fused_moe_int8(packed, c);
     g_recording = false;
+    g_phase_time.push_back(std::chrono::steady_clock::now());
     getppid();                        // mark: end of the phase-marked calls
     cpumoe::bench_hooks::set_phase_callback(nullptr);
   }
@@ -208,6 +211,15 @@ int main(int argc, char** argv) {
     for (int p = 0; p < bh::num_phases; ++p) std::printf(" %d:%s", p, bh::phase_name(p));
     std::printf("\nphase_seq");
     for (int p : g_phase_seq) std::printf(" %d", p);
+    // Wall ms per call of each phase (meaningful natively, not under qemu): a phase lasts from its
+    // mark to the next one.
+    std::vector<double> ms(size_t(bh::num_phases), 0.0);
+    for (size_t i = 0; i + 1 < g_phase_time.size() && i < g_phase_seq.size(); ++i)
+      ms[size_t(g_phase_seq[i])] +=
+          std::chrono::duration<double, std::milli>(g_phase_time[i + 1] - g_phase_time[i]).count();
+    std::printf("\nphase_ms_per_call");
+    for (int p = 0; p < bh::num_phases; ++p)
+      std::printf(" %s:%.3f", bh::phase_name(p), ms[size_t(p)] / double(iters));
     std::printf("\n");
   }
   if (tasks) {

@@ -36,7 +36,9 @@ struct BGemmUkernel {
   size_t (*lhs_packed_size)(int64_t m, int64_t k);
   /// Byte offset of row @p m_idx (a multiple of mr) in packed A of depth @p k.
   size_t (*lhs_packed_offset)(int64_t m_idx, int64_t k);
-  /// Packs @p m rows of depth @p k; row i is read from rows[i][0..k) (bf16 bits).
+  /// Packs @p m rows of depth @p k; row i is read from rows[i][0..k) (bf16 bits). Packing rows
+  /// [m0, m0 + m) (m0 a multiple of mr) at lhs_packed_offset(m0, k) writes what packing all rows
+  /// at once writes there, so row chunks may be packed by different tasks.
   void (*pack_lhs)(int64_t m, int64_t k, const uint16_t* const* rows, void* lhs_packed);
 
   /// Bytes of packed B for @p n output columns of depth @p k.

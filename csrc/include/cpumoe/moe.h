@@ -45,6 +45,12 @@ struct MoeTilePolicy {
                        ///< splits (column tiles are multiples of the kernel's nr)
   int64_t max_cols = 256;        ///< a column tile spans at most about this many columns (L2)
   int64_t tasks_per_thread = 4;  ///< ... and is small enough for about this many tasks per thread
+  /// Calls with at least tasks_per_thread row tasks (expert, row chunk) per thread run GEMM1, the
+  /// activation and the packing for GEMM2 in one task per row chunk, over all 2I columns, so
+  /// GEMM1's output is read back from the core's cache instead of memory; smaller calls (decode)
+  /// keep the column tiles that spread GEMM1 over the threads. Same results either way (every
+  /// element is computed by the same kernel code in the same order); false: never.
+  bool fuse_gemm1 = true;
 };
 
 /// The whole chain a packed layer runs, chosen once when it is packed and never looked up again
