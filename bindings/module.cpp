@@ -13,6 +13,7 @@
 #include "cpumoe/bgemm.h"
 #include "cpumoe/cpu_features.h"
 #include "cpumoe/moe.h"
+#include "cpumoe/probes.h"
 #include "cpumoe/qgemm.h"
 
 namespace py = pybind11;
@@ -238,6 +239,23 @@ PYBIND11_MODULE(_C, m) {
     if (cap == nullptr) return std::nullopt;
     return std::string(isa_name(*cap));
   }, "The cap set by CPUMOE_ISA, or None.");
+  m.def("amx_peak", [](int threads, double seconds) -> std::optional<py::dict> {
+    if (threads < 1 || threads > 4096) throw ArgumentError("threads: must be in [1, 4096]");
+    if (!(seconds > 0 && seconds <= 60)) throw ArgumentError("seconds: must be in (0, 60]");
+    AmxPeak peak;
+    bool ok;
+    {
+      py::gil_scoped_release nogil;
+      ok = measure_amx_peak(threads, seconds, &peak);
+    }
+    if (!ok) return std::nullopt;
+    py::dict d;
+    d["int8_ops"] = peak.int8_ops;
+    d["bf16_flops"] = peak.bf16_flops;
+    return d;
+  }, py::arg("threads"), py::arg("seconds") = 0.2,
+     "Peak of the AMX tile units (tile-only loop on `threads` threads): {'int8_ops', "
+     "'bf16_flops'} per second, or None without AMX.");
   m.def("kernels", [] { return kernel_list(qgemm_registry()); },
         "The int8 GEMM kernels compiled in, best first.");
   m.def("bf16_kernels", [] { return kernel_list(bgemm_registry()); },

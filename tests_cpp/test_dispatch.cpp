@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "cpumoe/cpu_features.h"
+#include "cpumoe/probes.h"
 #include "cpumoe/moe.h"
 #include "cpumoe/qgemm.h"
 #include "moe_test_util.h"
@@ -252,3 +253,23 @@ TEST(Dispatch, SelectedKernelRunsTheOp) {
 }
 
 }  // namespace
+
+// The AMX peak probe: a rate where the CPU has AMX (int8 twice bf16's: tdpbusd does 64 k per
+// tile row, tdpbf16ps 32, at the same issue rate), false elsewhere.
+TEST(Probes, AmxPeakMeasuredWhereAmxRuns) {
+  cpumoe::AmxPeak peak;
+  const bool ok = cpumoe::measure_amx_peak(1, 0.01, &peak);
+  if (!cpumoe::cpu_supports(Isa::amx)) {
+    EXPECT_FALSE(ok);
+    return;
+  }
+#if defined(__x86_64__)
+  if (!ok) GTEST_SKIP() << "this build has no AMX code";
+  EXPECT_GT(peak.int8_ops, 1e11);
+  EXPECT_GT(peak.bf16_flops, 5e10);
+  EXPECT_GT(peak.int8_ops, 1.2 * peak.bf16_flops);
+  cpumoe::AmxPeak two;
+  ASSERT_TRUE(cpumoe::measure_amx_peak(2, 0.01, &two));
+  EXPECT_GT(two.int8_ops, 0.0);
+#endif
+}

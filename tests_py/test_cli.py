@@ -159,6 +159,37 @@ def test_bench_targets_and_presets(backend, capsys):
         assert "skip   vllm-int8: silu only, not swigluoai" in out
 
 
+def test_bench_amx_targets(backend, capsys, tmp_path):
+    # The issue-15 matrix on the small shape and two T: the AMX peak line, a %peak per row where
+    # the CPU has AMX, and the five AMX targets, each with a verdict.
+    js = tmp_path / "a.json"
+    argv = ["bench", *_args(backend, "--tokens", "1,32", "--iters", "1", "--warmup", "0",
+                            "--probe-mib", "8", "--amx-targets", "--no-progress",
+                            "--json", str(js))]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    peak = cpumoe._C.amx_peak(1, 0.01)
+    assert ("probe    amx peak int8 " in out) == (peak is not None)
+    if peak is None:
+        assert "amx peak - (this CPU or build has no AMX)" in out
+    else:
+        assert peak["int8_ops"] > peak["bf16_flops"] > 0
+    lines = out[out.index("targets  (issue 15"):].splitlines()[1:6]
+    assert all(ln.split()[0] in ("PASS", "FAIL", "n/a") for ln in lines)
+    doc = json.loads(js.read_text())
+    assert (doc["probe"]["amx_peak"] is None) == (peak is None)
+    for r in doc["results"]:
+        assert (r["pct_peak"] is None) == (peak is None or r["T"] == 0)
+        if r["pct_peak"] is not None:
+            assert 0 < r["pct_peak"] < 100
+
+
+def test_amx_peak_arguments():
+    for bad in ((0, 0.1), (1, 0.0), (1, 61.0)):
+        with pytest.raises(ValueError):
+            cpumoe._C.amx_peak(*bad)
+
+
 def test_bench_rejects_unknown_contender(backend, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["bench", *_args(backend, "--contenders", "cpumoe-int8,bogus")])

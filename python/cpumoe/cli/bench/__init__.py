@@ -40,13 +40,16 @@ from .. import problem
 from . import vllm_cpu
 from .contenders import (ALL_CONTENDERS, BF16_CONTENDERS, CHECK_TOKENS, CONTENDERS,
                          build_contenders)
-from .report import fmt_ratios, plot_results, progress, ratios, targets
-from .timing import (MAX_CALLS, MIN_CALLS, TABLE_HEAD, ReadProbe, fmt_row, gemm_probe, l3_bytes,
-                     time_point)
+from .report import amx_targets, fmt_ratios, plot_results, progress, ratios, targets
+from .timing import (MAX_CALLS, MIN_CALLS, TABLE_HEAD, ReadProbe, amx_peak, fmt_peak, fmt_row,
+                     gemm_probe, l3_bytes, pct_of_peak, time_point)
 
 
 MODES = ("cold", "warm")
 TARGET_TOKENS = [1, 16, 128, 512]
+#: The issue-15 (AMX) matrix: decode to long prefill on the Qwen3 layer.
+AMX_TOKENS = [1, 16, 128, 512, 2048, 4096]
+AMX_CONTENDERS = ["cpumoe-int8", "cpumoe-bf16", "vllm-int8", "vllm-bf16"]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -79,6 +82,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--targets", action="store_true",
                    help="the issue-4 matrix (presets all, T=1,16,128,512, contenders all, cold "
                         "and warm, unless given) and the targets' verdicts")
+    p.add_argument("--amx-targets", action="store_true",
+                   help="the issue-15 matrix (preset qwen3-30b-a3b, T=1,16,128,512,2048,4096, "
+                        f"contenders {','.join(AMX_CONTENDERS)}, cold, unless given) and its "
+                        "targets' verdicts, against the AMX peak measured in the same run")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     p.add_argument("--plot", metavar="FILE", help="plot tokens/s vs T per contender (matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -118,6 +125,11 @@ def run(args: argparse.Namespace) -> int:
         args.tokens = TARGET_TOKENS if args.tokens is problem.BENCH_TOKENS else args.tokens
         args.contenders = args.contenders or list(ALL_CONTENDERS)
         args.weights = args.weights or list(MODES)
+    if args.amx_targets:
+        args.preset = args.preset or [problem.DEFAULT_PRESET]
+        args.tokens = AMX_TOKENS if args.tokens is problem.BENCH_TOKENS else args.tokens
+        args.contenders = args.contenders or list(AMX_CONTENDERS)
+        args.weights = args.weights or ["cold"]
     names = args.contenders or ["cpumoe-int8"]
     modes = args.weights or ["cold"]
     layers = [_layer_for(args, p) for p in args.preset or [problem.DEFAULT_PRESET]]
@@ -167,8 +179,10 @@ def run(args: argparse.Namespace) -> int:
                          (("int8", gemm_int8, "OP"), ("bf16", gemm_bf16, "FLOP")) if v)
         gemm = f"; GEMM (torch 512x2048x2048, best of 5): {gemm}" if gemm else ""
         print(f"probe    {read}{gemm}", file=out)
+        peak = amx_peak(layers[0].threads)
+        print(f"probe    {fmt_peak(peak, layers[0].threads)}", file=out)
         results, probe_times, contender_info, failed = _run_layers(args, layers, names, paths,
-                                                                   modes, probe, out)
+                                                                   modes, probe, out, peak)
         if gemm_int8 is not None:  # once more at the end: the best of both is the yardstick
             gemm_int8 = max(gemm_int8, gemm_probe(torch, "int8") or 0.0)
     finally:
@@ -181,9 +195,12 @@ def run(args: argparse.Namespace) -> int:
                 print(line, file=out)
     amx = bool(cpumoe.cpu_features().get("amx_int8"))
     tgts = targets(results, rats, gemm_int8, amx) if args.targets else []
-    if tgts:
-        print(f"targets  (issue 4; {layers[0].threads} threads)", file=out)
-        for t in tgts:
+    amx_tgts = amx_targets(results, rats, peak) if args.amx_targets else []
+    for issue, ts in (("issue 4", tgts), ("issue 15, AMX", amx_tgts)):
+        if not ts:
+            continue
+        print(f"targets  ({issue}; {layers[0].threads} threads)", file=out)
+        for t in ts:
             verdict = {True: "PASS", False: "FAIL", None: "n/a"}[t["ok"]]
             print(f"  {verdict:<5} {t['target']}: {t['detail']}", file=out)
     if args.json:
@@ -193,9 +210,10 @@ def run(args: argparse.Namespace) -> int:
                "cpu": cpumoe.cpu_features(), "threads": L.threads, "omp_wait_policy": wait_policy,
                "probe": {"how": probe.how if probe else None,
                          "read_gbs": probe.gbs(probe_times) if probe else None,
-                         "gemm_int8_gops": gemm_int8, "gemm_bf16_gflops": gemm_bf16},
+                         "gemm_int8_gops": gemm_int8, "gemm_bf16_gflops": gemm_bf16,
+                         "amx_peak": peak},
                "vllm": vllm_info, "contenders": contender_info, "results": results,
-               "ratios": rats, "targets": tgts}
+               "ratios": rats, "targets": tgts + amx_tgts}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
         print(f"json     {args.json}", file=out)
@@ -212,7 +230,7 @@ def _problem_dict(layer) -> Dict[str, Any]:
             "backend": layer.lib.name, "threads": layer.threads}
 
 
-def _run_layers(args, layers, names, paths, modes, probe, out):
+def _run_layers(args, layers, names, paths, modes, probe, out, peak=None):
     results: List[Dict[str, Any]] = []
     probe_times: List[float] = []
     info: List[Dict[str, Any]] = []
@@ -240,7 +258,7 @@ def _run_layers(args, layers, names, paths, modes, probe, out):
                 print(f"  note   the layer ({layer.E * layer.expert_bytes / 1e6:.1f} MB int8) is "
                       f"not much larger than L3 ({l3 / 2**20:.0f} MiB): cold weights may stay "
                       f"cached", file=out)
-            rows, ptimes = _time_layer(args, layer, conts, modes, probe, bar, out)
+            rows, ptimes = _time_layer(args, layer, conts, modes, probe, bar, out, peak)
             results += rows
             probe_times += ptimes
             del conts
@@ -251,7 +269,7 @@ def _run_layers(args, layers, names, paths, modes, probe, out):
     return results, probe_times, info, failed
 
 
-def _time_layer(args, layer, conts, modes, probe, bar, out
+def _time_layer(args, layer, conts, modes, probe, bar, out, peak=None
                 ) -> Tuple[List[Dict[str, Any]], List[float]]:
     """Times the layer's contenders at each mode and T; returns the rows and the probe times."""
     lib = layer.lib
@@ -265,6 +283,8 @@ def _time_layer(args, layer, conts, modes, probe, bar, out
             here = [c for c in conts if T > 0 or c.name.startswith("cpumoe-")]
             r, ptimes = time_point(layer, here, mode, T, x, routings, probe, args.warmup,
                                    args.iters, args.seconds, args.rounds)
+            for row in r:
+                row["pct_peak"] = pct_of_peak(row, peak)
             point_rows += r
             all_ptimes += ptimes
             bar.update(1)

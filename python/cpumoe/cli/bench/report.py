@@ -92,6 +92,40 @@ def targets(rows, rats, gemm_int8: Optional[float], amx: bool = False) -> List[D
     return res
 
 
+def amx_targets(rows, rats, peak: Optional[Dict[str, float]]) -> List[Dict[str, Any]]:
+    """The issue-15 (AMX) targets on the Qwen3 layer, cold weights, each {target, detail, ok}
+    (ok None: not measured here)."""
+    qwen = "qwen3-30b-a3b"
+
+    def pick(a: str, b: str, tokens=None):
+        return [r for r in rats if r["preset"] == qwen and r["weights"] == "cold"
+                and (r["a"], r["b"]) == (a, b) and r["T"] and (tokens is None or tokens(r["T"]))]
+
+    def target(text: str, sel, need: float):
+        return {"target": text,
+                "detail": ", ".join(f"T={r['T']} {r['speedup']:.2f}x" for r in sel) or
+                "not measured",
+                "ok": all(r["speedup"] >= need for r in sel) if sel else None}
+
+    res = [target("cpumoe int8 >= 1.25x vLLM int8 at T = 512, 2048, 4096",
+                  pick("cpumoe-int8", "vllm-int8", lambda T: T in (512, 2048, 4096)), 1.25),
+           target("cpumoe int8 never slower than vLLM int8", pick("cpumoe-int8", "vllm-int8"),
+                  1.0),
+           target("cpumoe bf16 >= vLLM bf16 at every T", pick("cpumoe-bf16", "vllm-bf16"), 1.0),
+           target("cpumoe int8 >= 1.9x vLLM bf16 at T >= 128",
+                  pick("cpumoe-int8", "vllm-bf16", lambda T: T >= 128), 1.9)]
+    med = _medians(rows)
+    big = [r for r in rows if r["preset"] == qwen and r["weights"] == "cold" and r["T"] == 4096
+           and r["contender"] == "cpumoe-int8" and r.get("pct_peak") is not None
+           and med[(qwen, "cold", 4096)].get("cpumoe-int8") == r["ms_median"]]
+    res.append({"target": "cpumoe int8 at T=4096 >= 30% of the measured AMX int8 peak",
+                "detail": (", ".join(f"{r['gops']:.0f} GOP/s = {r['pct_peak']:.1f}% of "
+                                     f"{peak['int8_ops'] / 1e9:.0f} GOP/s" for r in big)
+                           if big and peak else "not measured" if peak else "no AMX here"),
+                "ok": all(r["pct_peak"] >= 30 for r in big) if big else None})
+    return res
+
+
 # ---------------------------------------------------------------------------- output helpers
 def progress(total: int, enabled: bool):
     """A tqdm bar on stderr, or a stand-in with the same methods when tqdm is missing."""

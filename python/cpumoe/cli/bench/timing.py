@@ -61,6 +61,32 @@ def gemm_probe(torch, dtype: str, M: int = 512, K: int = 2048, N: int = 2048,
     return 2 * M * K * N / min(ts) / 1e9
 
 
+def amx_peak(threads: int) -> Optional[Dict[str, float]]:
+    """The AMX tile units' peak on ``threads`` threads (cpumoe's tile-only loop, best of two
+    short runs), {'int8_ops', 'bf16_flops'} per second; None without AMX."""
+    import cpumoe
+    runs = [cpumoe._C.amx_peak(max(1, threads), 0.1) for _ in range(2)]
+    runs = [r for r in runs if r]
+    if not runs:
+        return None
+    return {k: max(r[k] for r in runs) for k in ("int8_ops", "bf16_flops")}
+
+
+def fmt_peak(peak: Optional[Dict[str, float]], threads: int) -> str:
+    if not peak:
+        return "amx peak - (this CPU or build has no AMX)"
+    return (f"amx peak int8 {peak['int8_ops'] / 1e12:.2f} TOP/s, bf16 "
+            f"{peak['bf16_flops'] / 1e12:.2f} TFLOP/s (tile-only loop, {threads} threads)")
+
+
+def pct_of_peak(r: Dict[str, Any], peak: Optional[Dict[str, float]]) -> Optional[float]:
+    """A row's GOP/s as a share of the AMX peak of its arithmetic (bf16 contenders: bf16)."""
+    if not peak or not r["T"]:
+        return None
+    key = "bf16_flops" if "bf16" in r["contender"] else "int8_ops"
+    return 100 * r["gops"] * 1e9 / peak[key]
+
+
 def l3_bytes() -> Optional[int]:
     try:
         with open("/sys/devices/system/cpu/cpu0/cache/index3/size") as f:
@@ -131,7 +157,7 @@ def row(layer, mode: str, T: int, c: Contender, times: List[float], experts: flo
         "probe_gbs": probe_gbs,
         "pct_probe": 100 * gbs / probe_gbs if probe_gbs and T else None,
         "gops": 6 * T * layer.k * layer.H * layer.I / med / 1e9 if med > 0 else 0.0,
-        "experts_read": experts, "calls": len(times),
+        "experts_read": experts, "calls": len(times), "pct_peak": None,
         "check_rel": None if c.check is None else c.check[1],
         "check_ok": None if c.check is None else c.check[0],
     }
@@ -139,14 +165,15 @@ def row(layer, mode: str, T: int, c: Contender, times: List[float], experts: flo
 
 TABLE_HEAD = (f"{'T':>6}  {'contender':<13} {'kernel':<40} {'ms/call med':>11} "
               f"{'ms/call min':>11} {'tokens/s':>10} {'weights GB/s':>12} {'%probe':>6} "
-              f"{'GOP/s':>7} {'calls':>5}")
+              f"{'GOP/s':>7} {'%peak':>6} {'calls':>5}")
 
 
 def fmt_row(r: Dict[str, Any]) -> str:
     pct = f"{r['pct_probe']:>6.0f}" if r["pct_probe"] is not None else f"{'-':>6}"
+    peak = f"{r['pct_peak']:>6.1f}" if r.get("pct_peak") is not None else f"{'-':>6}"
     return (f"{r['T']:>6}  {r['label']:<13} {r['kernel']:<40} {r['ms_median']:>11.3f} "
             f"{r['ms_min']:>11.3f} {r['tokens_per_s']:>10.0f} {r['weights_gbs']:>12.2f} {pct} "
-            f"{r['gops']:>7.1f} {r['calls']:>5}")
+            f"{r['gops']:>7.1f} {peak} {r['calls']:>5}")
 
 
 def time_point(layer, conts: List[Contender], mode: str, T: int, x, routings,
