@@ -226,16 +226,21 @@ class QGemmTester {
       // Unit scales first: dst = float(C), so the int32 sums themselves are compared (exactly
       // while |C| <= 2^24, which random data at these depths keeps), then random scales without
       // and with bias: the documented epilogue, bit for bit.
-      for (Epilogue kind : {Epilogue::kUnit, Epilogue::kScaled, Epilogue::kScaledBias}) {
-        const bool unit = kind == Epilogue::kUnit, with_bias = kind == Epilogue::kScaledBias;
+      for (Epilogue kind : {Epilogue::kUnit, Epilogue::kScaled, Epilogue::kScaledBias,
+                            Epilogue::kStreamed}) {
+        const bool unit = kind == Epilogue::kUnit, with_bias = kind >= Epilogue::kScaledBias;
         SCOPED_TRACE(unit ? "f32 with unit scales (the int32 sums)"
+                          : kind == Epilogue::kStreamed ? "f32 with bias, stream_dst (same values)"
                           : with_bias ? "f32 with bias" : "f32 without bias");
         const cpumoe::QGemmEpilogue ep{unit ? ones.data() : ls.data() + blk.m0,
                                        unit ? ones.data() : rs.data() + blk.n0,
-                                       with_bias ? bias.data() + blk.n0 : nullptr};
+                                       with_bias ? bias.data() + blk.n0 : nullptr,
+                                       kind == Epilogue::kStreamed};
         // One extra row so a write past the last row shows up too.
-        std::vector<float> df(size_t((m_ + 1) * ldd), kSentinelF32);
-        kern.run_f32(blk.mc, blk.nc, k_, lp, rp, df.data() + blk.m0 * ldd + blk.n0, ldd, ep);
+        // 64-byte aligned, so with a row stride of a multiple of 16 the streamed lines are whole.
+        std::vector<float> df_store(size_t((m_ + 1) * ldd) + 16, kSentinelF32);
+        float* df = df_store.data() + (16 - (reinterpret_cast<uintptr_t>(df_store.data()) / 4) % 16) % 16;
+        kern.run_f32(blk.mc, blk.nc, k_, lp, rp, df + blk.m0 * ldd + blk.n0, ldd, ep);
         for (int64_t i = 0; i <= m_; ++i) {
           for (int64_t j = 0; j < ldd; ++j) {
             const float got = df[size_t(i * ldd + j)];
@@ -255,7 +260,7 @@ class QGemmTester {
   }
 
  private:
-  enum class Epilogue { kUnit, kScaled, kScaledBias };
+  enum class Epilogue { kUnit, kScaled, kScaledBias, kStreamed };
   static constexpr float kSentinelF32 = -12345.678f;
 
   void fill(std::vector<int8_t>& v, int lo, int hi, int8_t c, std::mt19937& rng) const {

@@ -115,6 +115,17 @@ TEST_P(QGemmKernelTest, StridesAndPadding) {
   }
 }
 
+// Destination rows of whole, aligned 64-byte lines (row stride a multiple of 16 floats), where
+// QGemmEpilogue::stream_dst lets the AVX-512 kernels store past the caches: same values.
+TEST_P(QGemmKernelTest, AlignedDestinationRows) {
+  for (int64_t m : {1, 8, 17, 40})
+    for (int64_t n : {16, 48, 50})
+      for (int64_t k : {64, 200}) {
+        QGemmTester().m(m).n(n).k(k).dst_padding((16 - n % 16) % 16).Test(kernel());
+        if (HasFatalFailure()) return;
+      }
+}
+
 TEST_P(QGemmKernelTest, EmptyShapesWriteNothing) {
   const std::vector<float> ones(8, 1.0f);
   cpumoe_test::for_empty_shapes(kernel(), int8_t(1), [&](int64_t m, int64_t n, int64_t k, const void* lhs,

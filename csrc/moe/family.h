@@ -42,10 +42,11 @@ struct Family<QGemmUkernel> {
   static const float* scale2(const Packed& pk, int64_t e) { return pk.s2(e); }
   // One task's GEMM with its epilogue; row_scale at the task's first row, col_scale and bias
   // (nullable) at the expert's column 0.
+  // stream: dst is large and read only later (QGemmEpilogue::stream_dst).
   static void run(const QGemmUkernel& kern, const Task& tk, int64_t depth, const void* lhs,
                   const void* rhs, float* dst, int64_t dst_stride, const float* row_scale,
-                  const float* col_scale, const float* bias) {
-    const QGemmEpilogue ep{row_scale, col_scale + tk.n0, bias ? bias + tk.n0 : nullptr};
+                  const float* col_scale, const float* bias, bool stream = false) {
+    const QGemmEpilogue ep{row_scale, col_scale + tk.n0, bias ? bias + tk.n0 : nullptr, stream};
     kern.run_f32(tk.m, tk.n, depth, lhs, rhs, dst, dst_stride, ep);
   }
 };
@@ -68,7 +69,7 @@ struct Family<BGemmUkernel> {
   static const float* scale2(const Packed&, int64_t) { return nullptr; }
   static void run(const BGemmUkernel& kern, const Task& tk, int64_t depth, const void* lhs,
                   const void* rhs, float* dst, int64_t dst_stride, const float*, const float*,
-                  const float* bias) {
+                  const float* bias, bool = false) {
     kern.run_f32(tk.m, tk.n, depth, lhs, rhs, dst, dst_stride, bias ? bias + tk.n0 : nullptr);
   }
 };

@@ -27,6 +27,10 @@ struct QGemmEpilogue {
   const float* lhs_scale;  ///< [m]: per-row (per-token) scale, indexed from the first row of the call
   const float* rhs_scale;  ///< [n]: per-output-channel scale, indexed from the first column of the call
   const float* bias;       ///< [n] or nullptr
+  /// A hint: dst is large and not read again soon, so a kernel may write it past the caches
+  /// (non-temporal stores: no read-for-ownership of the lines, no eviction of the weights). The
+  /// values written are the same either way.
+  bool stream_dst = false;
 };
 
 /// One microkernel variant. All sizes are in elements; all pointers must be non-null where the

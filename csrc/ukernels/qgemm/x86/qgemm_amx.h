@@ -68,6 +68,7 @@ void run_f32(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs, 
   amx::run<Tiles, Ops>(m, n, kp, static_cast<const uint8_t*>(lhs),
                        static_cast<const uint8_t*>(rhs), x86_vnni::rhs_block_bytes(kp),
                        StoreF32{dst, dst_stride, &ep});
+  if (ep.stream_dst) _mm_sfence();  // the non-temporal stores visible before the call returns
 }
 
 }  // namespace qgemm_amx

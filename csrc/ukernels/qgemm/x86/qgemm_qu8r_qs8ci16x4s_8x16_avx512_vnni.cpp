@@ -103,6 +103,7 @@ void pack_rhs(int64_t n, int64_t k, int64_t kp, const int8_t* rhs, int64_t strid
 void run_f32(int64_t m, int64_t n, int64_t kp, const void* lhs, const void* rhs, float* dst,
              int64_t dst_stride, const QGemmEpilogue& ep) {
   run(m, n, kp, lhs, rhs, StoreF32{dst, dst_stride, &ep});
+  if (ep.stream_dst) _mm_sfence();  // the non-temporal stores visible before the call returns
 }
 
 }  // namespace x86_vnni
