@@ -128,6 +128,10 @@ template class PackedExperts<BGemmUkernel>;
 static const MoeWeights& checked(const MoeWeights& w) {
   if (w.num_experts >= 1 && w.intermediate >= 1 && w.hidden >= 1) {
     using moe_detail::checked_mul;
+    // Sizes first: scale counts that fit int64 but belong to absurd weights are not read.
+    checked_mul(checked_mul(w.num_experts, checked_mul(2, w.intermediate, "w13"), "w13"), w.hidden,
+                "w13");
+    checked_mul(checked_mul(w.num_experts, w.hidden, "w2"), w.intermediate, "w2");
     moe_detail::check_scales(
         w.s13, checked_mul(w.num_experts, checked_mul(2, w.intermediate, "s13"), "s13"), "s13");
     moe_detail::check_scales(w.s2, checked_mul(w.num_experts, w.hidden, "s2"), "s2");
