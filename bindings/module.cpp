@@ -3,7 +3,10 @@
 // module serves both. The kernels run with the GIL released.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <fcntl.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -133,6 +136,41 @@ py::list kernel_list(const std::vector<const Kernel*>& registry) {
   return out;
 }
 
+// A pipe of the calling thread for writable_pages (closed when the thread ends).
+struct ProbePipe {
+  int fd[2] = {-1, -1};
+  ProbePipe() {
+    if (pipe2(fd, O_CLOEXEC) != 0) fd[0] = fd[1] = -1;
+  }
+  ~ProbePipe() {
+    if (fd[0] >= 0) close(fd[0]);
+    if (fd[1] >= 0) close(fd[1]);
+  }
+};
+
+// Whether every page of [addr, addr + bytes) is writable. A torch tensor carries no read-only
+// flag (torch.from_numpy / torch.frombuffer of a read-only array or mapping only warn), so `out`
+// over a read-only mapping would be a SIGSEGV inside the op. One byte of each page goes through
+// a pipe and back onto itself: read(2) into a page the process may not write fails with EFAULT
+// instead of faulting. Two system calls per 4 KiB page, against the op's work on that page.
+bool writable_pages(uintptr_t addr, size_t bytes) {
+  thread_local ProbePipe p;
+  if (p.fd[0] < 0) return true;  // no pipe (descriptor limit): no probe, as before
+  const uintptr_t page = uintptr_t(sysconf(_SC_PAGESIZE));
+  const uintptr_t end = addr + bytes;
+  for (uintptr_t b = addr; b < end; b = (b / page + 1) * page) {
+    char* at = reinterpret_cast<char*>(b);
+    if (write(p.fd[1], at, 1) != 1) return false;  // not even readable
+    if (read(p.fd[0], at, 1) != 1) {
+      char drain;
+      while (read(p.fd[0], &drain, 1) < 0 && errno == EINTR) {
+      }
+      return false;
+    }
+  }
+  return true;
+}
+
 // Both ops take the same call arguments; runs op(*packed, call) without the GIL.
 template <class P>
 void def_op(py::module_& m, const char* name, void (*op)(const P&, const MoeCall&),
@@ -164,6 +202,17 @@ void def_op(py::module_& m, const char* name, void (*op)(const P&, const MoeCall
         c.num_global_experts = num_global_experts;
         const std::shared_ptr<const P> packed = packed_of<P>(packed_obj);  // alive throughout
         py::gil_scoped_release nogil;
+        // Only a span the op's own checks would accept is probed (they give the other errors).
+        const int64_t H = packed->hidden();
+        int64_t span = 0;
+        if (out != 0 && T > 0 && out_stride >= H &&
+            !__builtin_mul_overflow(T - 1, out_stride, &span) &&
+            !__builtin_add_overflow(span, H, &span) &&
+            !__builtin_mul_overflow(span, int64_t(dtype_size(c.dtype)), &span) &&
+            out + uint64_t(span) > out && !writable_pages(out, size_t(span)))
+          throw ArgumentError(
+              "out: its memory is not writable (a tensor over a read-only array or mapping, "
+              "e.g. torch.from_numpy of a read-only array: torch tensors carry no read-only flag)");
         op(*packed, c);
       },
       py::arg("packed"), py::arg("T"), py::arg("k"), py::arg("x"), py::arg("x_stride"),
@@ -304,16 +353,4 @@ PYBIND11_MODULE(_C, m) {
   m.def("thread_scratch_bytes", &thread_scratch_bytes,
         "Scratch bytes the calling thread holds now (kept for its next call).");
   m.def("release_thread_scratch", &release_thread_scratch, "Frees the calling thread's scratch.");
-
-  m.def(
-      "quantize_rows",
-      [](uintptr_t x, const std::string& dtype, int64_t rows, int64_t cols, int64_t x_stride,
-         uintptr_t q, uintptr_t scales) {
-        const DType dt = parse_dtype(dtype, "x");
-        py::gil_scoped_release nogil;
-        for (int64_t r = 0; r < rows; ++r)
-          ptr<float>(scales)[r] = quantize_row(ptr<const uint8_t>(x) + r * x_stride * dtype_size(dt),
-                                               dt, cols, ptr<int8_t>(q) + r * cols);
-      },
-      "The op's per-token int8 quantization of rows (q contiguous [rows, cols], scales [rows]).");
 }

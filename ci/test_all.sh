@@ -84,6 +84,10 @@ stage_package() {
   cp -r python/cpumoe "$dest/"
   find "$dest/cpumoe" -name __pycache__ -prune -exec rm -rf {} +
   cp "$so" "$(dirname "$so")/_version.py" "$dest/cpumoe/"
+  # The test-only module (raw-address entry points; never installed), when the build made one.
+  local testing
+  testing=$(find "$(dirname "$so")" -maxdepth 1 -name '_C_testing.*.so' | head -n 1)
+  [ -z "$testing" ] || cp "$testing" "$dest/cpumoe/"
 }
 
 stage_python_local() {
@@ -92,7 +96,7 @@ stage_python_local() {
     -DCPUMOE_BUILD_PYTHON=ON -DPython_EXECUTABLE="$(command -v "$PY")" \
     -Dpybind11_DIR="$("$PY" -m pybind11 --cmakedir)"
   cmake --build "$BUILD/native-py" -j "$JOBS"
-  stage_package "$BUILD/native-py/pkg" "$(find "$BUILD/native-py/bindings" -maxdepth 1 -name '_C*.so' | head -n 1)"
+  stage_package "$BUILD/native-py/pkg" "$(find "$BUILD/native-py/bindings" -maxdepth 1 -name '_C.*.so' | head -n 1)"
   PYTHONPATH="$BUILD/native-py/pkg" "$PY" -m pytest tests_py -q -p no:cacheprovider
   CPUMOE_TEST_BACKEND=numpy PYTHONPATH="$BUILD/native-py/pkg" "$PY" -m pytest tests_py -q \
     -p no:cacheprovider
@@ -115,7 +119,7 @@ stage_sanitize() {
     UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 OMP_WAIT_POLICY=PASSIVE \
     ctest --test-dir "$BUILD/asan" --output-on-failure --no-tests=error -j "$JOBS"
   log "sanitize: pytest (the bad-input matrix and the reliability tests, numpy backend) under ASan"
-  stage_package "$BUILD/asan/pkg" "$(find "$BUILD/asan/bindings" -maxdepth 1 -name '_C*.so' | head -n 1)"
+  stage_package "$BUILD/asan/pkg" "$(find "$BUILD/asan/bindings" -maxdepth 1 -name '_C.*.so' | head -n 1)"
   local cxx
   cxx=$(sed -n 's/^CMAKE_CXX_COMPILER:[A-Z]*=//p' "$BUILD/asan/CMakeCache.txt")
   LD_PRELOAD="$("$cxx" -print-file-name=libasan.so) $("$cxx" -print-file-name=libstdc++.so)" \
@@ -159,7 +163,7 @@ stage_cross_python() {
   aarch64_python
   local pkg="$BUILD/aarch64/pkg"
   local so
-  so=$(find "$BUILD/aarch64/bindings" -maxdepth 1 -name '_C*.so' | head -n 1)
+  so=$(find "$BUILD/aarch64/bindings" -maxdepth 1 -name '_C.*.so' | head -n 1)
   [ -n "$so" ] || { echo "cross-python: run the cross stage first (no _C*.so)" >&2; exit 1; }
   stage_package "$pkg" "$so"
   for cpu in max neoverse-n1; do
