@@ -3,7 +3,8 @@
 #   native     CMake build + GoogleTest via ctest on this machine; on x86-64 also x86-haswell:
 #              the kernel and MoE test binaries under qemu-x86_64 -cpu Haswell (AVX2 path, no
 #              AVX-512), also runnable alone after native
-#   python     pip install . + pytest (torch backend, then numpy backend)
+#   python     pip install . + pytest (torch backend, then numpy backend), then 30 s of the
+#              checkpoint loader's fuzz (fuzz: that step alone, on the installed package)
 #   python-local  the same tests on a cmake-built extension, nothing installed (for development;
 #              not in the default list)
 #   cross      aarch64 cross build; ctest under qemu-aarch64 for -cpu max (I8MM path),
@@ -72,6 +73,20 @@ stage_python() {
   "$PY" -m pytest tests_py -q
   log "python: pytest again on the numpy backend (torch never imported)"
   CPUMOE_TEST_BACKEND=numpy "$PY" -m pytest tests_py -q -p no:cacheprovider
+  fuzz_checkpoint
+}
+
+# The checkpoint loader under atheris for 30 s (the installed package; tests_py/fuzz_checkpoint.py
+# gives the 10-minute nightly command). Skips with a message when atheris is absent. Also a stage
+# of its own: `bash ci/test_all.sh fuzz` (after the python stage installed the package).
+fuzz_checkpoint() {
+  log "python: fuzz of the checkpoint loader (atheris, 30 s)"
+  local dir
+  dir=$(mktemp -d)
+  # From a scratch directory: crash artifacts land there and are printed; the exit code fails CI.
+  (cd "$dir" && "$PY" "$root/tests_py/fuzz_checkpoint.py" -max_total_time=30 -timeout=10 \
+     -rss_limit_mb=1024 -print_final_stats=1) || { ls -l "$dir"; rm -rf "$dir"; exit 1; }
+  rm -rf "$dir"
 }
 
 # Stages the package from python/ plus a built _C*.so and the _version.py generated beside it
@@ -183,7 +198,8 @@ for s in "${stages[@]}"; do
     cross) stage_cross ;;
     cross-python) stage_cross_python ;;
     sanitize) stage_sanitize ;;
-    *) echo "unknown stage: $s (native, x86-haswell, python, python-local, cross, cross-python, sanitize)" >&2; exit 2 ;;
+    fuzz) fuzz_checkpoint ;;
+    *) echo "unknown stage: $s (native, x86-haswell, python, python-local, cross, cross-python, sanitize, fuzz)" >&2; exit 2 ;;
   esac
 done
 log "all requested stages passed: ${stages[*]}"

@@ -73,7 +73,8 @@ _ST_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2", "I64": "<
               "U8": "u1", "BOOL": "?"}
 # Dtypes a header may declare that the loader never reads (their bytes still tile the data).
 _ST_OTHER_SIZES = {"F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
-_MAX_HEADER = 100 * 1024 * 1024  # the safetensors package's own limit
+_MAX_HEADER = 100_000_000  # the safetensors package's own limit
+_U64 = 2**64  # sizes and offsets are u64 in the format (usize in the package)
 _MAX_JSON_FILE = 64 * 1024 * 1024  # index / config.json: real ones are well below 10 MB
 
 
@@ -92,6 +93,23 @@ def _read_json(path: Path, what: str) -> Any:
         return json.loads(path.read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise UnsupportedCheckpoint(f"{path}: {what} is not valid JSON ({e})") from None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # Python's json takes NaN / Infinity; JSON does not
+
+
+def _check_strings(v: Any) -> None:
+    """Every string of a parsed header is valid Unicode (json takes lone surrogates)."""
+    if isinstance(v, str):
+        v.encode("utf-8")  # UnicodeEncodeError (a ValueError) for a lone surrogate
+    elif isinstance(v, dict):
+        for k, x in v.items():
+            k.encode("utf-8")
+            _check_strings(x)
+    elif isinstance(v, list):
+        for x in v:
+            _check_strings(x)
 
 
 def _is_int(v: Any) -> bool:
@@ -121,7 +139,8 @@ class _SafetensorsFile:
                 text = f.read(n).decode("utf-8")
                 if not text.startswith("{"):
                     raise ValueError("does not start with '{'")
-                header = json.loads(text)
+                header = json.loads(text, parse_constant=_no_constant)
+                _check_strings(header)
             except (UnicodeDecodeError, ValueError, RecursionError) as e:
                 raise UnsupportedCheckpoint(f"{path}: bad safetensors header ({e})") from None
         if not isinstance(header, dict):
@@ -161,17 +180,19 @@ class _SafetensorsFile:
         st, shape, offs = e.get("dtype"), e.get("shape"), e.get("data_offsets")
         if not isinstance(st, str) or (st not in _ST_DTYPES and st not in _ST_OTHER_SIZES):
             raise UnsupportedCheckpoint(f"{where}: dtype {st!r} is not supported")
-        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        if not isinstance(shape, list) or not all(_is_int(d) and 0 <= d < _U64 for d in shape):
             raise UnsupportedCheckpoint(f"{where}: shape {shape!r} is not a list of integers >= 0")
         if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(v) for v in offs)
-                and 0 <= offs[0] <= offs[1]):
+                and 0 <= offs[0] <= offs[1] < _U64):
             raise UnsupportedCheckpoint(f"{where}: data_offsets {offs!r} are not [begin, end] "
                                         f"with 0 <= begin <= end")
         item = np.dtype(_ST_DTYPES[st]).itemsize if st in _ST_DTYPES else _ST_OTHER_SIZES[st]
         count = 1
-        for d in shape:  # Python ints: no overflow, however absurd the shape
+        for d in shape:  # as the format's u64 arithmetic: every partial product must fit
             count *= d
-        if offs[1] - offs[0] != count * item:
+            if count >= _U64:
+                raise UnsupportedCheckpoint(f"{where}: shape {shape} overflows 64 bits")
+        if count * item >= _U64 or offs[1] - offs[0] != count * item:
             raise UnsupportedCheckpoint(f"{where}: data_offsets {offs} do not fit shape "
                                         f"{shape} of {st}")
         return offs[0], offs[1], tuple(shape), st
