@@ -119,10 +119,15 @@ stage_python_local() {
 
 # The pytest part preloads the ASan runtime into CPython, and libstdc++ with it (CPython does not
 # link libstdc++, and ASan's __cxa_throw interceptor must resolve it at start-up, else the first
-# C++ exception aborts). Leak checking is off there: CPython itself is not LeakSanitizer-clean;
-# ctest covers cpumoe's own leaks. The numpy backend: torch is not built for a preloaded ASan.
-# The subset is the Python/binding boundary (argument checks, the packed object, threads, NaN,
-# fuzz through the API); the kernels and the dispatcher are covered by the full ctest above.
+# C++ exception aborts with "CHECK failed: asan_interceptors.cpp:320 real___cxa_throw != 0";
+# reproduced with libasan alone on the hammer test, whose two threads throw ArgumentErrors at once).
+# Both paths are resolved and checked, then a pre-flight throws from two threads at once before
+# pytest starts, so a broken preload fails here with that explanation, not as a bare abort.
+# Leak checking is off there: CPython itself is not LeakSanitizer-clean; ctest covers cpumoe's own
+# leaks (the C++ Hammer test among them). The numpy backend: torch is not built for a preloaded
+# ASan. The subset is the Python/binding boundary (argument checks, the packed object, threads and
+# the hammer, NaN, fuzz and soak through the API); the kernels and the dispatcher are covered by
+# the full ctest above.
 stage_sanitize() {
   log "sanitize: ASan+UBSan build (preset asan, with the Python module), full ctest"
   cmake --preset asan -B "$BUILD/asan" -DCPUMOE_BUILD_PYTHON=ON \
@@ -135,13 +140,36 @@ stage_sanitize() {
     ctest --test-dir "$BUILD/asan" --output-on-failure --no-tests=error -j "$JOBS"
   log "sanitize: pytest (the bad-input matrix and the reliability tests, numpy backend) under ASan"
   stage_package "$BUILD/asan/pkg" "$(find "$BUILD/asan/bindings" -maxdepth 1 -name '_C.*.so' | head -n 1)"
-  local cxx
+  local cxx lib preload=""
   cxx=$(sed -n 's/^CMAKE_CXX_COMPILER:[A-Z]*=//p' "$BUILD/asan/CMakeCache.txt")
-  LD_PRELOAD="$("$cxx" -print-file-name=libasan.so) $("$cxx" -print-file-name=libstdc++.so)" \
-    ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:strict_string_checks=1 \
-    UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 OMP_WAIT_POLICY=PASSIVE \
-    CPUMOE_TEST_BACKEND=numpy PYTHONPATH="$BUILD/asan/pkg" "$PY" -m pytest -q -p no:cacheprovider \
-    tests_py/test_errors.py tests_py/test_reliability.py
+  for lib in libasan.so libstdc++.so; do
+    lib=$(readlink -f "$("$cxx" -print-file-name="$lib")")
+    [ -f "$lib" ] || { echo "sanitize: $cxx has no $lib to preload" >&2; exit 1; }
+    preload+="${preload:+ }$lib"
+  done
+  local -a env=(LD_PRELOAD="$preload" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:strict_string_checks=1
+                UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 OMP_WAIT_POLICY=PASSIVE
+                CPUMOE_TEST_BACKEND=numpy PYTHONPATH="$BUILD/asan/pkg")
+  env "${env[@]}" "$PY" - <<'PYEOF' || { echo "sanitize: a C++ exception thrown from two threads at once aborted under the preloaded ASan runtime ($preload): __cxa_throw was not resolved at start-up (see the comment above stage_sanitize)" >&2; exit 1; }
+import threading
+import numpy as np
+import cpumoe
+w13, w2 = np.ones((2, 16, 8), np.int8), np.ones((2, 8, 8), np.int8)
+packed = cpumoe.prepack(w13, w2, np.ones((2, 16), np.float32), np.ones((2, 8), np.float32))
+x, w = np.ones((4, 8), np.float32), np.ones((4, 1), np.float32)
+bad = np.full((4, 1), 7, np.int32)  # expert 7 of 2: an ArgumentError from the native validation
+def throw(n=200):
+    for _ in range(n):
+        try:
+            cpumoe.fused_moe_int8(x, packed, w, bad, num_threads=1)
+        except ValueError:
+            pass
+ts = [threading.Thread(target=throw) for _ in range(2)]
+for t in ts: t.start()
+for t in ts: t.join()
+PYEOF
+  env "${env[@]}" "$PY" -m pytest -q -p no:cacheprovider tests_py/test_errors.py \
+    tests_py/test_reliability.py
 }
 
 aarch64_python() {
