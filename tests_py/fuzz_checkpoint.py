@@ -130,9 +130,9 @@ def _structured(fdp) -> bytes:
             e["shape"] = [_int(fdp) for _ in range(fdp.ConsumeIntInRange(0, 4))]
         elif what == 2:
             e["data_offsets"] = [_int(fdp), _int(fdp)]
-        elif what == 3 and isinstance(e.get("data_offsets"), list):
+        elif what == 3 and isinstance(e.get("data_offsets"), list) and len(e["data_offsets"]) == 2:
             b, end = e["data_offsets"]
-            e["data_offsets"] = [b, end + _int(fdp)]
+            e["data_offsets"] = [b, end + _int(fdp) if isinstance(end, int) else end]
         elif what == 4:
             e.pop(["dtype", "shape", "data_offsets"][fdp.ConsumeIntInRange(0, 2)], None)
         elif what == 5:
@@ -193,13 +193,13 @@ def _exercise(path: Path, single: bool) -> None:
 
 
 def one_input(data: bytes) -> None:
-    fdp = atheris.FuzzedDataProvider(data)
-    mode = fdp.ConsumeIntInRange(0, 4)
+    if not data:
+        return
+    mode, raw = data[0] % 5, data[1:]  # the first byte picks the mode, the rest is its input
     folder = ROOT / "ck"
     if mode == 4:
-        files, single = {"model.safetensors": _structured(fdp)}, True
+        files, single = {"model.safetensors": _structured(atheris.FuzzedDataProvider(raw))}, True
     else:
-        raw = fdp.ConsumeBytes(fdp.remaining_bytes())
         if mode == 0:
             files, single = {"model.safetensors": raw}, True
         else:
@@ -221,7 +221,6 @@ def _seed_corpus(corpus: Path) -> None:
     """The valid files, one per mode, so that mutation starts from real checkpoints."""
     corpus.mkdir(parents=True, exist_ok=True)
     for mode, raw in ((0, SINGLE), (1, SHARDS[0]), (2, INDEX), (3, CONFIG_BYTES)):
-        # ConsumeIntInRange(0, 4) reads one byte; its value modulo 5 picks the mode.
         (corpus / f"seed-mode{mode}").write_bytes(bytes([mode]) + raw)
     (corpus / "seed-mode4").write_bytes(bytes([4]) + bytes(64))
 
