@@ -237,6 +237,10 @@ def test_scratch_bytes_bounds_what_a_thread_holds(backend):
         cpumoe.scratch_bytes(-1, 4, packed)
     with pytest.raises(ValueError, match="^k"):
         cpumoe.scratch_bytes(4, 0, packed)
+    with pytest.raises(ValueError, match="^T"):  # beyond int64: named, not pybind's TypeError
+        cpumoe.scratch_bytes(2**63, 4, packed)
+    with pytest.raises(ValueError, match="^k"):
+        cpumoe.scratch_bytes(4, 2**64, packed)
     with pytest.raises(TypeError, match="^packed"):
         cpumoe.scratch_bytes(4, 2, "packed")
 
