@@ -3,7 +3,14 @@
 // module serves both. The kernels run with the GIL released.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <unistd.h>
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#endif
 
+#include <algorithm>
+#include <cerrno>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -134,6 +141,32 @@ py::list kernel_list(const std::vector<const Kernel*>& registry) {
   return out;
 }
 
+// Whether every page of [addr, addr + bytes) is writable. A torch tensor carries no read-only
+// flag (torch.from_numpy / torch.frombuffer of a read-only array or mapping only warn), so `out`
+// over a read-only mapping would be a SIGSEGV inside the op. Each page is probed with a futex
+// FUTEX_WAKE_OP that atomically adds 0 to one aligned int of it and wakes nobody: the kernel
+// reports EFAULT for a page the process may not write, no signal is raised, and the atomic add
+// of 0 cannot lose a concurrent store (unlike reading a byte and writing it back). One system
+// call per 4 KiB page, against the op's work on that page. Elsewhere than Linux: no probe.
+bool writable_pages(uintptr_t addr, size_t bytes) {
+#if defined(__linux__)
+  const uintptr_t page = uintptr_t(sysconf(_SC_PAGESIZE));
+  const uintptr_t end = addr + bytes;
+  int unused = 0;
+  for (uintptr_t b = addr; b < end; b = (b / page + 1) * page) {
+    const uintptr_t page_end = (b / page + 1) * page;
+    const uintptr_t q = std::min((b + 3) / 4 * 4, page_end - 4);  // aligned, inside this page
+    const long r = syscall(SYS_futex, &unused, FUTEX_WAKE_OP | FUTEX_PRIVATE_FLAG, 0, nullptr,
+                           reinterpret_cast<int*>(q), FUTEX_OP(FUTEX_OP_ADD, 0, FUTEX_OP_CMP_EQ, 0));
+    if (r < 0 && errno == EFAULT) return false;
+  }
+#else
+  (void)addr;
+  (void)bytes;
+#endif
+  return true;
+}
+
 // Both ops take the same call arguments; runs op(*packed, call) without the GIL.
 template <class P>
 void def_op(py::module_& m, const char* name, void (*op)(const P&, const MoeCall&),
@@ -165,6 +198,17 @@ void def_op(py::module_& m, const char* name, void (*op)(const P&, const MoeCall
         c.num_global_experts = num_global_experts;
         const std::shared_ptr<const P> packed = packed_of<P>(packed_obj);  // alive throughout
         py::gil_scoped_release nogil;
+        // Only a span the op's own checks would accept is probed (they give the other errors).
+        const int64_t H = packed->hidden();
+        int64_t span = 0;
+        if (out != 0 && T > 0 && out_stride >= H &&
+            !__builtin_mul_overflow(T - 1, out_stride, &span) &&
+            !__builtin_add_overflow(span, H, &span) &&
+            !__builtin_mul_overflow(span, int64_t(dtype_size(c.dtype)), &span) &&
+            out + uint64_t(span) > out && !writable_pages(out, size_t(span)))
+          throw ArgumentError(
+              "out: its memory is not writable (a tensor over a read-only array or mapping, "
+              "e.g. torch.from_numpy of a read-only array: torch tensors carry no read-only flag)");
         op(*packed, c);
       },
       py::arg("packed"), py::arg("T"), py::arg("k"), py::arg("x"), py::arg("x_stride"),
@@ -323,16 +367,4 @@ PYBIND11_MODULE(_C, m) {
   m.def("thread_scratch_bytes", &thread_scratch_bytes,
         "Scratch bytes the calling thread holds now (kept for its next call).");
   m.def("release_thread_scratch", &release_thread_scratch, "Frees the calling thread's scratch.");
-
-  m.def(
-      "quantize_rows",
-      [](uintptr_t x, const std::string& dtype, int64_t rows, int64_t cols, int64_t x_stride,
-         uintptr_t q, uintptr_t scales) {
-        const DType dt = parse_dtype(dtype, "x");
-        py::gil_scoped_release nogil;
-        for (int64_t r = 0; r < rows; ++r)
-          ptr<float>(scales)[r] = quantize_row(ptr<const uint8_t>(x) + r * x_stride * dtype_size(dt),
-                                               dt, cols, ptr<int8_t>(q) + r * cols);
-      },
-      "The op's per-token int8 quantization of rows (q contiguous [rows, cols], scales [rows]).");
 }

@@ -7,7 +7,8 @@ export DEBIAN_FRONTEND=noninteractive
 
 APT_PKGS=(cmake ninja-build g++ g++-aarch64-linux-gnu qemu-user googletest)
 PIP_PKGS=("torch==2.13.0" "numpy>=1.22" "ml_dtypes>=0.3" "pytest>=7" "pybind11>=2.12"
-          "scikit-build-core>=0.10" "safetensors>=0.4" "tqdm>=4.60" "matplotlib>=3.5")
+          "scikit-build-core>=0.10" "safetensors>=0.4" "tqdm>=4.60" "matplotlib>=3.5"
+          "atheris>=2.3")
 
 missing=()
 for p in "${APT_PKGS[@]}"; do
@@ -25,7 +26,7 @@ if ! "$PY" - <<'PYEOF' 2>/dev/null
 import importlib.metadata as m
 need = {"torch": "2.13.0"}
 for mod in ("numpy", "ml_dtypes", "pytest", "pybind11", "scikit_build_core", "torch",
-            "safetensors", "tqdm", "matplotlib"):
+            "safetensors", "tqdm", "matplotlib", "atheris"):
     v = m.version(mod.replace("_", "-") if mod == "scikit_build_core" else mod)
     if mod in need and not v.startswith(need[mod]):
         raise SystemExit(1)

@@ -3,7 +3,8 @@
 #   native     CMake build + GoogleTest via ctest on this machine; on x86-64 also x86-haswell:
 #              the kernel and MoE test binaries under qemu-x86_64 -cpu Haswell (AVX2 path, no
 #              AVX-512), also runnable alone after native
-#   python     pip install . + pytest (torch backend, then numpy backend)
+#   python     pip install . + pytest (torch backend, then numpy backend), then 30 s of the
+#              checkpoint loader's fuzz (fuzz: that step alone, on the installed package)
 #   python-local  the same tests on a cmake-built extension, nothing installed (for development;
 #              not in the default list)
 #   cross      aarch64 cross build; ctest under qemu-aarch64 for -cpu max (I8MM path),
@@ -72,6 +73,20 @@ stage_python() {
   "$PY" -m pytest tests_py -q
   log "python: pytest again on the numpy backend (torch never imported)"
   CPUMOE_TEST_BACKEND=numpy "$PY" -m pytest tests_py -q -p no:cacheprovider
+  fuzz_checkpoint
+}
+
+# The checkpoint loader under atheris for 30 s (the installed package; tests_py/fuzz_checkpoint.py
+# gives the 10-minute nightly command). Skips with a message when atheris is absent. Also a stage
+# of its own: `bash ci/test_all.sh fuzz` (after the python stage installed the package).
+fuzz_checkpoint() {
+  log "python: fuzz of the checkpoint loader (atheris, 30 s)"
+  local dir
+  dir=$(mktemp -d)
+  # From a scratch directory: crash artifacts land there and are printed; the exit code fails CI.
+  (cd "$dir" && "$PY" "$root/tests_py/fuzz_checkpoint.py" -max_total_time=30 -timeout=10 \
+     -rss_limit_mb=1024 -print_final_stats=1) || { ls -l "$dir"; rm -rf "$dir"; exit 1; }
+  rm -rf "$dir"
 }
 
 # Stages the package from python/ plus a built _C*.so and the _version.py generated beside it
@@ -84,6 +99,10 @@ stage_package() {
   cp -r python/cpumoe "$dest/"
   find "$dest/cpumoe" -name __pycache__ -prune -exec rm -rf {} +
   cp "$so" "$(dirname "$so")/_version.py" "$dest/cpumoe/"
+  # The test-only module (raw-address entry points; never installed), when the build made one.
+  local testing
+  testing=$(find "$(dirname "$so")" -maxdepth 1 -name '_C_testing.*.so' | head -n 1)
+  [ -z "$testing" ] || cp "$testing" "$dest/cpumoe/"
 }
 
 stage_python_local() {
@@ -92,7 +111,7 @@ stage_python_local() {
     -DCPUMOE_BUILD_PYTHON=ON -DPython_EXECUTABLE="$(command -v "$PY")" \
     -Dpybind11_DIR="$("$PY" -m pybind11 --cmakedir)"
   cmake --build "$BUILD/native-py" -j "$JOBS"
-  stage_package "$BUILD/native-py/pkg" "$(find "$BUILD/native-py/bindings" -maxdepth 1 -name '_C*.so' | head -n 1)"
+  stage_package "$BUILD/native-py/pkg" "$(find "$BUILD/native-py/bindings" -maxdepth 1 -name '_C.*.so' | head -n 1)"
   PYTHONPATH="$BUILD/native-py/pkg" "$PY" -m pytest tests_py -q -p no:cacheprovider
   CPUMOE_TEST_BACKEND=numpy PYTHONPATH="$BUILD/native-py/pkg" "$PY" -m pytest tests_py -q \
     -p no:cacheprovider
@@ -100,10 +119,15 @@ stage_python_local() {
 
 # The pytest part preloads the ASan runtime into CPython, and libstdc++ with it (CPython does not
 # link libstdc++, and ASan's __cxa_throw interceptor must resolve it at start-up, else the first
-# C++ exception aborts). Leak checking is off there: CPython itself is not LeakSanitizer-clean;
-# ctest covers cpumoe's own leaks. The numpy backend: torch is not built for a preloaded ASan.
-# The subset is the Python/binding boundary (argument checks, the packed object, threads, NaN,
-# fuzz through the API); the kernels and the dispatcher are covered by the full ctest above.
+# C++ exception aborts with "CHECK failed: asan_interceptors.cpp:320 real___cxa_throw != 0";
+# reproduced with libasan alone on the hammer test, whose two threads throw ArgumentErrors at once).
+# Both paths are resolved and checked, then a pre-flight throws from two threads at once before
+# pytest starts, so a broken preload fails here with that explanation, not as a bare abort.
+# Leak checking is off there: CPython itself is not LeakSanitizer-clean; ctest covers cpumoe's own
+# leaks (the C++ Hammer test among them). The numpy backend: torch is not built for a preloaded
+# ASan. The subset is the Python/binding boundary (argument checks, the packed object, threads and
+# the hammer, NaN, fuzz and soak through the API); the kernels and the dispatcher are covered by
+# the full ctest above.
 stage_sanitize() {
   log "sanitize: ASan+UBSan build (preset asan, with the Python module), full ctest"
   cmake --preset asan -B "$BUILD/asan" -DCPUMOE_BUILD_PYTHON=ON \
@@ -115,14 +139,37 @@ stage_sanitize() {
     UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 OMP_WAIT_POLICY=PASSIVE \
     ctest --test-dir "$BUILD/asan" --output-on-failure --no-tests=error -j "$JOBS"
   log "sanitize: pytest (the bad-input matrix and the reliability tests, numpy backend) under ASan"
-  stage_package "$BUILD/asan/pkg" "$(find "$BUILD/asan/bindings" -maxdepth 1 -name '_C*.so' | head -n 1)"
-  local cxx
+  stage_package "$BUILD/asan/pkg" "$(find "$BUILD/asan/bindings" -maxdepth 1 -name '_C.*.so' | head -n 1)"
+  local cxx lib preload=""
   cxx=$(sed -n 's/^CMAKE_CXX_COMPILER:[A-Z]*=//p' "$BUILD/asan/CMakeCache.txt")
-  LD_PRELOAD="$("$cxx" -print-file-name=libasan.so) $("$cxx" -print-file-name=libstdc++.so)" \
-    ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:strict_string_checks=1 \
-    UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 OMP_WAIT_POLICY=PASSIVE \
-    CPUMOE_TEST_BACKEND=numpy PYTHONPATH="$BUILD/asan/pkg" "$PY" -m pytest -q -p no:cacheprovider \
-    tests_py/test_errors.py tests_py/test_reliability.py
+  for lib in libasan.so libstdc++.so; do
+    lib=$(readlink -f "$("$cxx" -print-file-name="$lib")")
+    [ -f "$lib" ] || { echo "sanitize: $cxx has no $lib to preload" >&2; exit 1; }
+    preload+="${preload:+ }$lib"
+  done
+  local -a env=(LD_PRELOAD="$preload" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:strict_string_checks=1
+                UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 OMP_WAIT_POLICY=PASSIVE
+                CPUMOE_TEST_BACKEND=numpy PYTHONPATH="$BUILD/asan/pkg")
+  env "${env[@]}" "$PY" - <<'PYEOF' || { echo "sanitize: a C++ exception thrown from two threads at once aborted under the preloaded ASan runtime ($preload): __cxa_throw was not resolved at start-up (see the comment above stage_sanitize)" >&2; exit 1; }
+import threading
+import numpy as np
+import cpumoe
+w13, w2 = np.ones((2, 16, 8), np.int8), np.ones((2, 8, 8), np.int8)
+packed = cpumoe.prepack(w13, w2, np.ones((2, 16), np.float32), np.ones((2, 8), np.float32))
+x, w = np.ones((4, 8), np.float32), np.ones((4, 1), np.float32)
+bad = np.full((4, 1), 7, np.int32)  # expert 7 of 2: an ArgumentError from the native validation
+def throw(n=200):
+    for _ in range(n):
+        try:
+            cpumoe.fused_moe_int8(x, packed, w, bad, num_threads=1)
+        except ValueError:
+            pass
+ts = [threading.Thread(target=throw) for _ in range(2)]
+for t in ts: t.start()
+for t in ts: t.join()
+PYEOF
+  env "${env[@]}" "$PY" -m pytest -q -p no:cacheprovider tests_py/test_errors.py \
+    tests_py/test_reliability.py
 }
 
 aarch64_python() {
@@ -159,7 +206,7 @@ stage_cross_python() {
   aarch64_python
   local pkg="$BUILD/aarch64/pkg"
   local so
-  so=$(find "$BUILD/aarch64/bindings" -maxdepth 1 -name '_C*.so' | head -n 1)
+  so=$(find "$BUILD/aarch64/bindings" -maxdepth 1 -name '_C.*.so' | head -n 1)
   [ -n "$so" ] || { echo "cross-python: run the cross stage first (no _C*.so)" >&2; exit 1; }
   stage_package "$pkg" "$so"
   for cpu in max neoverse-n1; do
@@ -179,7 +226,8 @@ for s in "${stages[@]}"; do
     cross) stage_cross ;;
     cross-python) stage_cross_python ;;
     sanitize) stage_sanitize ;;
-    *) echo "unknown stage: $s (native, x86-haswell, python, python-local, cross, cross-python, sanitize)" >&2; exit 2 ;;
+    fuzz) fuzz_checkpoint ;;
+    *) echo "unknown stage: $s (native, x86-haswell, python, python-local, cross, cross-python, sanitize, fuzz)" >&2; exit 2 ;;
   esac
 done
 log "all requested stages passed: ${stages[*]}"

@@ -1,6 +1,8 @@
 // Reliability of the dispatcher: 64-bit size and offset arithmetic at sizes beyond 2^31, a seeded
 // random-shape fuzz against the oracle, determinism across thread counts and repeated calls,
-// non-finite inputs, the scratch bound and its reuse, aliasing of out, thread-count capping.
+// non-finite inputs, the scratch bound and its reuse, aliasing of out, thread-count capping,
+// size products that overflow, and ids rewritten by another thread during calls (the hammer:
+// CPUMOE_HAMMER_CALLS calls per caller, default 2000).
 //
 // The fuzz runs CPUMOE_FUZZ_CASES cases (default kDefaultFuzzCases, CI-fast) from seed
 // CPUMOE_FUZZ_SEED (default 1); a nightly-style run is
@@ -11,12 +13,15 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <limits>
 #include <random>
@@ -657,6 +662,165 @@ TEST(Aliasing, OutOverlappingAnyInputIsRefused) {
   c.expert_map = reinterpret_cast<const int32_t*>(buf.data() + out_bytes);
   std::memcpy(buf.data() + out_bytes, map.data(), 16);
   EXPECT_NO_THROW(cpumoe::fused_moe_int8(pk, c));
+}
+
+// ---------------------------------------------------------------------------- size products
+// Absurd sizes (a malformed checkpoint's shapes) are ArgumentErrors naming the argument, never a
+// wrapped product and a small allocation.
+void expect_argument_error(const std::function<void()>& f, const std::string& prefix) {
+  try {
+    f();
+    ADD_FAILURE() << "no ArgumentError (want one starting with '" << prefix << "')";
+  } catch (const cpumoe::ArgumentError& e) {
+    EXPECT_EQ(std::string(e.what()).rfind(prefix, 0), 0u) << e.what();
+  }
+}
+
+TEST(SizeProducts, OverflowingSizesAreArgumentErrors) {
+  const int64_t big = int64_t(1) << 40;
+  for (const cpumoe::QGemmUkernel* kp : cpumoe_test::supported_kernels()) {
+    SCOPED_TRACE(kp->name);
+    // 2^40: huge but representable (about 2^56 bytes), so an exact answer, not an error.
+    EXPECT_GT(cpumoe::fused_moe_scratch_bytes(*kp, 4, big, big, 1000, 8), size_t(1) << 55);
+    expect_argument_error(
+        [&] { cpumoe::fused_moe_scratch_bytes(*kp, 4, big << 10, big << 10, 1000, 8); },
+        "scratch: ");
+    expect_argument_error(
+        [&] { cpumoe::fused_moe_scratch_bytes(*kp, 4, int64_t(1) << 62, 8, 1000, 8); },
+        "scratch: ");
+  }
+  // Weights whose element count overflows: refused before any pointer is read (these point at a
+  // few bytes only).
+  std::vector<int8_t> w(64);
+  std::vector<float> sc(64, 1.0f);
+  cpumoe::MoeWeights mw;
+  mw.w13 = w.data();
+  mw.w2 = w.data();
+  mw.s13 = sc.data();
+  mw.s2 = sc.data();
+  for (auto [E, H, I] : {std::array<int64_t, 3>{big, big, 8}, {8, big, big},
+                         {int64_t(1) << 60, 8, 8}, {3, int64_t(1) << 61, int64_t(1) << 61}}) {
+    SCOPED_TRACE(testing::Message() << "E=" << E << " H=" << H << " I=" << I);
+    mw.num_experts = E;
+    mw.hidden = H;
+    mw.intermediate = I;
+    expect_argument_error([&] { cpumoe::PackedMoe p(mw); }, "w");
+    cpumoe::MoeWeightsBf16 bw;
+    std::vector<uint16_t> wb(64);
+    bw.num_experts = E;
+    bw.hidden = H;
+    bw.intermediate = I;
+    bw.w13 = wb.data();
+    bw.w2 = wb.data();
+    expect_argument_error([&] { cpumoe::PackedMoeBf16 p(bw); }, "w");
+  }
+  // Row strides whose spans overflow int64 (the overlap check computes them).
+  MoeData d = make_moe_data({4, 4, 2, 16, 16}, DType::f32, Activation::silu, false, 412);
+  const cpumoe::PackedMoe pk(d.weights());
+  std::vector<uint8_t> out(size_t(d.s.T * d.out_stride * 4));
+  for (const char* what : {"x", "out", "topk_ids", "topk_weights"}) {
+    cpumoe::MoeCall c = cpumoe_test::make_call(d, out.data(), d.ids.data(), true, 1);
+    const int64_t huge = int64_t(1) << 62;
+    const std::string w = what;
+    if (w == "x") c.x_row_stride = huge;
+    if (w == "out") c.out_row_stride = huge;
+    if (w == "topk_ids") c.topk_ids_row_stride = huge;
+    if (w == "topk_weights") c.topk_weights_row_stride = huge;
+    expect_argument_error([&] { cpumoe::fused_moe_int8(pk, c); }, w + ": ");
+  }
+}
+
+// ---------------------------------------------------------------------------- the hammer
+// One thread rewrites topk_ids (and the expert map) with random values, in and out of range,
+// while two callers run the int8 and the bf16 op on them, with and without an expert map: every
+// call returns or throws ArgumentError; nothing reads out of bounds (the ASan build of ci's
+// sanitize stage runs this). The writer stores with relaxed atomics; the op's plain reads race with
+// them on purpose, as a Python thread rewriting a tensor does.
+TEST(Hammer, IdsRewrittenDuringCallsGiveResultsOrArgumentErrors) {
+  // Fewer under qemu-user (the cross stage runs the suite on 3 CPU models, 30-60 times slower).
+  const int64_t calls = env_int("CPUMOE_HAMMER_CALLS", std::getenv("QEMU_CPU") ? 300 : 2000);
+  const int64_t E = 16, G = 24;  // local and global experts
+  MoeData d = make_moe_data({64, E, 4, 64, 32}, DType::bf16, Activation::silu, true, 413);
+  const cpumoe::PackedMoe pk(d.weights());
+  std::vector<uint16_t> w13(d.ref.w13.size()), w2(d.ref.w2.size());
+  for (size_t i = 0; i < w13.size(); ++i) w13[i] = cpumoe::f32_to_bf16(d.ref.w13[i] * 1e-3f);
+  for (size_t i = 0; i < w2.size(); ++i) w2[i] = cpumoe::f32_to_bf16(d.ref.w2[i] * 1e-3f);
+  cpumoe::MoeWeightsBf16 bw;
+  bw.num_experts = E;
+  bw.hidden = d.s.H;
+  bw.intermediate = d.s.I;
+  bw.w13 = w13.data();
+  bw.w2 = w2.data();
+  const cpumoe::PackedMoeBf16 pk16(bw);
+  std::vector<int32_t> ids(d.ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = int32_t(std::max<int64_t>(0, d.ids[i]));
+  std::vector<int32_t> emap(static_cast<size_t>(G));
+  for (int64_t g = 0; g < G; ++g) emap[size_t(g)] = g % 3 == 2 ? -1 : int32_t(g % E);
+
+  // The writer makes one id (and now and then one map entry) wrong for a moment, then restores
+  // it: most calls see valid ids at validation, some see one change under them.
+  std::atomic<bool> stop{false};
+  std::thread writer([&] {
+    std::mt19937 rng(414);
+    std::uniform_int_distribution<int32_t> wild(-5, int32_t(E) + 1000000);
+    std::uniform_int_distribution<size_t> id_at(0, ids.size() - 1), map_at(0, emap.size() - 1);
+    std::uniform_int_distribution<int32_t> valid(0, int32_t(E) - 1);
+    auto pause = [&] {
+      for (int n = int(rng() % 2000); n > 0 && !stop.load(std::memory_order_relaxed); --n)
+        std::atomic_signal_fence(std::memory_order_seq_cst);
+    };
+    while (!stop.load(std::memory_order_relaxed)) {
+      const size_t i = id_at(rng), m = map_at(rng);
+      const int32_t keep = __atomic_load_n(&ids[i], __ATOMIC_RELAXED);
+      const int32_t keep_m = __atomic_load_n(&emap[m], __ATOMIC_RELAXED);
+      const bool hit_map = rng() % 4 == 0;
+      __atomic_store_n(&ids[i], wild(rng), __ATOMIC_RELAXED);
+      if (hit_map) __atomic_store_n(&emap[m], wild(rng), __ATOMIC_RELAXED);
+      pause();
+      __atomic_store_n(&ids[i], rng() % 2 ? keep : valid(rng), __ATOMIC_RELAXED);
+      if (hit_map) __atomic_store_n(&emap[m], keep_m, __ATOMIC_RELAXED);
+      pause();
+    }
+  });
+  struct Tally {
+    int64_t ok = 0, argument_errors = 0, changed = 0, other = 0;
+  };
+  std::vector<Tally> tally(2);
+  auto caller = [&](int which) {
+    const MoeData local = d;  // own x and out; shared ids and map
+    std::vector<uint8_t> out(size_t(d.s.T * d.out_stride * d.es()));
+    for (int64_t i = 0; i < calls; ++i) {
+      cpumoe::MoeCall c = cpumoe_test::make_call(local, out.data(), ids.data(), false, 1);
+      if (i % 2) {
+        c.expert_map = emap.data();
+        c.num_global_experts = G;
+      }
+      try {
+        if (which == 0) cpumoe::fused_moe_int8(pk, c);
+        else cpumoe::fused_moe_bf16(pk16, c);
+        ++tally[size_t(which)].ok;
+      } catch (const cpumoe::ArgumentError& e) {
+        ++tally[size_t(which)].argument_errors;
+        // Caught by the check of the copy, after validation passed.
+        tally[size_t(which)].changed += std::strstr(e.what(), "changed by another thread") != nullptr;
+      } catch (...) {
+        ++tally[size_t(which)].other;
+      }
+    }
+  };
+  std::thread a(caller, 0), b(caller, 1);
+  a.join();
+  b.join();
+  stop = true;
+  writer.join();
+  for (int w = 0; w < 2; ++w) {
+    SCOPED_TRACE(w == 0 ? "int8" : "bf16");
+    EXPECT_EQ(tally[size_t(w)].ok + tally[size_t(w)].argument_errors, calls);
+    EXPECT_EQ(tally[size_t(w)].other, 0);
+    std::cout << "[ hammer ] " << (w == 0 ? "int8" : "bf16") << ": " << tally[size_t(w)].ok
+              << " returned, " << tally[size_t(w)].argument_errors << " ArgumentError ("
+              << tally[size_t(w)].changed << " of them from the check of the copy)\n";
+  }
 }
 
 }  // namespace

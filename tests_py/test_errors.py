@@ -520,3 +520,106 @@ def test_packed_independent_of_its_sources(backend, prob):
     del src, t
     gc.collect()
     assert np.array_equal(b.bits(prob.run(packed)), want)
+
+
+# ---------------------------------------------------------------------------- the BF16 op
+# The BF16 op takes the same call arguments: every case of both call matrices, through it.
+@pytest.fixture()
+def packed16(backend, prob):
+    w13 = backend.numpy(prob.w13).astype(np.float32) * backend.numpy(prob.s13)[:, :, None]
+    w2 = backend.numpy(prob.w2).astype(np.float32) * backend.numpy(prob.s2)[:, :, None]
+    return cpumoe.prepack_bf16(backend.asarray(w13, "bfloat16"), backend.asarray(w2, "bfloat16"),
+                               prob.b13, prob.b2)
+
+
+def _run16(prob, packed16, **kw):
+    args = dict(x=prob.x, topk_weights=prob.topk_weights, topk_ids=prob.topk_ids,
+                activation=prob.activation)
+    args.update(kw)
+    return cpumoe.fused_moe_bf16(args.pop("x"), packed16, args.pop("topk_weights"),
+                                 args.pop("topk_ids"), **args)
+
+
+def test_valid_bf16_call_first(backend, prob, packed16):
+    assert tuple(_run16(prob, packed16).shape) == (T, H)
+
+
+@pytest.mark.parametrize("case", list(CALL_CASES) + list(MORE_CALL_CASES),
+                         ids=list(CALL_CASES) + list(MORE_CALL_CASES))
+def test_bf16_call_errors(backend, prob, packed16, case):
+    make, exc, name = {**CALL_CASES, **MORE_CALL_CASES}[case]
+    overrides = make(backend, prob)
+    sentinel = backend.full((T, H), 7.0, "float32")
+    overrides.setdefault("out", sentinel)
+    with pytest.raises(exc, match=rf"^{name}\b"):
+        _run16(prob, packed16, **overrides)
+    assert (backend.numpy(sentinel) == 7.0).all(), "out written before the error"
+
+
+def test_bf16_op_refuses_int8_packed_and_back(backend, prob, packed, packed16):
+    with pytest.raises(TypeError, match="^packed"):
+        cpumoe.fused_moe_bf16(prob.x, packed, prob.topk_weights, prob.topk_ids)
+    with pytest.raises(TypeError, match="^packed"):
+        cpumoe.fused_moe_int8(prob.x, packed16, prob.topk_weights, prob.topk_ids)
+
+
+def _bf16_weights(b, p):
+    return (b.asarray(b.numpy(p.w13).astype(np.float32), "bfloat16"),
+            b.asarray(b.numpy(p.w2).astype(np.float32), "bfloat16"))
+
+
+BF16_PREPACK_CASES = {
+    "w13-int8": (lambda b, p, w13, w2: dict(w13=p.w13), TypeError, "w13"),
+    "w13-float32": (lambda b, p, w13, w2: dict(w13=b.cast(w13, "float32")), TypeError, "w13"),
+    "w2-float16": (lambda b, p, w13, w2: dict(w2=b.cast(w2, "float16")), TypeError, "w2"),
+    "w13-rank2": (lambda b, p, w13, w2: dict(w13=w13[0]), ValueError, "w13"),
+    "w13-odd-2I": (lambda b, p, w13, w2: dict(w13=w13[:, :2 * I - 1]), ValueError, "w13"),
+    "w2-E-mismatch": (lambda b, p, w13, w2: dict(w2=w2[:E - 1]), ValueError, "w2"),
+    "w2-I-mismatch": (lambda b, p, w13, w2: dict(w2=w2[:, :, :I - 8]), ValueError, "w2"),
+    "H-not-multiple-of-8": (lambda b, p, w13, w2: dict(w13=w13[:, :, :H - 4], w2=w2[:, :H - 4],
+                                                      b13=None, b2=None), ValueError, "w13"),
+    "b13-shape": (lambda b, p, w13, w2: dict(b13=p.b13[:, :I]), ValueError, "b13"),
+    "b2-int": (lambda b, p, w13, w2: dict(b2=b.cast(p.b2, "int32")), TypeError, "b2"),
+    "isa-unknown": (lambda b, p, w13, w2: dict(isa="avx9000"), ValueError, "isa"),
+    "isa-not-str": (lambda b, p, w13, w2: dict(isa=3), TypeError, "isa"),
+    "num-threads-zero": (lambda b, p, w13, w2: dict(num_threads=0), ValueError, "num_threads"),
+}
+
+
+@pytest.mark.parametrize("case", list(BF16_PREPACK_CASES), ids=list(BF16_PREPACK_CASES))
+def test_bf16_prepack_errors(backend, prob, case):
+    make, exc, name = BF16_PREPACK_CASES[case]
+    w13, w2 = _bf16_weights(backend, prob)
+    args = dict(w13=w13, w2=w2, b13=prob.b13, b2=prob.b2)
+    args.update(make(backend, prob, w13, w2))
+    with pytest.raises(exc, match=rf"^{name}\b"):
+        cpumoe.prepack_bf16(args.pop("w13"), args.pop("w2"), **args)
+
+
+# ---------------------------------------------------------------------------- size products
+# Row strides whose byte spans overflow 64 bits (views of a few bytes through numpy's stride
+# tricks, 2^60 elements between rows, so 3 * 2^62 bytes over 4 rows): the native checks refuse
+# them by name instead of wrapping the span.
+def _huge_stride(b, t, stride_elems):
+    _numpy_only(b)
+    return np.lib.stride_tricks.as_strided(t, shape=t.shape,
+                                           strides=(stride_elems * t.itemsize, t.itemsize))
+
+
+SPAN_CASES = {
+    "x": lambda b, p: dict(x=_huge_stride(b, p.x, 2**60)),
+    "out": lambda b, p: dict(out=_huge_stride(b, b.empty((T, H), "float32"), 2**60)),
+    "topk_ids": lambda b, p: dict(topk_ids=_huge_stride(b, p.topk_ids, 2**60)),
+    "topk_weights": lambda b, p: dict(topk_weights=_huge_stride(b, p.topk_weights, 2**60)),
+}
+
+
+@pytest.mark.parametrize("op", ["int8", "bf16"])
+@pytest.mark.parametrize("name", list(SPAN_CASES))
+def test_row_stride_spans_that_overflow(backend, prob, packed, packed16, op, name):
+    overrides = SPAN_CASES[name](backend, prob)
+    with pytest.raises(ValueError, match=rf"^{name}\b"):
+        if op == "int8":
+            prob.run(packed, **overrides)
+        else:
+            _run16(prob, packed16, **overrides)

@@ -29,6 +29,15 @@ void check_dim(int64_t v, const char* what) {
          std::to_string(kDimMultiple));
 }
 
+// bytes * n for the packed weight blocks, or an ArgumentError.
+size_t checked_bytes(size_t bytes, int64_t n, const char* what) {
+  size_t r = 0;
+  if (__builtin_mul_overflow(bytes, size_t(n), &r))
+    fail(std::string(what) + ": packed size " + std::to_string(bytes) + " * " +
+         std::to_string(n) + " experts overflows size_t");
+  return r;
+}
+
 }  // namespace
 
 template <class Kernel>
@@ -48,6 +57,11 @@ PackedExperts<Kernel>::PackedExperts(int64_t e, int64_t h, int64_t i,
   if (e_ < 1) fail("w13: number of experts must be >= 1");
   check_dim(h_, "w13: hidden size H");
   check_dim(i_, "w2: intermediate size I");
+  // The element counts of w13 [E, 2I, H] and w2 [E, H, I] (and so every smaller product below)
+  // fit int64_t: absurd sizes from a malformed checkpoint are an error, not a wrapped size.
+  moe_detail::checked_mul(moe_detail::checked_mul(e_, moe_detail::checked_mul(2, i_, "w13"), "w13"), h_,
+                          "w13");
+  moe_detail::checked_mul(moe_detail::checked_mul(e_, h_, "w2"), i_, "w2");
   if (w13 == nullptr) fail("w13: missing");
   if (w2 == nullptr) fail("w2: missing");
   const Kernel& k = *config_.gemm;
@@ -67,8 +81,9 @@ PackedExperts<Kernel>::PackedExperts(int64_t e, int64_t h, int64_t i,
   w13_stride_ = moe_detail::align_up(k.rhs_packed_size(2 * i_, h_));
   w2_stride_ = moe_detail::align_up(k.rhs_packed_size(h_, i_));
   w13_.reset(static_cast<uint8_t*>(
-      std::aligned_alloc(moe_detail::kAlign, w13_stride_ * size_t(e_))));
-  w2_.reset(static_cast<uint8_t*>(std::aligned_alloc(moe_detail::kAlign, w2_stride_ * size_t(e_))));
+      std::aligned_alloc(moe_detail::kAlign, checked_bytes(w13_stride_, e_, "w13"))));
+  w2_.reset(static_cast<uint8_t*>(
+      std::aligned_alloc(moe_detail::kAlign, checked_bytes(w2_stride_, e_, "w2"))));
   if (!w13_ || !w2_) throw std::bad_alloc();
   moe_detail::parallel_for(e_, threads, [&](int64_t x, int) {
     k.pack_rhs(2 * i_, h_, w13 + x * 2 * i_ * h_, h_, w13_.get() + size_t(x) * w13_stride_);
@@ -108,11 +123,18 @@ template class PackedExperts<QGemmUkernel>;
 template class PackedExperts<BGemmUkernel>;
 
 // The scales are checked before anything is packed (the base class packs in its constructor, so
-// the check runs in the argument list).
+// the check runs in the argument list); their copies are checked again after the copy, since the
+// caller's memory may change in between and the copy is what the op reads.
 static const MoeWeights& checked(const MoeWeights& w) {
   if (w.num_experts >= 1 && w.intermediate >= 1 && w.hidden >= 1) {
-    moe_detail::check_scales(w.s13, w.num_experts * 2 * w.intermediate, "s13");
-    moe_detail::check_scales(w.s2, w.num_experts * w.hidden, "s2");
+    using moe_detail::checked_mul;
+    // Sizes first: scale counts that fit int64 but belong to absurd weights are not read.
+    checked_mul(checked_mul(w.num_experts, checked_mul(2, w.intermediate, "w13"), "w13"), w.hidden,
+                "w13");
+    checked_mul(checked_mul(w.num_experts, w.hidden, "w2"), w.intermediate, "w2");
+    moe_detail::check_scales(
+        w.s13, checked_mul(w.num_experts, checked_mul(2, w.intermediate, "s13"), "s13"), "s13");
+    moe_detail::check_scales(w.s2, checked_mul(w.num_experts, w.hidden, "s2"), "s2");
   }
   return w;
 }
@@ -128,6 +150,8 @@ PackedMoe::PackedMoe(const MoeWeights& w, const MoeConfig<QGemmUkernel>& config,
   s2_.reset(new float[size_t(E * H)]);
   std::memcpy(s13_.get(), w.s13, size_t(E * 2 * I) * 4);
   std::memcpy(s2_.get(), w.s2, size_t(E * H) * 4);
+  moe_detail::check_scales(s13_.get(), E * 2 * I, "s13");
+  moe_detail::check_scales(s2_.get(), E * H, "s2");
   extra_bytes_ = size_t(E * (2 * I + H)) * 4;
 }
 

@@ -10,6 +10,7 @@
 #include "cpumoe/moe.h"
 #include "scratch.h"
 #include "tiling.h"
+#include "validate.h"
 
 namespace cpumoe {
 namespace moe_detail {
@@ -70,10 +71,21 @@ ChunkSizes worst_case(const MoeConfig<Kernel>& cfg, int64_t elem, int64_t E, int
                       int64_t tc, int64_t k, int threads) {
   const Kernel& kern = *cfg.gemm;
   ChunkSizes s = chunk_sizes(elem, E, H, I, tc, k, threads);
-  s.P = tc * k;
+  s.P = checked_mul(tc, k, "scratch");
+  // The kernels' size functions compute about m * depth * elem bytes (m rounded up to a tile of
+  // at most 32 rows, elem <= 2) in 64 bits: keep that far from overflowing (a guard, not a size).
+  for (int64_t depth : {H, I})
+    checked_mul(checked_mul(checked_add(s.P, 64, "scratch"), checked_add(depth, 64, "scratch"),
+                            "scratch"),
+                64, "scratch");
   const int64_t experts = std::min(E, s.P);
-  s.lhs1 = align_up(kern.lhs_packed_size(s.P, H)) + size_t(experts) * lhs_bytes(kern, kern.mr, H);
-  s.lhs2 = align_up(kern.lhs_packed_size(s.P, I)) + size_t(experts) * lhs_bytes(kern, kern.mr, I);
+  auto lhs_total = [&](int64_t depth) {
+    const int64_t all = int64_t(align_up(kern.lhs_packed_size(s.P, depth)));
+    const int64_t pad = checked_mul(experts, int64_t(lhs_bytes(kern, kern.mr, depth)), "scratch");
+    return size_t(checked_add(all, pad, "scratch"));
+  };
+  s.lhs1 = lhs_total(H);
+  s.lhs2 = lhs_total(I);
   s.tasks1 = max_tasks(cfg.tiles, s.P, experts, 2 * I, threads);
   s.tasks2 = max_tasks(cfg.tiles, s.P, experts, H, threads);
   return s;

@@ -19,10 +19,14 @@ void Routing::bind(uint8_t* base, const ChunkPlan& pl) {
 void route(const MoeCall& c, int64_t t0, int64_t tc, int64_t E, int64_t* fill, Routing* r) {
   const int64_t k = c.topk;
   int64_t* count = r->count;
+  int64_t* local = r->pos_of;  // the checked local ids first; their sorted positions later
   std::fill(count, count + E, int64_t(0));
+  // The only read of topk_ids and expert_map for routing: each id once, checked as copied, so
+  // that a caller thread rewriting them meanwhile gets an error, never an index out of range.
   for (int64_t t = 0; t < tc; ++t) {
     for (int64_t j = 0; j < k; ++j) {
-      const int64_t e = load_id(c, t0 + t, j);
+      const int64_t e = checked_local_id(c, E, load_raw_id(c, t0 + t, j), t0 + t, j);
+      local[t * k + j] = e;
       if (e >= 0) ++count[e];
     }
   }
@@ -35,17 +39,12 @@ void route(const MoeCall& c, int64_t t0, int64_t tc, int64_t E, int64_t* fill, R
     if (count[e] > 0) r->active[r->n_active++] = e;
   }
   r->P = acc;
-  for (int64_t t = 0; t < tc; ++t) {
-    for (int64_t j = 0; j < k; ++j) {
-      const int64_t e = load_id(c, t0 + t, j);
-      if (e < 0) {
-        r->pos_of[t * k + j] = -1;
-        continue;
-      }
-      const int64_t pos = fill[e]++;
-      r->pos_of[t * k + j] = pos;
-      r->token_of[pos] = t;
-    }
+  for (int64_t s = 0; s < tc * k; ++s) {
+    const int64_t e = local[s];
+    if (e < 0) continue;  // pos_of stays -1: the expert is on another rank
+    const int64_t pos = fill[e]++;
+    local[s] = pos;
+    r->token_of[pos] = s / k;
   }
 }
 

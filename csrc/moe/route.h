@@ -28,7 +28,8 @@ struct Routing {
 };
 
 // Sorts the slots of tokens [t0, t0 + tc) of call c over E local experts into r (bound to its
-// block); fill is scratch of E entries.
+// block); fill is scratch of E entries. Reads each id (and its expert map entry) once and checks
+// what it read: an ArgumentError if another thread made it invalid after validate().
 void route(const MoeCall& c, int64_t t0, int64_t tc, int64_t E, int64_t* fill, Routing* r);
 
 // Tasks of a GEMM with n output columns under the tile policy, cut in the kernel's mr x nr tiles;

@@ -58,6 +58,10 @@ def view(name: str, obj: Any) -> View:
         address = obj.data_ptr()
         if address % obj.element_size():
             raise ValueError(f"{name}: data address must be aligned to the element size")
+        # torch tensors carry no read-only flag. The native op probes that out's pages are
+        # writable (bindings/module.cpp), so a tensor over a read-only mapping is refused; one
+        # viewing a numpy array that is only flagged read-only (writable memory) is written, as
+        # torch itself would write it (torch warns when such a view is made).
         return View(obj, address, tuple(obj.shape), tuple(obj.stride()), dtype, "torch", True)
     if isinstance(obj, np.ndarray):
         if not obj.dtype.isnative:

@@ -23,7 +23,12 @@ Files: a directory with ``model.safetensors.index.json`` (shards listed in its `
 with ``*.safetensors`` files, a single ``.safetensors`` file, or an index file. The safetensors
 format (8-byte little-endian header size, JSON header of name -> dtype, shape, byte offsets, then
 the raw little-endian data) is read here directly through numpy memory maps: neither torch nor
-the safetensors package is needed, and only the tensors asked for are read from disk.
+the safetensors package is needed (safetensors is a test dependency only, absent from the aarch64
+CPython CI uses), and only the tensors asked for are read from disk. The header is held to the
+format's rules as strictly as the safetensors package holds it (known dtypes, non-negative
+integer shapes, offsets that tile the data section exactly, string metadata), so a file this
+reader accepts is one the package reads identically: tests_py/fuzz_checkpoint.py checks that
+under a coverage-guided fuzzer. Any malformed file, index or config raises UnsupportedCheckpoint.
 ``config.json`` (beside the weights) supplies ``quantization_config``, which is checked to be
 W8A8 int8 for the experts when present.
 """
@@ -66,11 +71,49 @@ LAYOUTS: Dict[str, Tuple[str, Tuple[str, str, str]]] = {
 _ST_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2", "I64": "<i8",
               "I32": "<i4", "I16": "<i2", "I8": "i1", "U64": "<u8", "U32": "<u4", "U16": "<u2",
               "U8": "u1", "BOOL": "?"}
-_MAX_HEADER = 100 * 1024 * 1024
+# Dtypes a header may declare that the loader never reads (their bytes still tile the data).
+_ST_OTHER_SIZES = {"F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
+_MAX_HEADER = 100_000_000  # the safetensors package's own limit
+_U64 = 2**64  # sizes and offsets are u64 in the format (usize in the package)
+_MAX_JSON_FILE = 64 * 1024 * 1024  # index / config.json: real ones are well below 10 MB
 
 
 class UnsupportedCheckpoint(ValueError):
     """The checkpoint (or the layer asked for) is not a W8A8 int8 MoE cpumoe can load."""
+
+
+def _read_json(path: Path, what: str) -> Any:
+    """A small JSON file (index, config): UnsupportedCheckpoint when it is not one."""
+    if not path.is_file():
+        raise UnsupportedCheckpoint(f"{path}: {what} is not a regular file")
+    size = path.stat().st_size
+    if size > _MAX_JSON_FILE:
+        raise UnsupportedCheckpoint(f"{path}: {what} of {size} bytes is not plausible")
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise UnsupportedCheckpoint(f"{path}: {what} is not valid JSON ({e})") from None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # Python's json takes NaN / Infinity; JSON does not
+
+
+def _check_strings(v: Any) -> None:
+    """Every string of a parsed header is valid Unicode (json takes lone surrogates)."""
+    if isinstance(v, str):
+        v.encode("utf-8")  # UnicodeEncodeError (a ValueError) for a lone surrogate
+    elif isinstance(v, dict):
+        for k, x in v.items():
+            k.encode("utf-8")
+            _check_strings(x)
+    elif isinstance(v, list):
+        for x in v:
+            _check_strings(x)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 # ---------------------------------------------------------------------------- safetensors
@@ -79,21 +122,80 @@ class _SafetensorsFile:
 
     def __init__(self, path: Path):
         self.path = path
+        if not path.is_file():  # a FIFO would block the open below
+            raise UnsupportedCheckpoint(f"{path}: not a regular file")
         with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             raw = f.read(8)
             if len(raw) != 8:
                 raise UnsupportedCheckpoint(f"{path}: not a safetensors file (too short)")
             (n,) = struct.unpack("<Q", raw)
             if n > _MAX_HEADER:
                 raise UnsupportedCheckpoint(f"{path}: header of {n} bytes is not plausible")
+            if 8 + n > size:
+                raise UnsupportedCheckpoint(f"{path}: header of {n} bytes runs past the end of "
+                                            f"the file ({size} bytes)")
             try:
-                header = json.loads(f.read(n).decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                text = f.read(n).decode("utf-8")
+                if not text.startswith("{"):
+                    raise ValueError("does not start with '{'")
+                header = json.loads(text, parse_constant=_no_constant)
+                _check_strings(header)
+            except (UnicodeDecodeError, ValueError, RecursionError) as e:
                 raise UnsupportedCheckpoint(f"{path}: bad safetensors header ({e})") from None
-        self.metadata = header.pop("__metadata__", None) or {}
-        self.entries: Dict[str, dict] = header
+        if not isinstance(header, dict):
+            raise UnsupportedCheckpoint(f"{path}: bad safetensors header (not a JSON object)")
+        meta = header.pop("__metadata__", None)
+        if meta is not None and not (isinstance(meta, dict) and
+                                     all(isinstance(v, str) for v in meta.values())):
+            raise UnsupportedCheckpoint(f"{path}: __metadata__ must map strings to strings")
+        self.metadata = meta or {}
         self.data_start = 8 + n
+        self.entries: Dict[str, dict] = {}
+        spans = []
+        for name, e in header.items():
+            begin, end, shape, st = self._entry(name, e)
+            self.entries[name] = {"dtype": st, "shape": shape, "data_offsets": (begin, end)}
+            spans.append((begin, end, name))
+        # The tensors tile the data section: sorted by offset, each starts where the previous one
+        # ends, from 0 to the end of the file (no gaps, no overlaps, no lying offsets).
+        at = 0
+        for begin, end, name in sorted(spans):
+            if begin != at:
+                raise UnsupportedCheckpoint(f"{path}: {name}: data_offsets start at {begin}, "
+                                            f"expected {at} (tensors must tile the data)")
+            at = end
+        if self.data_start + at != size:
+            raise UnsupportedCheckpoint(
+                f"{path}: the tensors cover {at} data bytes but the file has "
+                f"{size - self.data_start} after the header (truncated or padded: data runs "
+                f"past the end of the file, or stops short of it)")
         self._map: Optional[np.memmap] = None
+
+    def _entry(self, name: str, e: Any) -> Tuple[int, int, Tuple[int, ...], str]:
+        """(begin, end, shape, dtype) of a header entry, checked against each other."""
+        where = f"{self.path}: {name}"
+        if not isinstance(e, dict):
+            raise UnsupportedCheckpoint(f"{where}: header entry is not a JSON object")
+        st, shape, offs = e.get("dtype"), e.get("shape"), e.get("data_offsets")
+        if not isinstance(st, str) or (st not in _ST_DTYPES and st not in _ST_OTHER_SIZES):
+            raise UnsupportedCheckpoint(f"{where}: dtype {st!r} is not supported")
+        if not isinstance(shape, list) or not all(_is_int(d) and 0 <= d < _U64 for d in shape):
+            raise UnsupportedCheckpoint(f"{where}: shape {shape!r} is not a list of integers >= 0")
+        if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(v) for v in offs)
+                and 0 <= offs[0] <= offs[1] < _U64):
+            raise UnsupportedCheckpoint(f"{where}: data_offsets {offs!r} are not [begin, end] "
+                                        f"with 0 <= begin <= end")
+        item = np.dtype(_ST_DTYPES[st]).itemsize if st in _ST_DTYPES else _ST_OTHER_SIZES[st]
+        count = 1
+        for d in shape:  # as the format's u64 arithmetic: every partial product must fit
+            count *= d
+            if count >= _U64:
+                raise UnsupportedCheckpoint(f"{where}: shape {shape} overflows 64 bits")
+        if count * item >= _U64 or offs[1] - offs[0] != count * item:
+            raise UnsupportedCheckpoint(f"{where}: data_offsets {offs} do not fit shape "
+                                        f"{shape} of {st}")
+        return offs[0], offs[1], tuple(shape), st
 
     def _bytes(self) -> np.ndarray:
         if self._map is None:
@@ -104,7 +206,7 @@ class _SafetensorsFile:
         return self.entries[name]["dtype"]
 
     def shape(self, name: str) -> Tuple[int, ...]:
-        return tuple(int(d) for d in self.entries[name]["shape"])
+        return self.entries[name]["shape"]
 
     def get(self, name: str) -> np.ndarray:
         """The tensor as a read-only numpy array (BF16 as uint16 bits), native byte order."""
@@ -113,15 +215,13 @@ class _SafetensorsFile:
         if st not in _ST_DTYPES:
             raise UnsupportedCheckpoint(f"{self.path}: {name}: dtype {st} is not supported")
         dt = np.dtype(_ST_DTYPES[st])
-        begin, end = (int(v) for v in e["data_offsets"])
-        shape = tuple(int(d) for d in e["shape"])
-        count = int(np.prod(shape, dtype=np.int64))
-        if end - begin != count * dt.itemsize or begin < 0:
-            raise UnsupportedCheckpoint(f"{self.path}: {name}: data_offsets {[begin, end]} do not "
-                                        f"fit shape {list(shape)} of {st}")
+        begin, end = e["data_offsets"]
+        shape = e["shape"]
+        if begin == end:  # empty: the file may end at the header (nothing to map)
+            return np.zeros(shape, dt.newbyteorder("="))
         buf = self._bytes()
         start = self.data_start + begin
-        if start + (end - begin) > buf.size:
+        if start + (end - begin) > buf.size:  # the file shrank since it was opened
             raise UnsupportedCheckpoint(f"{self.path}: {name}: data runs past the end of the file")
         arr = buf[start:start + (end - begin)].view(dt).reshape(shape)
         if not dt.isnative:
@@ -165,11 +265,18 @@ class Checkpoint:
                 self._where.setdefault(name, f)
 
     def _from_index(self, index: Path) -> List[Path]:
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise UnsupportedCheckpoint(f"{index}: not a safetensors index ({e!r})") from None
+        doc = _read_json(index, "safetensors index")
+        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str)
+                                                       for v in weight_map.values()):
+            raise UnsupportedCheckpoint(f"{index}: not a safetensors index (needs a weight_map "
+                                        f"object of tensor name -> shard file name)")
         names = sorted(set(weight_map.values()))
+        # Shards are files beside the index: a path elsewhere (../, absolute) is not followed.
+        odd = [n for n in names if n in ("", ".", "..") or Path(n).name != n or "\\" in n]
+        if odd:
+            raise UnsupportedCheckpoint(f"{index}: shard names must be plain file names beside "
+                                        f"the index, got {odd[:3]}")
         missing = [n for n in names if not (index.parent / n).exists()]
         if missing:
             raise FileNotFoundError(f"{index}: shard(s) missing: {', '.join(missing)}")
@@ -209,12 +316,21 @@ class Checkpoint:
     def config(self) -> dict:
         """config.json beside the weights, or {}."""
         c = self.root / "config.json"
-        return json.loads(c.read_text()) if c.exists() else {}
+        if not c.exists():
+            return {}
+        cfg = _read_json(c, "config.json")
+        if not isinstance(cfg, dict):
+            raise UnsupportedCheckpoint(f"{c}: config.json is not a JSON object")
+        return cfg
 
     @property
     def quantization_config(self) -> Optional[dict]:
         cfg = self.config
-        return cfg.get("quantization_config") or cfg.get("compression_config")
+        q = cfg.get("quantization_config") or cfg.get("compression_config")
+        if q is not None and not isinstance(q, dict):
+            raise UnsupportedCheckpoint(f"{self.root / 'config.json'}: quantization_config is "
+                                        f"not a JSON object")
+        return q
 
     # MoE layers ---------------------------------------------------------------
     def detect_layout(self, layer: int) -> Optional[str]:
@@ -252,9 +368,18 @@ class Checkpoint:
 
 # ---------------------------------------------------------------------------- the scheme
 def _targets_module(patterns: Iterable[str], module: str, class_name: str = "Linear") -> bool:
+    if patterns and (not isinstance(patterns, list) or
+                     not all(isinstance(p, str) for p in patterns)):
+        raise UnsupportedCheckpoint(f"quantization_config: targets/ignore must be lists of "
+                                    f"strings, got {patterns!r:.80}")
     for pat in patterns or ():
         if pat.startswith("re:"):
-            if re.match(pat[3:], module):
+            try:
+                hit = re.match(pat[3:], module)
+            except (re.error, RecursionError, OverflowError) as e:
+                raise UnsupportedCheckpoint(f"quantization_config: bad pattern {pat!r:.80} "
+                                            f"({e})") from None
+            if hit:
                 return True
         elif pat in (module, class_name):
             return True
@@ -265,8 +390,12 @@ def scheme_problem(group: dict) -> Optional[str]:
     """None if a compressed-tensors config group is W8A8 int8 as the op computes it: weights
     8-bit int, symmetric, per channel, static; input activations 8-bit int, symmetric, per
     token, dynamic. Otherwise what differs."""
+    if not isinstance(group, dict):
+        return "config group: not a JSON object"
     w = group.get("weights") or {}
     a = group.get("input_activations")
+    if not isinstance(w, dict) or not (a is None or isinstance(a, dict)):
+        return "weights / input_activations: not JSON objects"
     want_w = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
     for k, v in want_w.items():
         if w.get(k) != v:
@@ -298,7 +427,12 @@ def check_scheme(qcfg: Optional[dict], module: str) -> None:
     if _targets_module(qcfg.get("ignore") or (), module):
         raise UnsupportedCheckpoint(f"{module}: listed in quantization_config.ignore (not "
                                     f"quantized)")
-    groups = [g for g in (qcfg.get("config_groups") or {}).values()
+    config_groups = qcfg.get("config_groups") or {}
+    if not isinstance(config_groups, dict) or not all(isinstance(g, dict)
+                                                      for g in config_groups.values()):
+        raise UnsupportedCheckpoint("quantization_config: config_groups must map names to "
+                                    "JSON objects")
+    groups = [g for g in config_groups.values()
               if _targets_module(g.get("targets") or (), module)]
     if not groups:
         raise UnsupportedCheckpoint(f"{module}: no quantization_config.config_groups entry "
@@ -375,6 +509,11 @@ def _open(path: Union[PathLike, Checkpoint]) -> Checkpoint:
 
 
 def _int8(ck: Checkpoint, name: str, shape: Tuple[int, int]) -> np.ndarray:
+    _check_int8(ck, name, shape)
+    return ck.get(name)
+
+
+def _check_int8(ck: Checkpoint, name: str, shape: Tuple[int, int]) -> None:
     if name not in ck:
         raise UnsupportedCheckpoint(f"checkpoint: missing {name}")
     if ck.dtype(name) != "I8":
@@ -383,17 +522,22 @@ def _int8(ck: Checkpoint, name: str, shape: Tuple[int, int]) -> np.ndarray:
     if ck.shape(name) != shape:
         raise UnsupportedCheckpoint(f"{name}: shape {list(ck.shape(name))}, expected "
                                     f"{list(shape)}")
-    return ck.get(name)
 
 
 def _vector(ck: Checkpoint, name: str, n: int) -> np.ndarray:
+    _check_vector(ck, name, n)
+    return ck.get_float32(name).reshape(n)
+
+
+def _check_vector(ck: Checkpoint, name: str, n: int) -> None:
     if name not in ck:
         raise UnsupportedCheckpoint(f"checkpoint: missing {name}")
     shape = ck.shape(name)
     if shape not in ((n,), (n, 1)):
         raise UnsupportedCheckpoint(f"{name}: shape {list(shape)}, expected [{n}, 1] or [{n}] "
                                     f"(per output channel)")
-    return ck.get_float32(name).reshape(n)
+    if ck.dtype(name) not in ("F32", "F16", "BF16", "F64"):
+        raise UnsupportedCheckpoint(f"{name}: dtype {ck.dtype(name)}, expected a float tensor")
 
 
 def _check_zero_point(ck: Checkpoint, module: str) -> None:
@@ -447,8 +591,19 @@ def load_moe_layer(path: Union[PathLike, Checkpoint], layer: int, *,
     if g0 not in ck or len(ck.shape(g0)) != 2:
         raise UnsupportedCheckpoint(f"checkpoint: missing or not 2-D: {g0}")
     I, H = ck.shape(g0)
+    if I < 1 or H < 1:
+        raise UnsupportedCheckpoint(f"{g0}: shape {[I, H]} has an empty dimension")
     E = len(ids)
     has_bias = mod(ids[0], gate) + ".bias" in ck
+    # Every tensor's name, dtype and shape first (headers only): the arrays below are then the
+    # size of tensors the files hold (each header shape is tied to bytes on disk), never an
+    # allocation sized by a header alone.
+    for e in ids:
+        for proj, shape in ((gate, (I, H)), (up, (I, H)), (down, (H, I))):
+            _check_int8(ck, mod(e, proj) + ".weight", shape)
+            _check_vector(ck, mod(e, proj) + ".weight_scale", shape[0])
+            if has_bias:
+                _check_vector(ck, mod(e, proj) + ".bias", shape[0])
     w13 = np.empty((E, 2 * I, H), np.int8)
     w2 = np.empty((E, H, I), np.int8)
     s13 = np.empty((E, 2 * I), np.float32)

@@ -156,8 +156,8 @@ def scratch_bytes(T: int, k: int, packed: Any, *, num_threads: Optional[int] = N
         raise TypeError(f"packed: expected cpumoe.PackedMoe from prepack() or "
                         f"cpumoe.PackedMoeBf16 from prepack_bf16(), got {type(packed).__name__}")
     for name, v, low in (("T", T, 0), ("k", k, 1)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < low:
-            raise ValueError(f"{name}: must be an int >= {low}, got {v!r}")
+        if not isinstance(v, int) or isinstance(v, bool) or not low <= v < 2**63:
+            raise ValueError(f"{name}: must be an int in [{low}, 2**63), got {v!r}")
     return int(_C.scratch_bytes(packed, T, k, _num_threads(num_threads)))
 
 

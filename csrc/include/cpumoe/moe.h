@@ -202,7 +202,10 @@ struct MoeCall {
 /// Runs the op. Deterministic: the result does not depend on num_threads (which is capped at
 /// max(256, processors, OMP_NUM_THREADS)).
 /// Throws ArgumentError for bad arguments (expert id outside [0, E), k < 1, skip_weighted with
-/// k > 1, out overlapping an input, ...) before writing anything.
+/// k > 1, out overlapping an input, sizes whose products overflow, ...) before writing anything.
+/// topk_ids and expert_map are read once more for routing, each entry once, and what was read is
+/// checked: another thread rewriting them during the call gets an ArgumentError (out may then be
+/// partly written), never an out-of-range access.
 ///
 /// Values: an id repeated in a row is two slots (its expert's output is added twice, with each
 /// weight); k > E is allowed that way. A token whose x holds a NaN or an infinity gets NaN in every
