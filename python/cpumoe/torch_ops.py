@@ -329,8 +329,8 @@ def _check_fake(input: torch.Tensor, packed: int, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> None:
     obj = _packed_by_key(packed)
     torch._check(input.dim() == 2 and input.shape[1] == obj.hidden,
-                 lambda: f"x: shape must be [T, {obj.hidden}] (H of the packed weights), got "
-                         f"{list(input.shape)}")
+                 lambda: f"x: shape must be [?, {obj.hidden}] (H = {obj.hidden} of the packed "
+                         f"weights), got {list(input.shape)}")
     torch._check(topk_ids.dim() == 2 and topk_ids.shape[0] == input.shape[0],
                  lambda: f"topk_ids: shape must be [T, k] with T = {input.shape[0]}")
     torch._check(topk_weights.shape == topk_ids.shape,

@@ -1,0 +1,287 @@
+"""cpumoe.transformers: the "cpumoe" / "cpumoe_bf16" experts backends of Hugging Face transformers,
+on tiny random models built from configs (no downloads) of four families: Qwen3-MoE, Mixtral,
+gpt-oss (clamped swiglu, interleaved gate/up, biases, transposed weights) and DeepSeek-V3
+(shared experts, grouped sigmoid routing, a dense first layer).
+
+The models have one MoE layer, so the router sees the same input under every backend (with two,
+a rounding difference in the first layer can flip a near-tie of the second one's top-k, which
+says nothing about the backend). Needs the torch backend and transformers (skipped otherwise).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from conftest import BACKEND_NAME
+
+if BACKEND_NAME != "torch":
+    pytest.skip("the transformers backends need the torch backend", allow_module_level=True)
+transformers = pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+import cpumoe.transformers as cmt  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS  # noqa: E402
+
+# max|logits - eager logits| / max|eager logits|. W8A8: the int8 roundings of weights and
+# activations (about 1% of a block's output scale, see conftest's MOE tolerance); bf16: x, the
+# weights and the activation rounded to bf16 (a few 1e-3).
+TOL = {"cpumoe": 3e-2, "cpumoe_bf16": 1e-2}
+VOCAB = 96
+
+# family -> (config class name, config kwargs, expected activation, gate/up interleaved)
+FAMILIES = {
+    "qwen3_moe": ("Qwen3MoeConfig", dict(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True), "silu"),
+    "mixtral": ("MixtralConfig", dict(
+        hidden_size=64, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
+        num_local_experts=4, num_experts_per_tok=2), "silu"),
+    "gpt_oss": ("GptOssConfig", dict(
+        hidden_size=64, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["full_attention"]), "swigluoai"),
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
+        num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+        topk_group=2, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=None,
+        kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        num_hidden_layers=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        "silu"),
+}
+
+
+def _config(family: str, **over):
+    cls_name, kw, _ = FAMILIES[family]
+    args = dict(vocab_size=VOCAB, num_hidden_layers=1, max_position_embeddings=64,
+                initializer_range=0.1)
+    args.update(kw)
+    args.update(over)
+    return getattr(transformers, cls_name)(**args)
+
+
+def _model(family: str, impl: str = "eager", **over):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config(family, **over), experts_implementation=impl)
+    if family == "gpt_oss":  # its biases start at zero: give them values so they are tested
+        with torch.no_grad():
+            for _, m in cmt.experts_modules(model):
+                m.gate_up_proj_bias.normal_(0, 0.1)
+                m.down_proj_bias.normal_(0, 0.1)
+    return model.eval()
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a - ref).abs().max() / ref.abs().max())
+
+
+@pytest.fixture(scope="module")
+def models():
+    """family -> (eager model, token ids [2, 10], eager logits); built once."""
+    out = {}
+    gen = torch.Generator().manual_seed(1)
+    for fam in FAMILIES:
+        m = _model(fam)
+        ids = torch.randint(0, VOCAB, (2, 10), generator=gen)
+        with torch.no_grad():
+            out[fam] = (m, ids, m(ids).logits)
+    return out
+
+
+def test_backends_are_registered():
+    for name in ("cpumoe", "cpumoe_bf16"):
+        assert name in ALL_EXPERTS_FUNCTIONS
+        assert name in cmt.BACKENDS
+    # from_pretrained/from_config accept the names (transformers checks them against its registry)
+    model = _model("mixtral", impl="cpumoe")
+    assert model.config._experts_implementation == "cpumoe"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("backend", ["cpumoe", "cpumoe_bf16"])
+def test_logits_match_eager(models, family, backend):
+    eager, ids, ref = models[family]
+    model = copy.deepcopy(eager)
+    model.set_experts_implementation(backend)
+    with torch.no_grad():
+        got = model(ids).logits
+    err = _rel(got, ref)
+    assert err <= TOL[backend], f"{family} {backend}: relative error {err:.3g}"
+    names = [n for n, _ in cmt.experts_modules(model)]
+    assert names, family
+    for _, m in cmt.experts_modules(model):  # packed at the first call, floats released
+        st = m._cpumoe_state
+        assert st.kind == cmt.BACKENDS[backend]
+        assert st.activation == FAMILIES[family][2]
+        assert m.gate_up_proj.numel() == 0 and m.down_proj.numel() == 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_closer_than_int8_and_experts_matter(models, family):
+    """The checks above mean something only if the experts move the logits by much more than
+    the tolerance; and bf16 (no quantization) lands closer to eager than W8A8."""
+    eager, ids, ref = models[family]
+    errs = {}
+    for backend in ("cpumoe", "cpumoe_bf16"):
+        model = copy.deepcopy(eager)
+        cmt.prepare(model, backend)
+        with torch.no_grad():
+            errs[backend] = _rel(model(ids).logits, ref)
+    assert errs["cpumoe_bf16"] < errs["cpumoe"], errs
+    no_experts = copy.deepcopy(eager)
+    with torch.no_grad():
+        for _, m in cmt.experts_modules(no_experts):
+            m.down_proj.zero_()
+            if getattr(m, "has_bias", False):
+                m.down_proj_bias.zero_()
+        effect = _rel(no_experts(ids).logits, ref)
+    assert effect > 5 * TOL["cpumoe"], f"{family}: the experts change the logits by {effect:.3g}"
+
+
+def test_wrong_layout_would_be_caught(models):
+    """gpt-oss interleaves gate/up: packing its rows as halves (what a backend ignoring the
+    layout would do) lands far outside the tolerance, so the test above checks the layout."""
+    eager, ids, ref = models["gpt_oss"]
+    model = copy.deepcopy(eager)
+    m = cmt.experts_modules(model)[0][1]
+    with torch.no_grad():
+        gu = m.gate_up_proj.data  # [E, H, 2I], gate even / up odd columns
+        m.gate_up_proj.data = torch.cat([gu[..., 0::2], gu[..., 1::2]], dim=-1).reshape(gu.shape)
+        bias = m.gate_up_proj_bias.data
+        m.gate_up_proj_bias.data = torch.cat([bias[:, 0::2], bias[:, 1::2]], dim=-1)
+        # the layout stays "interleaved", so cpumoe reads the halves as pairs: wrong numbers
+        model.set_experts_implementation("cpumoe_bf16")
+        err = _rel(model(ids).logits, ref)
+    assert err > 5 * TOL["cpumoe"]
+
+
+@pytest.mark.parametrize("backend", ["cpumoe", "cpumoe_bf16"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
+def test_greedy_generate(models, family, backend):
+    """16 greedy tokens (decode steps run the experts at T = 1 through the KV cache): each one is
+    the argmax of the same backend's logits for the whole sequence (prefill), and with bf16 the
+    sequence is eager's."""
+    eager, ids, _ = models[family]
+    prompt = ids[:1, :6]
+    model = copy.deepcopy(eager)
+    model.set_experts_implementation(backend)
+    with torch.no_grad():
+        seq = model.generate(prompt, max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                             pad_token_id=0)
+        assert seq.shape == (1, 6 + 16)
+        logits = model(seq).logits[0, 5:-1]
+        assert torch.equal(logits.argmax(-1), seq[0, 6:])
+        if backend == "cpumoe_bf16":
+            want = eager.generate(prompt, max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                                  pad_token_id=0)
+            assert torch.equal(seq, want)
+
+
+@pytest.mark.parametrize("backend", ["cpumoe", "cpumoe_bf16"])
+def test_torch_compile_fullgraph(models, backend):
+    eager, ids, _ = models["qwen3_moe"]
+    model = copy.deepcopy(eager)
+    cmt.prepare(model, backend)
+    with torch.no_grad():
+        want = model(ids).logits
+        graphs = []
+
+        def capture(gm, example_inputs):
+            graphs.append(gm)
+            from torch._dynamo.backends.common import aot_autograd
+            return aot_autograd(fw_compiler=lambda g, _: g.forward)(gm, example_inputs)
+
+        torch._dynamo.reset()
+        got = torch.compile(model.forward, fullgraph=True, backend=capture)(ids).logits
+    assert torch.equal(got, want)
+    assert len(graphs) == 1
+    ops = [n for n in graphs[0].graph.nodes
+           if n.op == "call_function" and "cpumoe" in str(n.target)]
+    assert len(ops) == len(cmt.experts_modules(model))
+    torch._dynamo.reset()
+
+
+def test_compile_before_packing_is_a_clear_error(models):
+    eager, ids, _ = models["mixtral"]
+    model = copy.deepcopy(eager)
+    model.set_experts_implementation("cpumoe")
+    torch._dynamo.reset()
+    with torch.no_grad(), pytest.raises(Exception, match="pack the experts before torch.compile"):
+        torch.compile(model.forward, fullgraph=True, backend="eager")(ids)
+    torch._dynamo.reset()
+
+
+def test_unsupported_activation_names_layer_and_reason():
+    model = _model("qwen3_moe", hidden_act="relu")
+    with pytest.raises(cmt.UnsupportedExperts,
+                       match=r"model\.layers\.0\.mlp\.experts.*ReLU.*matches none"):
+        cmt.quantize(model)
+    assert model.config._experts_implementation == "eager"  # nothing changed
+    model.set_experts_implementation("cpumoe")  # the lazy path (first call) names it too
+    ids = torch.zeros((1, 4), dtype=torch.long)
+    with torch.no_grad(), pytest.raises(cmt.UnsupportedExperts,
+                                        match=r"model\.layers\.0\.mlp\.experts.*matches none"):
+        model(ids)
+
+
+@pytest.mark.parametrize("over, what", [
+    (dict(moe_intermediate_size=12), r"I = 12 must be multiples of 8"),
+    (dict(hidden_size=36, head_dim=8), r"H = 36 .*multiples of 8"),
+])
+def test_unaligned_sizes_name_layer_and_reason(over, what):
+    model = _model("qwen3_moe", **over)
+    with pytest.raises(cmt.UnsupportedExperts, match=r"model\.layers\.0\.mlp\.experts.*" + what):
+        cmt.prepare(model, "cpumoe_bf16")
+
+
+def test_post_expert_norm_and_expert_parallel_are_refused():
+    model = _model("mixtral")
+    m = cmt.experts_modules(model)[0][1]
+    m._is_expert_parallel = True
+    with pytest.raises(cmt.UnsupportedExperts, match="expert parallelism"):
+        cmt.quantize(model)
+    m._is_expert_parallel = False
+    m.has_post_expert_norm = True
+    with pytest.raises(cmt.UnsupportedExperts, match="has_post_expert_norm"):
+        cmt.quantize(model)
+
+
+def test_released_floats_cannot_be_repacked(models):
+    eager, ids, ref = models["mixtral"]
+    model = copy.deepcopy(eager)
+    assert cmt.quantize(model) == ["model.layers.0.mlp.experts"]
+    assert model.config._experts_implementation == "cpumoe"
+    with pytest.raises(cmt.UnsupportedExperts, match="released"):
+        cmt.pack_bf16(model)
+    kept = copy.deepcopy(eager)  # keep_float_weights: both backends, eager still works
+    cmt.quantize(kept, keep_float_weights=True)
+    cmt.pack_bf16(kept, keep_float_weights=True)
+    with torch.no_grad():
+        assert _rel(kept(ids).logits, ref) <= TOL["cpumoe_bf16"]
+    kept.set_experts_implementation("eager")
+    with torch.no_grad():
+        assert torch.equal(kept(ids).logits, ref)
+
+
+def test_backward_raises(models):
+    eager, ids, _ = models["qwen3_moe"]
+    model = copy.deepcopy(eager)
+    cmt.pack_bf16(model)
+    out = model(ids).logits  # grad enabled: the forward runs, its backward must not be silent
+    with pytest.raises(RuntimeError, match="inference-only"):
+        out.sum().backward()
+
+
+def test_bf16_model_and_routing_dtypes(models):
+    """A bf16 model: x and the router weights arrive in bf16 (converted for the op)."""
+    eager, ids, ref = models["qwen3_moe"]
+    model = copy.deepcopy(eager).to(torch.bfloat16)
+    with torch.no_grad():
+        want = model(ids).logits.float()
+        model.set_experts_implementation("cpumoe")
+        got = model(ids).logits.float()
+    assert got.dtype == torch.float32 and _rel(got, want) <= TOL["cpumoe"]
