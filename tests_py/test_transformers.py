@@ -285,3 +285,98 @@ def test_bf16_model_and_routing_dtypes(models):
         model.set_experts_implementation("cpumoe")
         got = model(ids).logits.float()
     assert got.dtype == torch.float32 and _rel(got, want) <= TOL["cpumoe"]
+
+
+# ---------------------------------------------------------------------------- W8A8 checkpoints
+def _save_w8a8_checkpoint(model, folder):
+    """Saves ``model`` the way llm-compressor saves a W8A8 MoE model, with the compressed-tensors
+    package doing the quantization bookkeeping, compression and config: one Linear per expert
+    projection (``mlp.experts.{e}.{gate,up,down}_proj``), every Linear but lm_head W8A8 (int8
+    per-channel weights with minmax scales, dynamic per-token activations)."""
+    ct_quant = pytest.importorskip("compressed_tensors.quantization")
+    from compressed_tensors.compressors import ModelCompressor
+    from safetensors.torch import save_file
+
+    def put(root, path, module):
+        *parents, leaf = path.split(".")
+        node = root
+        for p in parents:
+            if not hasattr(node, p):
+                node.add_module(p, torch.nn.Module())
+            node = getattr(node, p)
+        node.add_module(leaf, module)
+
+    def linear(w):
+        lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+        lin.weight.data = w.detach().clone().contiguous()
+        return lin
+
+    root = torch.nn.Module()
+    expert_names = dict(cmt.experts_modules(model))
+    for name, m in model.named_modules():
+        if name in expert_names:
+            I = m.intermediate_dim
+            for e in range(m.num_experts):
+                put(root, f"{name}.{e}.gate_proj", linear(m.gate_up_proj[e, :I]))
+                put(root, f"{name}.{e}.up_proj", linear(m.gate_up_proj[e, I:]))
+                put(root, f"{name}.{e}.down_proj", linear(m.down_proj[e]))
+        elif isinstance(m, torch.nn.Linear):
+            put(root, name, linear(m.weight))
+    scheme = ct_quant.preset_name_to_scheme("W8A8", ["Linear"])
+    qcfg = ct_quant.QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
+    ct_quant.apply_quantization_config(root, qcfg)
+    with torch.no_grad():
+        for m in root.modules():
+            if hasattr(m, "weight_scale"):  # a minmax observer's scale (what calibration sets)
+                m.weight_scale.copy_(m.weight.abs().amax(dim=1, keepdim=True) / 127)
+    compressor = ModelCompressor.from_pretrained_model(root, quantization_format="int-quantized")
+    compressor.compress_model(root)
+    tensors = {k: v.contiguous() for k, v in root.state_dict().items()}
+    linear_keys = set(tensors)
+    for k, v in model.state_dict().items():  # embeddings, norms, router: float
+        mod = k.rsplit(".", 1)[0]
+        if k not in linear_keys and mod not in expert_names and not mod.endswith("lm_head"):
+            tensors[k] = v.detach().clone().contiguous()
+    save_file(tensors, str(folder / "model.safetensors"))
+    model.config.save_pretrained(str(folder))
+    compressor.update_config(str(folder))
+    return tensors
+
+
+def test_load_w8a8_compressed_tensors_checkpoint(tmp_path):
+    eager = _model("qwen3_moe", tie_word_embeddings=True)
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = eager(ids).logits
+    tensors = _save_w8a8_checkpoint(eager, tmp_path)
+    assert tensors["model.layers.0.mlp.experts.0.gate_proj.weight"].dtype == torch.int8
+    assert tensors["model.layers.0.self_attn.q_proj.weight"].dtype == torch.int8
+
+    model = cmt.load_w8a8(tmp_path, dtype=torch.float32)
+    assert model.config._experts_implementation == "cpumoe"
+    (name, m), = cmt.experts_modules(model)
+    assert m.gate_up_proj.numel() == 0 and m._cpumoe_state.kind == "int8"
+    with torch.no_grad():
+        got = model(ids).logits
+        err = _rel(got, ref)
+        assert err <= TOL["cpumoe"], err  # attention dequantized from int8 too
+        # The experts hold the checkpoint's int8 weights: the same op output as quantizing the
+        # float experts here (same minmax scales, round half to even).
+        own = copy.deepcopy(eager)
+        cmt.quantize(own)
+        x = torch.randn(12, 64)
+        tw = torch.rand(12, 2)
+        top = torch.randint(0, 8, (12, 2))
+        a = cmt.experts_modules(own)[0][1](x, top, tw)
+        b = m(x, top, tw)
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-6 * float(a.abs().max()))
+
+
+def test_load_w8a8_refuses_a_float_checkpoint(tmp_path):
+    from safetensors.torch import save_file
+    model = _model("qwen3_moe")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+              str(tmp_path / "model.safetensors"))
+    model.config.save_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match="no compressed-tensors quantization_config"):
+        cmt.load_w8a8(tmp_path)

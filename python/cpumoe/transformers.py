@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import re
 from typing import Any, List, Optional, Tuple
 
 import numpy as np
@@ -51,6 +52,7 @@ __all__ = [
     "BACKENDS",
     "UnsupportedExperts",
     "experts_modules",
+    "load_w8a8",
     "pack_bf16",
     "prepare",
     "quantize",
@@ -163,8 +165,9 @@ class _Layout:
     has_bias: bool
 
 
-def _layout(module: torch.nn.Module, name: Optional[str]) -> _Layout:
-    """Checks that cpumoe can take the module's experts and how its weights map to the op's."""
+def _layout(module: torch.nn.Module, name: Optional[str], meta_ok: bool = False) -> _Layout:
+    """Checks that cpumoe can take the module's experts and how its weights map to the op's
+    (meta_ok: shapes only, the weights come from a checkpoint)."""
     if not getattr(module, "has_gate", True) or not hasattr(module, "gate_up_proj"):
         _fail(module, name, "its experts have no gate (no fused gate_up_proj); cpumoe's op is a "
                             "gated MLP")
@@ -177,7 +180,7 @@ def _layout(module: torch.nn.Module, name: Optional[str]) -> _Layout:
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             _fail(module, name, f"{pname} is not a 3-D [E, ., .] tensor (got "
                                 f"{type(t).__name__} {list(getattr(t, 'shape', []))})")
-        if t.device.type != "cpu":
+        if t.device.type != "cpu" and not (meta_ok and t.device.type == "meta"):
             _fail(module, name, f"{pname} is on {t.device}, not the CPU")
         if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             _fail(module, name, f"{pname} has dtype {t.dtype}; cpumoe packs float32/bfloat16/"
@@ -389,3 +392,90 @@ def quantize(model: torch.nn.Module, *, keep_float_weights: bool = False) -> Lis
 def pack_bf16(model: torch.nn.Module, *, keep_float_weights: bool = False) -> List[str]:
     """Packs every experts module for the "cpumoe_bf16" backend (see :func:`prepare`)."""
     return prepare(model, "cpumoe_bf16", keep_float_weights=keep_float_weights)
+
+
+# ---------------------------------------------------------------------------- W8A8 checkpoints
+_EXPERT_PARAMS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+
+
+def load_w8a8(path, *, dtype: torch.dtype = torch.bfloat16, model_class: Any = None):
+    """A model of a compressed-tensors W8A8 int8 checkpoint (``quant_method:
+    compressed-tensors``, int8 per-channel weights, dynamic per-token activations; one Linear
+    per expert projection, as llm-compressor saves MoE models) on the ``"cpumoe"`` backend.
+
+    The routed experts go from the checkpoint's int8 weights and scales straight into packed
+    layers (:func:`cpumoe.checkpoint.load_moe_layer`: no float copy of the experts is ever
+    made); every other tensor is loaded in ``dtype`` (quantized Linears such as the attention
+    projections dequantized, since transformers runs them in float). The model is built on the
+    meta device from ``config.json`` (without its quantization_config) and materialised
+    without the float experts. Other tensors are matched by name: the checkpoint must use the
+    module names of the transformers model (true of Qwen2/3-MoE, OLMoE and DeepSeek
+    checkpoints; Mixtral's ``block_sparse_moe`` names are not renamed).
+
+    model_class: default ``AutoModelForCausalLM``. Raises UnsupportedCheckpoint (a ValueError)
+    for a checkpoint that is not W8A8 int8 or lacks a tensor, UnsupportedExperts for experts
+    cpumoe cannot take.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from . import checkpoint as _ck
+
+    ck = _ck.Checkpoint(path)
+    qcfg = ck.quantization_config
+    if not qcfg or qcfg.get("quant_method") != "compressed-tensors":
+        raise _ck.UnsupportedCheckpoint(f"{path}: config.json has no compressed-tensors "
+                                        f"quantization_config")
+    config = AutoConfig.from_pretrained(str(ck.root))
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # cpumoe runs the experts; the rest is dequantized
+    cls = model_class or AutoModelForCausalLM
+    with torch.device("meta"):
+        model = cls.from_config(config, experts_implementation="cpumoe", dtype=dtype)
+    mods = experts_modules(model)
+    if not mods:
+        raise UnsupportedExperts(f"{type(model).__name__}: no experts module dispatching "
+                                 f"through transformers' ExpertsInterface")
+    skip = set()
+    for name, m in mods:
+        lay = _layout(m, name, meta_ok=True)
+        found = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+        if found is None:
+            _fail(m, name, "no decoder layer index in its name (expected ...layers.<L>....)")
+        w = _ck.load_moe_layer(ck, int(found.group(1)), activation=lay.activation)
+        if (w.num_experts, w.hidden, w.intermediate) != (lay.E, lay.H, lay.I):
+            raise _ck.UnsupportedCheckpoint(
+                f"{name}: the checkpoint's experts are E, H, I = {w.num_experts}, {w.hidden}, "
+                f"{w.intermediate}; the config says {lay.E}, {lay.H}, {lay.I}")
+        if w.b13 is not None and not lay.has_bias:
+            raise _ck.UnsupportedCheckpoint(f"{name}: the checkpoint has expert biases the "
+                                            f"model does not")
+        packed = w.prepack()
+        del w
+        for pname in _EXPERT_PARAMS:
+            if m._parameters.get(pname) is not None:
+                m._parameters[pname] = torch.nn.Parameter(torch.empty((0,), dtype=dtype),
+                                                          requires_grad=False)
+                skip.add(f"{name}.{pname}")
+        object.__setattr__(m, _STATE, _State("int8", packed, lay.activation, name, True))
+    model.to_empty(device="cpu")
+    model.initialize_weights()  # non-persistent buffers (rotary inv_freq), recomputed
+    tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
+    missing = []
+    with torch.no_grad():
+        for key, t in model.state_dict().items():
+            if key in skip:
+                continue
+            if key not in ck and key in tied:
+                continue  # tied to another tensor (tie_weights below)
+            if key not in ck:
+                missing.append(key)
+                continue
+            arr = _ck.load_float_tensor(ck, key)
+            if tuple(arr.shape) != tuple(t.shape):
+                raise _ck.UnsupportedCheckpoint(f"{key}: shape {list(arr.shape)} in the "
+                                                f"checkpoint, {list(t.shape)} in the model")
+            t.copy_(torch.from_numpy(arr))
+    if missing:
+        raise _ck.UnsupportedCheckpoint(f"checkpoint: missing {len(missing)} tensor(s) of the "
+                                        f"model: {', '.join(missing[:8])}")
+    model.tie_weights()
+    return model.eval()
