@@ -62,7 +62,7 @@ __all__ = [
 BACKENDS = {"cpumoe": "int8", "cpumoe_bf16": "bf16"}
 
 _ALIGN = 8  # H and I: multiples of this (the op's requirement)
-_STATE = "_cpumoe_state"  # attribute of an experts module holding its packed layer
+_STATE = "_cpumoe_state"  # attribute of an experts module: {kind: _State} of its packed layers
 
 
 class UnsupportedExperts(ValueError):
@@ -245,14 +245,25 @@ def _quantize_rows(w: torch.Tensor):
     return q, s
 
 
+def _states(module: torch.nn.Module) -> dict:
+    """kind -> _State of the module's packed layers (one per op it was packed for)."""
+    return getattr(module, _STATE, None) or {}
+
+
+def _released_by(module: torch.nn.Module) -> Optional[_State]:
+    return next((s for s in _states(module).values() if s.float_released), None)
+
+
 def _pack(module: torch.nn.Module, kind: str, name: Optional[str], keep_float: bool) -> _State:
-    st = getattr(module, _STATE, None)
-    if st is not None and st.kind == kind:
+    st = _states(module).get(kind)
+    if st is not None:
         return st
-    if st is not None and st.float_released:
-        _fail(module, name or st.name, f"its float weights were released when it was packed "
-                                       f"for the {st.kind} op; load the model again to use "
-                                       f"another cpumoe backend")
+    gone = _released_by(module)
+    if gone is not None:
+        _fail(module, name or gone.name, f"its float weights were released when it was packed "
+                                         f"for the {gone.kind} op; load the model again (or "
+                                         f"pack with keep_float_weights=True) to use another "
+                                         f"cpumoe backend")
     lay = _layout(module, name)
     E, H, I = lay.E, lay.H, lay.I
     b13, b2 = _biases(module, lay)
@@ -281,7 +292,7 @@ def _pack(module: torch.nn.Module, kind: str, name: Optional[str], keep_float: b
             if old is not None:
                 module._parameters[pname] = torch.nn.Parameter(old.new_empty((0,)),
                                                                requires_grad=False)
-    object.__setattr__(module, _STATE, state)
+    object.__setattr__(module, _STATE, {**_states(module), kind: state})
     return state
 
 
@@ -302,8 +313,8 @@ class _InferenceOnly(torch.autograd.Function):
 
 
 def _forward(module, hidden_states, top_k_index, top_k_weights, kind, op):
-    st = getattr(module, _STATE, None)
-    if st is None or st.kind != kind:
+    st = _states(module).get(kind)
+    if st is None:
         if torch.compiler.is_compiling():
             raise RuntimeError("cpumoe: pack the experts before torch.compile (call "
                                "cpumoe.transformers.quantize(model) / pack_bf16(model), or run "
@@ -370,11 +381,11 @@ def prepare(model: torch.nn.Module, backend: str = "cpumoe", *,
         raise UnsupportedExperts(f"{type(model).__name__}: no experts module dispatching "
                                  f"through transformers' ExpertsInterface")
     for name, m in mods:  # all checks first: no half-converted model on error
-        st = getattr(m, _STATE, None)
-        if st is None or st.kind != kind:
-            if st is not None and st.float_released:
+        if kind not in _states(m):
+            gone = _released_by(m)
+            if gone is not None:
                 _fail(m, name, f"its float weights were released when it was packed for the "
-                               f"{st.kind} op")
+                               f"{gone.kind} op")
             _layout(m, name)
     for name, m in mods:
         _pack(m, kind, name, keep_float_weights)
@@ -455,7 +466,8 @@ def load_w8a8(path, *, dtype: torch.dtype = torch.bfloat16, model_class: Any = N
                 m._parameters[pname] = torch.nn.Parameter(torch.empty((0,), dtype=dtype),
                                                           requires_grad=False)
                 skip.add(f"{name}.{pname}")
-        object.__setattr__(m, _STATE, _State("int8", packed, lay.activation, name, True))
+        object.__setattr__(m, _STATE, {"int8": _State("int8", packed, lay.activation, name,
+                                                      True)})
     model.to_empty(device="cpu")
     model.initialize_weights()  # non-persistent buffers (rotary inv_freq), recomputed
     tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
