@@ -379,3 +379,24 @@ def test_load_w8a8_refuses_a_float_checkpoint(tmp_path):
     model.config.save_pretrained(str(tmp_path))
     with pytest.raises(ValueError, match="no compressed-tensors quantization_config"):
         cmt.load_w8a8(tmp_path)
+
+
+# ---------------------------------------------------------------------------- the bench hook
+def test_bench_model_option_and_presets():
+    """`cpumoe bench --model` parses, and each preset's transformers config has the layer shape
+    (H, I, E, k) of cpumoe's preset of that name (the block it times is the layer `cpumoe bench`
+    times). The timing itself is not run here (real shapes: minutes)."""
+    from cpumoe.cli import bench, problem
+    from cpumoe.cli.bench import hf_block
+    args = bench.parser().parse_args(["--model", "all", "--no-whole-model"])
+    assert args.model == list(hf_block.MODEL_CONFIGS) and args.no_whole_model
+    with pytest.raises(SystemExit):
+        bench.parser().parse_args(["--model", "llama"])
+    for preset in hf_block.MODEL_CONFIGS:
+        cfg = hf_block.model_config(preset, 2, 64, transformers)
+        assert hf_block._shape(cfg) == problem.PRESETS[preset][:4]
+    calls = []
+    times = hf_block._alternate({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
+                                lambda name: calls.append("setup " + name), 0.0, 2)
+    assert {n: len(t) for n, t in times.items()} == {"a": 2, "b": 2}  # one call per round
+    assert calls[-4:] == ["setup b", "b", "setup a", "a"]  # the second round rotated
