@@ -321,24 +321,30 @@ def _forward(module, hidden_states, top_k_index, top_k_weights, kind, op):
                                "the model once)")
         st = _pack(module, kind, None, keep_float=False)
     x = hidden_states
+    flat = x.dim() != 2  # the MoE blocks pass [T, H]; anything else is flattened and restored
     shape = x.shape
-    if x.dim() != 2:
+    if flat:
         x = x.reshape(-1, shape[-1])
     if x.stride(-1) != 1:
         x = x.contiguous()
-    ids = top_k_index.reshape(x.shape[0], -1)
+    ids, tw = top_k_index, top_k_weights
+    if ids.dim() != 2:
+        ids = ids.reshape(x.shape[0], -1)
     if ids.dtype not in (torch.int32, torch.int64):
         ids = ids.to(torch.int64)
-    tw = top_k_weights.reshape(x.shape[0], -1).to(torch.float32)
+    if tw.dim() != 2:
+        tw = tw.reshape(x.shape[0], -1)
+    tw = tw.to(torch.float32).contiguous()  # the op's router weights: fp32 (often bf16 here)
+    ids = ids.contiguous()
 
     def run(x_):
-        return op(x_, st.packed, tw.contiguous(), ids.contiguous(), st.activation)
+        return op(x_, st.packed, tw, ids, st.activation)
 
     if x.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling():
         out = _InferenceOnly.apply(x, run)
     else:
         out = run(x)
-    return out.reshape(shape)
+    return out.reshape(shape) if flat else out
 
 
 def _forward_int8(self, hidden_states, top_k_index, top_k_weights):

@@ -3,8 +3,10 @@
 One MoE block (the model's own class, router included) of the preset's real shapes with random
 bf16 weights, called as the model calls it, once per experts_implementation: transformers'
 ``eager`` and ``grouped_mm`` and cpumoe's ``cpumoe`` (W8A8) and ``cpumoe_bf16``, at each T
-(default 1, 16, 128, 512). Plus, as the yardstick of the backend's own cost, ``router+op``: the
-block's router and :func:`cpumoe.fused_moe_int8` called by hand on the same packed layer. Then a
+(default 1, 16, 128, 512). Plus, as the yardsticks of the backend's own cost, ``router+op``: the
+block's router and :func:`cpumoe.fused_moe_int8` called by hand on the same packed layer, and
+``experts`` / ``op``: the experts module on the "cpumoe" backend and the op alone, both on one
+fixed routing. Then a
 2-layer model of the preset's width (attention, norms, a ``--vocab``-sized head) per backend:
 one decode step after a 128-token prompt (KV cache) and one 128-token prefill.
 
@@ -41,6 +43,8 @@ MODEL_CONFIGS = {
 }
 BACKENDS = ("eager", "grouped_mm", "cpumoe", "cpumoe_bf16")
 BY_HAND = "router+op"
+EXPERTS = "experts"  # the experts module alone on the "cpumoe" backend
+OP = "op"  # cpumoe.fused_moe_int8 alone
 BLOCK_TOKENS = [1, 16, 128, 512]
 PROMPT = 128
 
@@ -138,12 +142,21 @@ def _block_points(preset, tokens, args, torch, transformers, cmt, cpumoe, out):
             _, w, ids = router(x2)
             return cpumoe.fused_moe_int8(x2, state.packed, w.float(), ids, state.activation)
 
+        with torch.inference_mode():
+            _, w0, ids0 = router(x2)  # one routing, for the two rows without the router
+        w0f = w0.float()
         conts = {b: (lambda: block(x)) for b in BACKENDS}
         conts[BY_HAND] = by_hand
+        # The backend's own cost: the experts module on the "cpumoe" backend against the op on
+        # the same routing (both without the router and the block's code).
+        conts[EXPERTS] = lambda: experts(x2, ids0, w0)
+        conts[OP] = lambda: cpumoe.fused_moe_int8(x2, state.packed, w0f, ids0, state.activation)
 
         def setup(name):
             if name in BACKENDS:
                 model.set_experts_implementation(name)
+            elif name == EXPERTS:
+                model.set_experts_implementation("cpumoe")
 
         with torch.inference_mode():
             times = _alternate(conts, setup, args.seconds, args.rounds)
@@ -222,9 +235,10 @@ def run_model(args) -> int:
     for preset, point in over:
         med = {r["backend"]: r["ms_median"] for r in rows
                if r["preset"] == preset and r["point"] == point}
-        print(f"backend  {preset} {point}: 'cpumoe' block {med['cpumoe']:.3f} ms vs router+op by "
-              f"hand {med[BY_HAND]:.3f} ms ({(med['cpumoe'] / med[BY_HAND] - 1) * 100:+.1f}%)",
-              file=out)
+        print(f"backend  {preset} {point}: experts module {med[EXPERTS]:.3f} ms vs the op "
+              f"{med[OP]:.3f} ms ({(med[EXPERTS] / med[OP] - 1) * 100:+.1f}%); 'cpumoe' block "
+              f"{med['cpumoe']:.3f} ms vs router+op by hand {med[BY_HAND]:.3f} ms "
+              f"({(med['cpumoe'] / med[BY_HAND] - 1) * 100:+.1f}%)", file=out)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"threads": args.threads, "vocab": args.vocab, "rows": rows}, f, indent=1)
