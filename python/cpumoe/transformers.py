@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import re
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, NoReturn, Optional, Tuple
 
 import numpy as np
 import torch
@@ -111,13 +111,13 @@ def _module_name(module: torch.nn.Module) -> str:
     return f"{path} ({type(module).__name__})" if path else type(module).__name__
 
 
-def _fail(module: torch.nn.Module, name: Optional[str], reason: str) -> None:
+def _fail(module: torch.nn.Module, name: Optional[str], reason: str) -> NoReturn:
     raise UnsupportedExperts(f"cpumoe cannot take the experts {name or _module_name(module)}: "
                              f"{reason}")
 
 
 # ---------------------------------------------------------------------------- the layout
-def _probe_gating(module: torch.nn.Module, inter: int) -> Tuple[str, bool]:
+def _probe_gating(module: torch.nn.Module, inter: int) -> Optional[Tuple[str, bool]]:
     """(cpumoe activation, gate/up interleaved) that reproduce the module's ``_apply_gate``, or
     None. Probe gate/up values span [-9, 9], past gpt-oss's clamp limit (7), so its constants
     must agree too."""

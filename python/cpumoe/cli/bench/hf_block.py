@@ -64,7 +64,8 @@ def model_config(preset: str, layers: int, vocab: int, transformers):
     cfg = getattr(transformers, cls_name)(**kw)
     H, I, E, k, _, _ = problem.PRESETS[preset]
     if _shape(cfg) != (H, I, E, k):  # the two tables must describe the same layer
-        raise AssertionError(f"{preset}: transformers config {_shape(cfg)} != preset {(H, I, E, k)}")
+        raise AssertionError(f"{preset}: transformers config {_shape(cfg)} != preset "
+                             f"{(H, I, E, k)}")
     return cfg
 
 
