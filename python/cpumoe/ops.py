@@ -184,6 +184,8 @@ def fused_moe_int8(x: Any, packed: PackedMoe, topk_weights: Any, topk_ids: Any,
     NaN/inf router weights or biases propagate through the fp32 arithmetic; an all-zero token
     quantizes to zeros. Thread-safe: concurrent calls (the GIL is released) each use their own
     thread's scratch, at most :func:`scratch_bytes` and kept for that thread's next call.
+    On torch tensors it compiles: under ``torch.compile(fullgraph=True)`` the call is one
+    ``cpumoe::fused_moe_packed`` node (see :mod:`cpumoe.torch_ops`).
     """
     if not isinstance(packed, PackedMoe):
         raise TypeError(f"packed: expected cpumoe.PackedMoe from prepack(), got "
@@ -208,6 +210,7 @@ def fused_moe_bf16(x: Any, packed: PackedMoeBf16, topk_weights: Any, topk_ids: A
     the combine is fp32 and the result is stored in x's dtype. Non-finite values propagate as IEEE
     arithmetic makes them (a NaN in a row of x gives a NaN output row). Paths of different ISAs
     may differ in the last bits of their fp32 sums; each is deterministic for any thread count.
+    Compiles on torch tensors as :func:`fused_moe_int8` does.
     """
     if not isinstance(packed, PackedMoeBf16):
         raise TypeError(f"packed: expected cpumoe.PackedMoeBf16 from prepack_bf16(), got "
