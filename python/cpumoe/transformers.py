@@ -29,6 +29,9 @@ Experts cpumoe cannot take raise :class:`UnsupportedExperts` (a ValueError) nami
 and the reason (an activation it lacks, H or I not a multiple of 8, no gate, expert
 parallelism, a post-expert norm, non-float or non-CPU weights); there is no fallback.
 
+:func:`load_w8a8` builds the model of a compressed-tensors W8A8 checkpoint with its experts read
+from the int8 tensors straight into packed layers.
+
 Inference only: the backward of a cpumoe call raises. ``torch.compile`` of the model works
 once its experts are packed (call :func:`quantize` / :func:`pack_bf16`, or run it once, before
 compiling): the op is one node of the graph.
