@@ -53,6 +53,7 @@ __all__ = [
     "MoeLayerWeights",
     "UnsupportedCheckpoint",
     "load_moe_layer",
+    "load_float_tensor",
     "load_packed_moe_layer",
     "scheme_problem",
 ]
@@ -636,3 +637,27 @@ def load_packed_moe_layer(path: Union[PathLike, Checkpoint], layer: int, *,
     Keyword arguments are those of load_moe_layer."""
     weights = load_moe_layer(path, layer, **kw)
     return weights.prepack(isa=isa, num_threads=num_threads)
+
+
+def load_float_tensor(path: Union[PathLike, Checkpoint], name: str) -> np.ndarray:
+    """A tensor of the checkpoint as float32: a float tensor widened, or the ``.weight`` of a
+    W8A8-quantized Linear (int8 with ``.weight_scale`` per output channel) dequantized as
+    ``weight * weight_scale`` (for the layers an engine runs in float: attention, dense MLPs).
+    Raises UnsupportedCheckpoint for a missing tensor or an int tensor that is not such a weight.
+    """
+    ck = _open(path)
+    if name not in ck:
+        raise UnsupportedCheckpoint(f"checkpoint: missing {name}")
+    dt = ck.dtype(name)
+    if dt in ("F32", "F16", "BF16", "F64"):
+        return ck.get_float32(name)
+    module = name[:-len(".weight")] if name.endswith(".weight") else None
+    if dt != "I8" or module is None or module + ".weight_scale" not in ck:
+        raise UnsupportedCheckpoint(f"{name}: dtype {dt} is neither float nor the int8 weight of "
+                                    f"a quantized Linear (with {name}_scale)")
+    shape = ck.shape(name)
+    if len(shape) != 2:
+        raise UnsupportedCheckpoint(f"{name}: int8 weight of shape {list(shape)}, expected 2-D")
+    _check_zero_point(ck, module)
+    scale = _vector(ck, module + ".weight_scale", shape[0])
+    return ck.get(name).astype(np.float32) * scale[:, None]

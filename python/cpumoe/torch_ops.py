@@ -45,6 +45,15 @@ dtype, we take any float dtype; vLLM needs H and I to be multiples of 32, we nee
 ``cpumoe::fused_moe`` is the functional twin (same arguments without ``output``; returns a new
 [T, H] tensor) and :func:`fused_moe` calls one or the other from Python; both trace.
 
+**The public functions** :func:`cpumoe.fused_moe_int8` and :func:`cpumoe.fused_moe_bf16` on torch
+tensors run through ``cpumoe::fused_moe_packed`` (and ``cpumoe::fused_moe_packed_out`` with
+``out=``): the packed layer object itself is not a tensor, so the op takes a key (the object's
+``id``, looked up in a weak registry of live packed layers). Under ``torch.compile`` the key is
+a constant of the graph, guarded on the identity of the packed object, so
+``torch.compile(fullgraph=True)`` of code that calls the public functions works. Eager calls on
+plain tensors skip the op and call the kernel directly (same result; the dispatcher would add
+15-30 us per call).
+
 Inference only: the ops have no autograd formula. Run them under ``torch.inference_mode()`` or
 ``torch.no_grad()`` (as engines do); tracing a graph that needs their backward (e.g. compiling
 with grad enabled while ``topk_weights`` comes from a router that requires grad) raises.
@@ -68,6 +77,7 @@ __all__ = [
     "fused_moe",
     "fused_moe_functional",
     "fused_moe_int8",
+    "fused_moe_packed",
     "is_handle",
     "packed_of",
     "prepack_int8",
@@ -279,3 +289,104 @@ def fused_moe(input: torch.Tensor, w13: torch.Tensor, topk_weights: torch.Tensor
                                     w2_bias, topk_weights, topk_ids, skip_weighted, activation,
                                     isa, expert_map)
     return output
+
+
+# ---------------------------------------------------------------------------- packed-object ops
+# Live PackedMoe / PackedMoeBf16 objects by id(): the key the public functions pass to the op.
+# Weak, so the op never keeps a layer alive; an id reused by a new object is re-registered by the
+# call that passes it (the entry of a dead object is gone by then).
+_live: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+
+
+@torch.compiler.assume_constant_result
+def _packed_key(packed) -> int:
+    """Registers ``packed`` and returns its key. Under torch.compile this runs once at trace time
+    and the key becomes a constant (the caller's id(packed) guards the object's identity)."""
+    key = id(packed)
+    if _live.get(key) is not packed:
+        with _lock:
+            _live[key] = packed
+    return key
+
+
+def _packed_by_key(key: int):
+    packed = _live.get(int(key))
+    if packed is None:
+        raise ValueError(f"packed: no live cpumoe.PackedMoe/PackedMoeBf16 has key {key} (the "
+                         f"layer was freed, or the key was not made by cpumoe)")
+    return packed
+
+
+def _run_packed(out: Optional[torch.Tensor], input: torch.Tensor, packed: int,
+                topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str,
+                skip_weighted: bool, expert_map: Optional[torch.Tensor],
+                num_threads: int) -> torch.Tensor:
+    obj = _packed_by_key(packed)
+    op = _C.fused_moe_int8 if isinstance(obj, _ops.PackedMoe) else _C.fused_moe_bf16
+    return _ops._run(op, input, obj, topk_weights, topk_ids, activation, skip_weighted, out,
+                     expert_map, None if num_threads <= 0 else num_threads)
+
+
+def _check_fake(input: torch.Tensor, packed: int, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor) -> None:
+    obj = _packed_by_key(packed)
+    torch._check(input.dim() == 2 and input.shape[1] == obj.hidden,
+                 lambda: f"x: shape must be [?, {obj.hidden}] (H = {obj.hidden} of the packed "
+                         f"weights), got {list(input.shape)}")
+    torch._check(topk_ids.dim() == 2 and topk_ids.shape[0] == input.shape[0],
+                 lambda: f"topk_ids: shape must be [T, k] with T = {input.shape[0]}")
+    torch._check(topk_weights.shape == topk_ids.shape,
+                 lambda: "topk_weights: must have the shape of topk_ids")
+
+
+@torch.library.custom_op("cpumoe::fused_moe_packed", mutates_args=())
+def _fused_moe_packed_op(input: torch.Tensor, packed: int, topk_weights: torch.Tensor,
+                         topk_ids: torch.Tensor, activation: str, skip_weighted: bool,
+                         expert_map: Optional[torch.Tensor], num_threads: int) -> torch.Tensor:
+    """The public fused_moe_int8/bf16 on a packed layer given by its key; a new [T, H] tensor.
+    num_threads <= 0: torch's thread count."""
+    return _run_packed(None, input, packed, topk_weights, topk_ids, activation, skip_weighted,
+                       expert_map, num_threads)
+
+
+@_fused_moe_packed_op.register_fake
+def _fused_moe_packed_fake(input, packed, topk_weights, topk_ids, activation, skip_weighted,
+                           expert_map, num_threads):
+    _check_fake(input, packed, topk_weights, topk_ids)
+    return input.new_empty((input.shape[0], input.shape[1]))
+
+
+@torch.library.custom_op("cpumoe::fused_moe_packed_out", mutates_args=("out",))
+def _fused_moe_packed_out_op(out: torch.Tensor, input: torch.Tensor, packed: int,
+                             topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                             activation: str, skip_weighted: bool,
+                             expert_map: Optional[torch.Tensor], num_threads: int) -> None:
+    """As cpumoe::fused_moe_packed, written into ``out`` [T, H]."""
+    _run_packed(out, input, packed, topk_weights, topk_ids, activation, skip_weighted,
+                expert_map, num_threads)
+
+
+@_fused_moe_packed_out_op.register_fake
+def _fused_moe_packed_out_fake(out, input, packed, topk_weights, topk_ids, activation,
+                               skip_weighted, expert_map, num_threads):
+    _check_fake(input, packed, topk_weights, topk_ids)
+    torch._check(out.dtype == input.dtype, lambda: "out: must have x's dtype")
+    return None
+
+
+def fused_moe_packed(x: torch.Tensor, packed, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor, activation: str = "silu",
+                     skip_weighted: bool = False, out: Optional[torch.Tensor] = None,
+                     expert_map: Optional[torch.Tensor] = None,
+                     num_threads: Optional[int] = None) -> torch.Tensor:
+    """:func:`cpumoe.fused_moe_int8` / :func:`cpumoe.fused_moe_bf16` (by the type of ``packed``)
+    through the custom ops; those functions call this for torch tensors."""
+    key = _packed_key(packed)
+    torch._check(id(packed) == key)  # a guard on the packed object's identity under compile
+    nt = 0 if num_threads is None else num_threads
+    if out is None:
+        return _fused_moe_packed_op(x, key, topk_weights, topk_ids, activation, skip_weighted,
+                                    expert_map, nt)
+    _fused_moe_packed_out_op(out, x, key, topk_weights, topk_ids, activation, skip_weighted,
+                             expert_map, nt)
+    return out

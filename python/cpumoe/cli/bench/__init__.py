@@ -37,7 +37,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from .. import problem
-from . import vllm_cpu
+from . import hf_block, vllm_cpu
 from .contenders import (ALL_CONTENDERS, BF16_CONTENDERS, CHECK_TOKENS, CONTENDERS,
                          build_contenders)
 from .report import amx_targets, fmt_ratios, plot_results, progress, ratios, targets
@@ -89,6 +89,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     p.add_argument("--plot", metavar="FILE", help="plot tokens/s vs T per contender (matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    hf_block.add_args(p)  # --model: a transformers MoE block per experts backend
     return p
 
 
@@ -119,6 +120,9 @@ def _layer_for(args: argparse.Namespace, preset: str):
 # ---------------------------------------------------------------------------- the command
 def run(args: argparse.Namespace) -> int:
     import cpumoe
+
+    if args.model:
+        return hf_block.run_model(args)
 
     if args.targets:
         args.preset = args.preset or list(problem.PRESETS)

@@ -1,0 +1,402 @@
+"""cpumoe.transformers: the "cpumoe" / "cpumoe_bf16" experts backends of Hugging Face transformers,
+on tiny random models built from configs (no downloads) of four families: Qwen3-MoE, Mixtral,
+gpt-oss (clamped swiglu, interleaved gate/up, biases, transposed weights) and DeepSeek-V3
+(shared experts, grouped sigmoid routing, a dense first layer).
+
+The models have one MoE layer, so the router sees the same input under every backend (with two,
+a rounding difference in the first layer can flip a near-tie of the second one's top-k, which
+says nothing about the backend). Needs the torch backend and transformers (skipped otherwise).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from conftest import BACKEND_NAME
+
+if BACKEND_NAME != "torch":
+    pytest.skip("the transformers backends need the torch backend", allow_module_level=True)
+transformers = pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+import cpumoe.transformers as cmt  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS  # noqa: E402
+
+# max|logits - eager logits| / max|eager logits|. W8A8: the int8 roundings of weights and
+# activations (about 1% of a block's output scale, see conftest's MOE tolerance); bf16: x, the
+# weights and the activation rounded to bf16 (a few 1e-3).
+TOL = {"cpumoe": 3e-2, "cpumoe_bf16": 1e-2}
+VOCAB = 96
+
+# family -> (config class name, config kwargs, expected activation, gate/up interleaved)
+FAMILIES = {
+    "qwen3_moe": ("Qwen3MoeConfig", dict(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True), "silu"),
+    "mixtral": ("MixtralConfig", dict(
+        hidden_size=64, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
+        num_local_experts=4, num_experts_per_tok=2), "silu"),
+    "gpt_oss": ("GptOssConfig", dict(
+        hidden_size=64, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["full_attention"]), "swigluoai"),
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
+        num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+        topk_group=2, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=None,
+        kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        num_hidden_layers=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        "silu"),
+}
+
+
+def _config(family: str, **over):
+    cls_name, kw, _ = FAMILIES[family]
+    args = dict(vocab_size=VOCAB, num_hidden_layers=1, max_position_embeddings=64,
+                initializer_range=0.1)
+    args.update(kw)
+    args.update(over)
+    return getattr(transformers, cls_name)(**args)
+
+
+def _model(family: str, impl: str = "eager", **over):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config(family, **over), experts_implementation=impl)
+    if family == "gpt_oss":  # its biases start at zero: give them values so they are tested
+        with torch.no_grad():
+            for _, m in cmt.experts_modules(model):
+                m.gate_up_proj_bias.normal_(0, 0.1)
+                m.down_proj_bias.normal_(0, 0.1)
+    return model.eval()
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a - ref).abs().max() / ref.abs().max())
+
+
+@pytest.fixture(scope="module")
+def models():
+    """family -> (eager model, token ids [2, 10], eager logits); built once."""
+    out = {}
+    gen = torch.Generator().manual_seed(1)
+    for fam in FAMILIES:
+        m = _model(fam)
+        ids = torch.randint(0, VOCAB, (2, 10), generator=gen)
+        with torch.no_grad():
+            out[fam] = (m, ids, m(ids).logits)
+    return out
+
+
+def test_backends_are_registered():
+    for name in ("cpumoe", "cpumoe_bf16"):
+        assert name in ALL_EXPERTS_FUNCTIONS
+        assert name in cmt.BACKENDS
+    # from_pretrained/from_config accept the names (transformers checks them against its registry)
+    model = _model("mixtral", impl="cpumoe")
+    assert model.config._experts_implementation == "cpumoe"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("backend", ["cpumoe", "cpumoe_bf16"])
+def test_logits_match_eager(models, family, backend):
+    eager, ids, ref = models[family]
+    model = copy.deepcopy(eager)
+    model.set_experts_implementation(backend)
+    with torch.no_grad():
+        got = model(ids).logits
+    err = _rel(got, ref)
+    assert err <= TOL[backend], f"{family} {backend}: relative error {err:.3g}"
+    names = [n for n, _ in cmt.experts_modules(model)]
+    assert names, family
+    for _, m in cmt.experts_modules(model):  # packed at the first call, floats released
+        st = m._cpumoe_state[cmt.BACKENDS[backend]]
+        assert st.activation == FAMILIES[family][2]
+        assert m.gate_up_proj.numel() == 0 and m.down_proj.numel() == 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_closer_than_int8_and_experts_matter(models, family):
+    """The checks above mean something only if the experts move the logits by much more than
+    the tolerance; and bf16 (no quantization) lands closer to eager than W8A8."""
+    eager, ids, ref = models[family]
+    errs = {}
+    for backend in ("cpumoe", "cpumoe_bf16"):
+        model = copy.deepcopy(eager)
+        cmt.prepare(model, backend)
+        with torch.no_grad():
+            errs[backend] = _rel(model(ids).logits, ref)
+    assert errs["cpumoe_bf16"] < errs["cpumoe"], errs
+    no_experts = copy.deepcopy(eager)
+    with torch.no_grad():
+        for _, m in cmt.experts_modules(no_experts):
+            m.down_proj.zero_()
+            if getattr(m, "has_bias", False):
+                m.down_proj_bias.zero_()
+        effect = _rel(no_experts(ids).logits, ref)
+    assert effect > 5 * TOL["cpumoe"], f"{family}: the experts change the logits by {effect:.3g}"
+
+
+def test_wrong_layout_would_be_caught(models):
+    """gpt-oss interleaves gate/up: packing its rows as halves (what a backend ignoring the
+    layout would do) lands far outside the tolerance, so the test above checks the layout."""
+    eager, ids, ref = models["gpt_oss"]
+    model = copy.deepcopy(eager)
+    m = cmt.experts_modules(model)[0][1]
+    with torch.no_grad():
+        gu = m.gate_up_proj.data  # [E, H, 2I], gate even / up odd columns
+        m.gate_up_proj.data = torch.cat([gu[..., 0::2], gu[..., 1::2]], dim=-1).reshape(gu.shape)
+        bias = m.gate_up_proj_bias.data
+        m.gate_up_proj_bias.data = torch.cat([bias[:, 0::2], bias[:, 1::2]], dim=-1)
+        # the layout stays "interleaved", so cpumoe reads the halves as pairs: wrong numbers
+        model.set_experts_implementation("cpumoe_bf16")
+        err = _rel(model(ids).logits, ref)
+    assert err > 5 * TOL["cpumoe"]
+
+
+@pytest.mark.parametrize("backend", ["cpumoe", "cpumoe_bf16"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
+def test_greedy_generate(models, family, backend):
+    """16 greedy tokens (decode steps run the experts at T = 1 through the KV cache): each one is
+    the argmax of the same backend's logits for the whole sequence (prefill), and with bf16 the
+    sequence is eager's."""
+    eager, ids, _ = models[family]
+    prompt = ids[:1, :6]
+    model = copy.deepcopy(eager)
+    model.set_experts_implementation(backend)
+    with torch.no_grad():
+        seq = model.generate(prompt, max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                             pad_token_id=0)
+        assert seq.shape == (1, 6 + 16)
+        logits = model(seq).logits[0, 5:-1]
+        assert torch.equal(logits.argmax(-1), seq[0, 6:])
+        if backend == "cpumoe_bf16":
+            want = eager.generate(prompt, max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                                  pad_token_id=0)
+            assert torch.equal(seq, want)
+
+
+@pytest.mark.parametrize("backend", ["cpumoe", "cpumoe_bf16"])
+def test_torch_compile_fullgraph(models, backend):
+    eager, ids, _ = models["qwen3_moe"]
+    model = copy.deepcopy(eager)
+    cmt.prepare(model, backend)
+    with torch.no_grad():
+        want = model(ids).logits
+        graphs = []
+
+        def capture(gm, example_inputs):
+            graphs.append(gm)
+            from torch._dynamo.backends.common import aot_autograd
+            return aot_autograd(fw_compiler=lambda g, _: g.forward)(gm, example_inputs)
+
+        torch._dynamo.reset()
+        got = torch.compile(model.forward, fullgraph=True, backend=capture)(ids).logits
+    assert torch.equal(got, want)
+    assert len(graphs) == 1
+    ops = [n for n in graphs[0].graph.nodes
+           if n.op == "call_function" and "cpumoe" in str(n.target)]
+    assert len(ops) == len(cmt.experts_modules(model))
+    torch._dynamo.reset()
+
+
+def test_compile_before_packing_is_a_clear_error(models):
+    eager, ids, _ = models["mixtral"]
+    model = copy.deepcopy(eager)
+    model.set_experts_implementation("cpumoe")
+    torch._dynamo.reset()
+    with torch.no_grad(), pytest.raises(Exception, match="pack the experts before torch.compile"):
+        torch.compile(model.forward, fullgraph=True, backend="eager")(ids)
+    torch._dynamo.reset()
+
+
+def test_unsupported_activation_names_layer_and_reason():
+    model = _model("qwen3_moe", hidden_act="relu")
+    with pytest.raises(cmt.UnsupportedExperts,
+                       match=r"model\.layers\.0\.mlp\.experts.*ReLU.*matches none"):
+        cmt.quantize(model)
+    assert model.config._experts_implementation == "eager"  # nothing changed
+    model.set_experts_implementation("cpumoe")  # the lazy path (first call) names it too
+    ids = torch.zeros((1, 4), dtype=torch.long)
+    with torch.no_grad(), pytest.raises(cmt.UnsupportedExperts,
+                                        match=r"model\.layers\.0\.mlp\.experts.*matches none"):
+        model(ids)
+
+
+@pytest.mark.parametrize("over, what", [
+    (dict(moe_intermediate_size=12), r"I = 12 must be multiples of 8"),
+    (dict(hidden_size=36, head_dim=8), r"H = 36 .*multiples of 8"),
+])
+def test_unaligned_sizes_name_layer_and_reason(over, what):
+    model = _model("qwen3_moe", **over)
+    with pytest.raises(cmt.UnsupportedExperts, match=r"model\.layers\.0\.mlp\.experts.*" + what):
+        cmt.prepare(model, "cpumoe_bf16")
+
+
+def test_post_expert_norm_and_expert_parallel_are_refused():
+    model = _model("mixtral")
+    m = cmt.experts_modules(model)[0][1]
+    m._is_expert_parallel = True
+    with pytest.raises(cmt.UnsupportedExperts, match="expert parallelism"):
+        cmt.quantize(model)
+    m._is_expert_parallel = False
+    m.has_post_expert_norm = True
+    with pytest.raises(cmt.UnsupportedExperts, match="has_post_expert_norm"):
+        cmt.quantize(model)
+
+
+def test_released_floats_cannot_be_repacked(models):
+    eager, ids, ref = models["mixtral"]
+    model = copy.deepcopy(eager)
+    assert cmt.quantize(model) == ["model.layers.0.mlp.experts"]
+    assert model.config._experts_implementation == "cpumoe"
+    with pytest.raises(cmt.UnsupportedExperts, match="released"):
+        cmt.pack_bf16(model)
+    kept = copy.deepcopy(eager)  # keep_float_weights: both backends, eager still works
+    cmt.quantize(kept, keep_float_weights=True)
+    cmt.pack_bf16(kept, keep_float_weights=True)
+    with torch.no_grad():
+        assert _rel(kept(ids).logits, ref) <= TOL["cpumoe_bf16"]
+    kept.set_experts_implementation("eager")
+    with torch.no_grad():
+        assert torch.equal(kept(ids).logits, ref)
+
+
+def test_backward_raises(models):
+    eager, ids, _ = models["qwen3_moe"]
+    model = copy.deepcopy(eager)
+    cmt.pack_bf16(model)
+    out = model(ids).logits  # grad enabled: the forward runs, its backward must not be silent
+    with pytest.raises(RuntimeError, match="inference-only"):
+        out.sum().backward()
+
+
+def test_bf16_model_and_routing_dtypes(models):
+    """A bf16 model: x and the router weights arrive in bf16 (converted for the op)."""
+    eager, ids, ref = models["qwen3_moe"]
+    model = copy.deepcopy(eager).to(torch.bfloat16)
+    with torch.no_grad():
+        want = model(ids).logits.float()
+        model.set_experts_implementation("cpumoe")
+        got = model(ids).logits.float()
+    assert got.dtype == torch.float32 and _rel(got, want) <= TOL["cpumoe"]
+
+
+# ---------------------------------------------------------------------------- W8A8 checkpoints
+def _save_w8a8_checkpoint(model, folder):
+    """Saves ``model`` the way llm-compressor saves a W8A8 MoE model, with the compressed-tensors
+    package doing the quantization bookkeeping, compression and config: one Linear per expert
+    projection (``mlp.experts.{e}.{gate,up,down}_proj``), every Linear but lm_head W8A8 (int8
+    per-channel weights with minmax scales, dynamic per-token activations)."""
+    ct_quant = pytest.importorskip("compressed_tensors.quantization")
+    from compressed_tensors.compressors import ModelCompressor
+    from safetensors.torch import save_file
+
+    def put(root, path, module):
+        *parents, leaf = path.split(".")
+        node = root
+        for p in parents:
+            if not hasattr(node, p):
+                node.add_module(p, torch.nn.Module())
+            node = getattr(node, p)
+        node.add_module(leaf, module)
+
+    def linear(w):
+        lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+        lin.weight.data = w.detach().clone().contiguous()
+        return lin
+
+    root = torch.nn.Module()
+    expert_names = dict(cmt.experts_modules(model))
+    for name, m in model.named_modules():
+        if name in expert_names:
+            I = m.intermediate_dim
+            for e in range(m.num_experts):
+                put(root, f"{name}.{e}.gate_proj", linear(m.gate_up_proj[e, :I]))
+                put(root, f"{name}.{e}.up_proj", linear(m.gate_up_proj[e, I:]))
+                put(root, f"{name}.{e}.down_proj", linear(m.down_proj[e]))
+        elif isinstance(m, torch.nn.Linear):
+            put(root, name, linear(m.weight))
+    scheme = ct_quant.preset_name_to_scheme("W8A8", ["Linear"])
+    qcfg = ct_quant.QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
+    ct_quant.apply_quantization_config(root, qcfg)
+    with torch.no_grad():
+        for m in root.modules():
+            if hasattr(m, "weight_scale"):  # a minmax observer's scale (what calibration sets)
+                m.weight_scale.copy_(m.weight.abs().amax(dim=1, keepdim=True) / 127)
+    compressor = ModelCompressor.from_pretrained_model(root, quantization_format="int-quantized")
+    compressor.compress_model(root)
+    tensors = {k: v.contiguous() for k, v in root.state_dict().items()}
+    linear_keys = set(tensors)
+    for k, v in model.state_dict().items():  # embeddings, norms, router: float
+        mod = k.rsplit(".", 1)[0]
+        if k not in linear_keys and mod not in expert_names and not mod.endswith("lm_head"):
+            tensors[k] = v.detach().clone().contiguous()
+    save_file(tensors, str(folder / "model.safetensors"))
+    model.config.save_pretrained(str(folder))
+    compressor.update_config(str(folder))
+    return tensors
+
+
+def test_load_w8a8_compressed_tensors_checkpoint(tmp_path):
+    eager = _model("qwen3_moe", tie_word_embeddings=True)
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = eager(ids).logits
+    tensors = _save_w8a8_checkpoint(eager, tmp_path)
+    assert tensors["model.layers.0.mlp.experts.0.gate_proj.weight"].dtype == torch.int8
+    assert tensors["model.layers.0.self_attn.q_proj.weight"].dtype == torch.int8
+
+    model = cmt.load_w8a8(tmp_path, dtype=torch.float32)
+    assert model.config._experts_implementation == "cpumoe"
+    (name, m), = cmt.experts_modules(model)
+    assert m.gate_up_proj.numel() == 0 and set(m._cpumoe_state) == {"int8"}
+    with torch.no_grad():
+        got = model(ids).logits
+        err = _rel(got, ref)
+        assert err <= TOL["cpumoe"], err  # attention dequantized from int8 too
+        # The experts hold the checkpoint's int8 weights: the same op output as quantizing the
+        # float experts here (same minmax scales, round half to even).
+        own = copy.deepcopy(eager)
+        cmt.quantize(own)
+        x = torch.randn(12, 64)
+        tw = torch.rand(12, 2)
+        top = torch.randint(0, 8, (12, 2))
+        a = cmt.experts_modules(own)[0][1](x, top, tw)
+        b = m(x, top, tw)
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-6 * float(a.abs().max()))
+
+
+def test_load_w8a8_refuses_a_float_checkpoint(tmp_path):
+    from safetensors.torch import save_file
+    model = _model("qwen3_moe")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+              str(tmp_path / "model.safetensors"))
+    model.config.save_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match="no compressed-tensors quantization_config"):
+        cmt.load_w8a8(tmp_path)
+
+
+# ---------------------------------------------------------------------------- the bench hook
+def test_bench_model_option_and_presets():
+    """`cpumoe bench --model` parses, and each preset's transformers config has the layer shape
+    (H, I, E, k) of cpumoe's preset of that name (the block it times is the layer `cpumoe bench`
+    times). The timing itself is not run here (real shapes: minutes)."""
+    from cpumoe.cli import bench, problem
+    from cpumoe.cli.bench import hf_block
+    args = bench.parser().parse_args(["--model", "all", "--no-whole-model"])
+    assert args.model == list(hf_block.MODEL_CONFIGS) and args.no_whole_model
+    with pytest.raises(SystemExit):
+        bench.parser().parse_args(["--model", "llama"])
+    for preset in hf_block.MODEL_CONFIGS:
+        cfg = hf_block.model_config(preset, 2, 64, transformers)
+        assert hf_block._shape(cfg) == problem.PRESETS[preset][:4]
+    calls = []
+    times = hf_block._alternate({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
+                                lambda name: calls.append("setup " + name), 0.0, 2)
+    assert {n: len(t) for n, t in times.items()} == {"a": 2, "b": 2}  # one call per round
+    assert calls[-4:] == ["setup b", "b", "setup a", "a"]  # the second round rotated
