@@ -80,10 +80,8 @@ PackedExperts<Kernel>::PackedExperts(int64_t e, int64_t h, int64_t i,
   const int threads = moe_detail::resolve_threads(num_threads);
   w13_stride_ = moe_detail::align_up(k.rhs_packed_size(2 * i_, h_));
   w2_stride_ = moe_detail::align_up(k.rhs_packed_size(h_, i_));
-  w13_.reset(static_cast<uint8_t*>(
-      std::aligned_alloc(moe_detail::kAlign, checked_bytes(w13_stride_, e_, "w13"))));
-  w2_.reset(static_cast<uint8_t*>(
-      std::aligned_alloc(moe_detail::kAlign, checked_bytes(w2_stride_, e_, "w2"))));
+  w13_.reset(static_cast<uint8_t*>(moe_detail::alloc_large(checked_bytes(w13_stride_, e_, "w13"))));
+  w2_.reset(static_cast<uint8_t*>(moe_detail::alloc_large(checked_bytes(w2_stride_, e_, "w2"))));
   if (!w13_ || !w2_) throw std::bad_alloc();
   moe_detail::parallel_for(e_, threads, [&](int64_t x, int) {
     k.pack_rhs(2 * i_, h_, w13 + x * 2 * i_ * h_, h_, w13_.get() + size_t(x) * w13_stride_);
