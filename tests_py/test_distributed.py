@@ -4,6 +4,7 @@ single-process op, per-rank memory, and a dead peer failing the others instead o
 from __future__ import annotations
 
 import os
+import queue as queue_mod
 import socket
 import time
 
@@ -59,7 +60,11 @@ def _worker(rank, world, port, queue, kill_rank):
         # all-to-all: each rank brings its own slice of the batch.
         mine = slice(rank * x.shape[0] // world, (rank + 1) * x.shape[0] // world)
         part = layer(x[mine], tw[mine], ids[mine], "silu", mode="alltoall")
-        queue.put((rank, "ok", full, part, mine, layer.packed_bytes))
+        # Plain arrays, not tensors: torch passes a tensor's storage through a file descriptor
+        # the receiver must fetch from this process, which may have exited by then (the result
+        # was lost that way on a loaded machine).
+        queue.put((rank, "ok", full.float().numpy(), part.float().numpy(), mine,
+                   layer.packed_bytes))
         dist.destroy_process_group()
     except Exception as e:  # reported to the parent, which asserts on it
         queue.put((rank, "error", f"{type(e).__name__}: {e}", None, None, None))
@@ -79,7 +84,7 @@ def _run(world, kill_rank=-1, timeout=120):
     while len(results) < expected and time.monotonic() < deadline:
         try:
             item = queue.get(timeout=1)
-        except Exception:
+        except queue_mod.Empty:
             continue
         results[item[0]] = item
     for p in procs:
@@ -99,8 +104,9 @@ def test_matches_single_process(world):
     scale = ref.abs().max().item()
     for rank, (_, status, full, part, mine, nbytes) in sorted(results.items()):
         assert status == "ok", full
-        assert (full.float() - ref).abs().max().item() <= ATOL_OF_SCALE * scale, rank
-        assert (part.float() - ref[mine]).abs().max().item() <= ATOL_OF_SCALE * scale, rank
+        full, part = torch.from_numpy(full), torch.from_numpy(part)
+        assert (full - ref).abs().max().item() <= ATOL_OF_SCALE * scale, rank
+        assert (part - ref[mine]).abs().max().item() <= ATOL_OF_SCALE * scale, rank
         # Each rank packs its share of the experts only (8 experts split evenly).
         assert abs(nbytes - total_bytes / world) <= 0.01 * total_bytes, (nbytes, total_bytes)
 
