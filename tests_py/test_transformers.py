@@ -287,11 +287,13 @@ def test_bf16_model_and_routing_dtypes(models):
 
 
 # ---------------------------------------------------------------------------- W8A8 checkpoints
-def _save_w8a8_checkpoint(model, folder):
+def _save_w8a8_checkpoint(model, folder, mixtral_names=False):
     """Saves ``model`` the way llm-compressor saves a W8A8 MoE model, with the compressed-tensors
     package doing the quantization bookkeeping, compression and config: one Linear per expert
     projection (``mlp.experts.{e}.{gate,up,down}_proj``), every Linear but lm_head W8A8 (int8
-    per-channel weights with minmax scales, dynamic per-token activations)."""
+    per-channel weights with minmax scales, dynamic per-token activations). mixtral_names: the
+    original Mixtral checkpoint names instead (``block_sparse_moe.experts.{e}.{w1,w3,w2}``, the
+    router at ``block_sparse_moe.gate``)."""
     ct_quant = pytest.importorskip("compressed_tensors.quantization")
     from compressed_tensors.compressors import ModelCompressor
     from safetensors.torch import save_file
@@ -310,17 +312,21 @@ def _save_w8a8_checkpoint(model, folder):
         lin.weight.data = w.detach().clone().contiguous()
         return lin
 
+    def ck_name(name):
+        return name.replace(".mlp.", ".block_sparse_moe.") if mixtral_names else name
+
+    projs = ("w1", "w3", "w2") if mixtral_names else ("gate_proj", "up_proj", "down_proj")
     root = torch.nn.Module()
     expert_names = dict(cmt.experts_modules(model))
     for name, m in model.named_modules():
         if name in expert_names:
             I = m.intermediate_dim
             for e in range(m.num_experts):
-                put(root, f"{name}.{e}.gate_proj", linear(m.gate_up_proj[e, :I]))
-                put(root, f"{name}.{e}.up_proj", linear(m.gate_up_proj[e, I:]))
-                put(root, f"{name}.{e}.down_proj", linear(m.down_proj[e]))
+                put(root, f"{ck_name(name)}.{e}.{projs[0]}", linear(m.gate_up_proj[e, :I]))
+                put(root, f"{ck_name(name)}.{e}.{projs[1]}", linear(m.gate_up_proj[e, I:]))
+                put(root, f"{ck_name(name)}.{e}.{projs[2]}", linear(m.down_proj[e]))
         elif isinstance(m, torch.nn.Linear):
-            put(root, name, linear(m.weight))
+            put(root, ck_name(name), linear(m.weight))
     scheme = ct_quant.preset_name_to_scheme("W8A8", ["Linear"])
     qcfg = ct_quant.QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
     ct_quant.apply_quantization_config(root, qcfg)
@@ -334,8 +340,9 @@ def _save_w8a8_checkpoint(model, folder):
     linear_keys = set(tensors)
     for k, v in model.state_dict().items():  # embeddings, norms, router: float
         mod = k.rsplit(".", 1)[0]
-        if k not in linear_keys and mod not in expert_names and not mod.endswith("lm_head"):
-            tensors[k] = v.detach().clone().contiguous()
+        if (ck_name(k) not in linear_keys and mod not in expert_names
+                and not mod.endswith("lm_head")):
+            tensors[ck_name(k)] = v.detach().clone().contiguous()
     save_file(tensors, str(folder / "model.safetensors"))
     model.config.save_pretrained(str(folder))
     compressor.update_config(str(folder))
@@ -369,6 +376,24 @@ def test_load_w8a8_compressed_tensors_checkpoint(tmp_path):
         a = cmt.experts_modules(own)[0][1](x, top, tw)
         b = m(x, top, tw)
     torch.testing.assert_close(a, b, rtol=0, atol=1e-6 * float(a.abs().max()))
+
+
+def test_load_w8a8_mixtral_checkpoint_names(tmp_path):
+    # Mixtral's original names (block_sparse_moe.experts.{e}.w1/w3/w2, block_sparse_moe.gate):
+    # the experts through cpumoe.checkpoint's mixtral naming, the router renamed as transformers
+    # renames it.
+    eager = _model("mixtral")
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = eager(ids).logits
+    tensors = _save_w8a8_checkpoint(eager, tmp_path, mixtral_names=True)
+    assert tensors["model.layers.0.block_sparse_moe.experts.0.w1.weight"].dtype == torch.int8
+    assert "model.layers.0.block_sparse_moe.gate.weight" in tensors
+    assert not any(".mlp." in k for k in tensors)
+    model = cmt.load_w8a8(tmp_path, dtype=torch.float32)
+    with torch.no_grad():
+        err = _rel(model(ids).logits, ref)
+    assert err <= TOL["cpumoe"], err
 
 
 def test_load_w8a8_refuses_a_float_checkpoint(tmp_path):

@@ -418,6 +418,21 @@ def pack_bf16(model: torch.nn.Module, *, keep_float_weights: bool = False) -> Li
 _EXPERT_PARAMS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
 
 
+# The checkpoint names a model tensor may have besides its own: Mixtral's original MoE block
+# name (transformers renames ".block_sparse_moe." to ".mlp." when it loads such checkpoints).
+_CHECKPOINT_ALIASES = ((".mlp.", ".block_sparse_moe."),)
+
+
+def _checkpoint_name(ck, key: str) -> Optional[str]:
+    if key in ck:
+        return key
+    for ours, theirs in _CHECKPOINT_ALIASES:
+        alt = key.replace(ours, theirs)
+        if alt != key and alt in ck:
+            return alt
+    return None
+
+
 def load_w8a8(path, *, dtype: torch.dtype = torch.bfloat16, model_class: Any = None):
     """A model of a compressed-tensors W8A8 int8 checkpoint (``quant_method:
     compressed-tensors``, int8 per-channel weights, dynamic per-token activations; one Linear
@@ -428,9 +443,10 @@ def load_w8a8(path, *, dtype: torch.dtype = torch.bfloat16, model_class: Any = N
     made); every other tensor is loaded in ``dtype`` (quantized Linears such as the attention
     projections dequantized, since transformers runs them in float). The model is built on the
     meta device from ``config.json`` (without its quantization_config) and materialised
-    without the float experts. Other tensors are matched by name: the checkpoint must use the
-    module names of the transformers model (true of Qwen2/3-MoE, OLMoE and DeepSeek
-    checkpoints; Mixtral's ``block_sparse_moe`` names are not renamed).
+    without the float experts. Other tensors are matched by name: the module names of the
+    transformers model (Qwen2/3-MoE, OLMoE, DeepSeek checkpoints), or Mixtral's original
+    ``...block_sparse_moe...`` for the model's ``...mlp...`` (its router, as transformers itself
+    renames it on loading).
 
     model_class: default ``AutoModelForCausalLM``. Raises UnsupportedCheckpoint (a ValueError)
     for a checkpoint that is not W8A8 int8 or lacks a tensor, UnsupportedExperts for experts
@@ -485,12 +501,13 @@ def load_w8a8(path, *, dtype: torch.dtype = torch.bfloat16, model_class: Any = N
         for key, t in model.state_dict().items():
             if key in skip:
                 continue
-            if key not in ck and key in tied:
+            src = _checkpoint_name(ck, key)
+            if src is None and key in tied:
                 continue  # tied to another tensor (tie_weights below)
-            if key not in ck:
+            if src is None:
                 missing.append(key)
                 continue
-            arr = _ck.load_float_tensor(ck, key)
+            arr = _ck.load_float_tensor(ck, src)
             if tuple(arr.shape) != tuple(t.shape):
                 raise _ck.UnsupportedCheckpoint(f"{key}: shape {list(arr.shape)} in the "
                                                 f"checkpoint, {list(t.shape)} in the model")
