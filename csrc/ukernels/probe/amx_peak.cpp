@@ -4,8 +4,6 @@
 #error "amx_peak.cpp needs the amx level's flags (set per file by CMake)"
 #endif
 
-#include <immintrin.h>
-
 #include <chrono>
 #include <cstdint>
 
@@ -13,38 +11,44 @@
 
 namespace cpumoe {
 namespace probe_detail {
+namespace {
+
+// Seconds for `reps` rounds of the 2 x 2 tile's four products (amx_gemm.h's tile), of one kind.
+template <bool Bf16>
+double timed_products(int64_t reps) {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < reps; ++i) {
+    if constexpr (Bf16) {
+      AmxHwTiles::dpbf16ps<0, 4, 6>();
+      AmxHwTiles::dpbf16ps<1, 4, 7>();
+      AmxHwTiles::dpbf16ps<2, 5, 6>();
+      AmxHwTiles::dpbf16ps<3, 5, 7>();
+    } else {
+      AmxHwTiles::dpbusd<0, 4, 6>();
+      AmxHwTiles::dpbusd<1, 4, 7>();
+      AmxHwTiles::dpbusd<2, 5, 6>();
+      AmxHwTiles::dpbusd<3, 5, 7>();
+    }
+  }
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
 
 // Seconds for `reps` x 4 tile products of each kind on the calling thread: {int8, bf16}.
 void amx_tile_loop(int64_t reps, double* int8_seconds, double* bf16_seconds) {
   alignas(64) static const uint8_t operand[1024] = {1};
-  AmxHwTiles::Saved saved;
-  AmxHwTiles::begin(saved);
-  _tile_loadd(4, operand, 64);
-  _tile_loadd(5, operand, 64);
-  _tile_loadd(6, operand, 64);
-  _tile_loadd(7, operand, 64);
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  auto t0 = std::chrono::steady_clock::now();
-  for (int64_t i = 0; i < reps; ++i) {
-    _tile_dpbusd(0, 4, 6);
-    _tile_dpbusd(1, 4, 7);
-    _tile_dpbusd(2, 5, 6);
-    _tile_dpbusd(3, 5, 7);
-  }
-  auto t1 = std::chrono::steady_clock::now();
-  for (int64_t i = 0; i < reps; ++i) {
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
-  }
-  auto t2 = std::chrono::steady_clock::now();
-  AmxHwTiles::end(saved);
-  *int8_seconds = std::chrono::duration<double>(t1 - t0).count();
-  *bf16_seconds = std::chrono::duration<double>(t2 - t1).count();
+  const amx::TileScope<AmxHwTiles> tiles;  // the kernels' configuration, the caller's restored
+  AmxHwTiles::load<4>(operand, 64);
+  AmxHwTiles::load<5>(operand, 64);
+  AmxHwTiles::load<6>(operand, 64);
+  AmxHwTiles::load<7>(operand, 64);
+  AmxHwTiles::zero<0>();
+  AmxHwTiles::zero<1>();
+  AmxHwTiles::zero<2>();
+  AmxHwTiles::zero<3>();
+  *int8_seconds = timed_products<false>(reps);
+  *bf16_seconds = timed_products<true>(reps);
 }
 
 }  // namespace probe_detail
