@@ -21,15 +21,19 @@ namespace {
 
 inline __mmask16 mask16(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1); }
 
-// fp32 accumulators (the bgemm kernels), + bias[j] when bias is not null.
+// fp32 accumulators (the bgemm kernels), + bias[j] when bias is not null. stream
+// (QGemmEpilogue::stream_dst): a whole, aligned 64-byte line goes past the caches.
 struct StoreF32Acc {
   float* dst;
   int64_t ld;
   const float* bias;
+  bool stream = false;
   void operator()(int64_t i, int64_t j0, int64_t nc, __m512 v) const {
     const __mmask16 mk = mask16(nc);
     if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mk, bias + j0));
-    _mm512_mask_storeu_ps(dst + i * ld + j0, mk, v);
+    float* d = dst + i * ld + j0;
+    if (stream && nc == 16 && (reinterpret_cast<uintptr_t>(d) & 63) == 0) _mm512_stream_ps(d, v);
+    else _mm512_mask_storeu_ps(d, mk, v);
   }
 };
 
@@ -41,14 +45,7 @@ struct StoreF32 {
     __m512 f = _mm512_cvtepi32_ps(v);
     f = _mm512_mul_ps(f, _mm512_set1_ps(ep->lhs_scale[i]));
     f = _mm512_mul_ps(f, _mm512_maskz_loadu_ps(mask16(nc), ep->rhs_scale + j0));
-    float* d = dst + i * ld + j0;
-    // QGemmEpilogue::stream_dst: a whole, aligned 64-byte line goes past the caches.
-    if (ep->stream_dst && nc == 16 && (reinterpret_cast<uintptr_t>(d) & 63) == 0) {
-      if (ep->bias != nullptr) f = _mm512_add_ps(f, _mm512_loadu_ps(ep->bias + j0));
-      _mm512_stream_ps(d, f);
-      return;
-    }
-    StoreF32Acc{dst, ld, ep->bias}(i, j0, nc, f);
+    StoreF32Acc{dst, ld, ep->bias, ep->stream_dst}(i, j0, nc, f);
   }
 };
 
