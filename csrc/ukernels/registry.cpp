@@ -1,4 +1,4 @@
-// The qgemm (int8), bgemm (bf16) and row-operation registries: every variant this build compiled,
+// The qgemm (int8), q4gemm (W4A8), bgemm (bf16) and row-operation registries: every variant this build compiled,
 // best first. The list comes from the build (cpumoe_kernels.inc, one CPUMOE_KERNEL(family, symbol)
 // line per cpumoe_add_kernel in csrc/CMakeLists.txt), so nothing here names a kernel or an ISA.
 // Built without ISA flags.
@@ -8,6 +8,7 @@
 #include <string>
 
 #include "cpumoe/bgemm.h"
+#include "cpumoe/q4gemm.h"
 #include "cpumoe/qgemm.h"
 #include "cpumoe/rowops.h"
 
@@ -15,6 +16,7 @@ namespace cpumoe {
 
 // The interface struct of each family, by the family's name in CMake.
 using qgemm_ukernel = QGemmUkernel;
+using q4gemm_ukernel = Q4GemmUkernel;
 using bgemm_ukernel = BGemmUkernel;
 using rowops_ukernel = RowOps;
 
@@ -72,6 +74,11 @@ const std::vector<const QGemmUkernel*>& qgemm_registry() {
   return all;
 }
 
+const std::vector<const Q4GemmUkernel*>& q4gemm_registry() {
+  static const std::vector<const Q4GemmUkernel*> all = best_first<Q4GemmUkernel>();
+  return all;
+}
+
 const std::vector<const BGemmUkernel*>& bgemm_registry() {
   static const std::vector<const BGemmUkernel*> all = best_first<BGemmUkernel>();
   return all;
@@ -84,6 +91,9 @@ const std::vector<const RowOps*>& rowops_registry() {
 
 const QGemmUkernel* qgemm_select(const Isa* cap) { return select_from(qgemm_registry(), cap); }
 const QGemmUkernel* qgemm_find(const char* name) { return find_in(qgemm_registry(), name); }
+
+const Q4GemmUkernel* q4gemm_select(const Isa* cap) { return select_from(q4gemm_registry(), cap); }
+const Q4GemmUkernel* q4gemm_find(const char* name) { return find_in(q4gemm_registry(), name); }
 
 const BGemmUkernel* bgemm_select(const Isa* cap) { return select_from(bgemm_registry(), cap); }
 const BGemmUkernel* bgemm_find(const char* name) { return find_in(bgemm_registry(), name); }

@@ -97,8 +97,14 @@ void dequant_gemv(const int8_t* q, float s, const int8_t* w, const float* ws, co
 
 }  // namespace
 
-std::vector<float> fused_moe(const MoeProblem& p, const MoeInputs& in, ActivationFn act_override) {
-  const int64_t H = p.H, I = p.I;
+namespace {
+
+// The W8A8 pipeline around its two GEMVs, gemv13(e, q, s, h) and gemv2(e, q, s, y): each fills
+// the expert's dequantized outputs (biases included) for one quantized row.
+template <class Gemv13, class Gemv2>
+std::vector<float> int8_pipeline(int64_t E, int64_t H, int64_t I, const MoeInputs& in,
+                                 ActivationFn act_override, const Gemv13& gemv13,
+                                 const Gemv2& gemv2) {
   const size_t h_sz = static_cast<size_t>(H), i_sz = static_cast<size_t>(I);
   std::vector<float> out(static_cast<size_t>(in.T * H), 0.0f);
   std::vector<float> xf(h_sz), h(2 * i_sz), a(i_sz), y(h_sz), acc(h_sz);
@@ -109,9 +115,8 @@ std::vector<float> fused_moe(const MoeProblem& p, const MoeInputs& in, Activatio
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int64_t j = 0; j < in.k; ++j) {
       const int64_t e = in.topk_ids[t * in.ids_stride + j];
-      if (e < 0 || e >= p.E) std::abort();  // the tests only give the oracle valid routes
-      dequant_gemv(qx.data(), sx, p.w13.data() + e * 2 * I * H, p.s13.data() + e * 2 * I,
-                   p.b13.empty() ? nullptr : p.b13.data() + e * 2 * I, 2 * I, H, h.data());
+      if (e < 0 || e >= E) std::abort();  // the tests only give the oracle valid routes
+      gemv13(e, qx.data(), sx, h.data());
       const bool interleaved = in.activation == Activation::swigluoai;
       for (int64_t i = 0; i < I; ++i) {
         const float g = interleaved ? h[size_t(2 * i)] : h[size_t(i)];
@@ -121,14 +126,79 @@ std::vector<float> fused_moe(const MoeProblem& p, const MoeInputs& in, Activatio
         a[size_t(i)] = round_to(v, in.dtype);
       }
       const float sa = quantize_row(a.data(), I, qa.data());
-      dequant_gemv(qa.data(), sa, p.w2.data() + e * H * I, p.s2.data() + e * H,
-                   p.b2.empty() ? nullptr : p.b2.data() + e * H, H, I, y.data());
+      gemv2(e, qa.data(), sa, y.data());
       const float w = in.skip_weighted ? 1.0f : in.topk_weights[t * in.weights_stride + j];
       for (int64_t c = 0; c < H; ++c) acc[size_t(c)] = acc[size_t(c)] + w * y[size_t(c)];
     }
     for (int64_t c = 0; c < H; ++c) out[size_t(t * H + c)] = round_to(acc[size_t(c)], in.dtype);
   }
   return out;
+}
+
+}  // namespace
+
+std::vector<float> fused_moe(const MoeProblem& p, const MoeInputs& in, ActivationFn act_override) {
+  const int64_t H = p.H, I = p.I;
+  return int8_pipeline(
+      p.E, H, I, in, act_override,
+      [&](int64_t e, const int8_t* q, float s, float* h) {
+        dequant_gemv(q, s, p.w13.data() + e * 2 * I * H, p.s13.data() + e * 2 * I,
+                     p.b13.empty() ? nullptr : p.b13.data() + e * 2 * I, 2 * I, H, h);
+      },
+      [&](int64_t e, const int8_t* q, float s, float* y) {
+        dequant_gemv(q, s, p.w2.data() + e * H * I, p.s2.data() + e * H,
+                     p.b2.empty() ? nullptr : p.b2.data() + e * H, H, I, y);
+      });
+}
+
+int8_t w4_value(W4Format f, uint8_t code) {
+  if (f == W4Format::int4) return int8_t(code < 8 ? code : int(code) - 16);
+  // E2M1: exponent 0 is subnormal (0 or 0.5); otherwise (1 + m / 2) * 2^(exp - 1). Doubled.
+  const int exp = (code >> 1) & 3, man = code & 1;
+  const double mag = exp == 0 ? 0.5 * man : (1.0 + 0.5 * man) * std::ldexp(1.0, exp - 1);
+  return int8_t((code & 8 ? -2.0 : 2.0) * mag);
+}
+
+float w4_scale(W4Format f, const void* scales, int64_t idx) {
+  if (f == W4Format::int4) return static_cast<const float*>(scales)[idx];
+  const int e = static_cast<const uint8_t*>(scales)[idx];
+  return e == 255 ? std::numeric_limits<float>::quiet_NaN() : float(std::ldexp(1.0, e - 128));
+}
+
+void gemm_w4(int64_t m, int64_t n, int64_t k, W4Format f, int64_t g, const int8_t* a, int64_t lda,
+             const uint8_t* codes, int64_t ldc, const void* scales, int64_t lds,
+             const float* lhs_scale, const float* bias, float* dst, int64_t ldd) {
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      float acc = 0.0f;
+      for (int64_t g0 = 0; g0 < k; g0 += g) {
+        int64_t isum = 0;
+        for (int64_t x = g0; x < g0 + g; ++x)
+          isum += int64_t(a[i * lda + x]) * w4_value(f, codes[j * ldc + x]);
+        acc = acc + float(isum) * w4_scale(f, scales, j * lds + g0 / g);
+      }
+      float v = acc * lhs_scale[i];
+      if (bias != nullptr) v = v + bias[j];
+      dst[i * ldd + j] = v;
+    }
+  }
+}
+
+std::vector<float> fused_moe_w4(const MoeProblemW4& p, const MoeInputs& in,
+                                ActivationFn act_override) {
+  const int64_t H = p.H, I = p.I, g = p.group, sb = p.format == W4Format::mxfp4 ? 1 : 4;
+  return int8_pipeline(
+      p.E, H, I, in, act_override,
+      [&](int64_t e, const int8_t* q, float s, float* h) {
+        gemm_w4(1, 2 * I, H, p.format, g, q, H, p.w13.data() + e * 2 * I * H, H,
+                p.s13.data() + e * 2 * I * (H / g) * sb, H / g, &s,
+                p.b13.empty() ? nullptr : p.b13.data() + e * 2 * I, h, 2 * I);
+      },
+      [&](int64_t e, const int8_t* q, float s, float* y) {
+        gemm_w4(1, H, I, p.format, g, q, I, p.w2.data() + e * H * I, I,
+                p.s2.data() + e * H * (I / g) * sb, I / g, &s,
+                p.b2.empty() ? nullptr : p.b2.data() + e * H, y, H);
+      });
 }
 
 namespace {

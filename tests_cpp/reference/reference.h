@@ -11,6 +11,7 @@
 
 #include "cpumoe/activation.h"
 #include "cpumoe/dtype.h"
+#include "cpumoe/q4gemm.h"  // W4Format only
 
 namespace cpumoe_ref {
 
@@ -73,5 +74,38 @@ struct MoeProblemBf16 {
 /// The BF16 op: h = bf16(x) . w13^T (sum in double, rounded once to fp32) + b13, a = act(h),
 /// y = bf16(a) . w2^T + b2, fp32 combine, rounded to the input dtype.
 std::vector<float> fused_moe_bf16(const MoeProblemBf16& p, const MoeInputs& in);
+
+using cpumoe::W4Format;
+
+/// The int8 value of 4-bit code @p code (0..15) of format @p f, from the format's definition:
+/// int4 a two's-complement nibble; mxfp4 2 * E2M1 (sign bit 3, exponent bits 2-1, mantissa bit 0).
+int8_t w4_value(W4Format f, uint8_t code);
+
+/// The fp32 value of a group scale: int4 the float itself; mxfp4 2^(e - 128) (the factor 1/2 of
+/// the doubled values folded in), NaN for e = 255.
+float w4_scale(W4Format f, const void* scales, int64_t idx);
+
+/// The W4A8 GEMM of q4gemm.h: for each (i, j), exact int32 sums per group of g k, then
+/// acc = acc + float(isum_g) * scale(j, g) in fp32 over g in order, dst = acc * lhs_scale[i]
+/// (+ bias[j]). codes [n][k] one per byte (row stride ldc); scales [n][k / g] (row stride lds
+/// elements of the format's scale type); bias nullable.
+void gemm_w4(int64_t m, int64_t n, int64_t k, W4Format f, int64_t g, const int8_t* a, int64_t lda,
+             const uint8_t* codes, int64_t ldc, const void* scales, int64_t lds,
+             const float* lhs_scale, const float* bias, float* dst, int64_t ldd);
+
+/// A W4A8 MoE problem: codes [E, 2I, H] / [E, H, I] one per byte, scales [E, 2I, H / g] /
+/// [E, H, I / g] (fp32 for int4, E8M0 bytes for mxfp4), fp32 biases or empty.
+struct MoeProblemW4 {
+  int64_t E = 0, H = 0, I = 0;
+  W4Format format = W4Format::int4;
+  int64_t group = 32;
+  std::vector<uint8_t> w13, w2;
+  std::vector<uint8_t> s13, s2;  // raw scale bytes
+  std::vector<float> b13, b2;
+};
+
+/// The W4A8 op: the W8A8 op's pipeline with gemm_w4 for both GEMMs.
+std::vector<float> fused_moe_w4(const MoeProblemW4& p, const MoeInputs& in,
+                                ActivationFn act_override = nullptr);
 
 }  // namespace cpumoe_ref

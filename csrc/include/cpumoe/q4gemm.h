@@ -1,0 +1,124 @@
+/// @file q4gemm.h
+/// The W4A8 GEMM microkernel family: int8 activations x 4-bit weights with one scale per group of
+/// `group` consecutive k, -> fp32. One interface struct that every ISA variant fills in, and the
+/// registry that lists the variants best first.
+///
+/// A weight is a 4-bit code c (0..15) that decodes to an int8 value v = w4_decode_table(fmt)[c]:
+///   - W4Format::int4:  v = c as a two's-complement nibble, in [-8, 7]; the group scale is a
+///     positive fp32 value s; w = v * s.
+///   - W4Format::mxfp4: v = 2 * E2M1(c) in {0, +-1, +-2, +-3, +-4, +-6, +-8, +-12} (nibble: sign
+///     bit 3, exponent bits 2-1, mantissa bit 0); the group (32 k) scale is an E8M0 byte e with
+///     fp32 value w4_mxfp4_scale(e) = 2^(e - 128) (the 1/2 of the doubled values folded in;
+///     e = 255 is NaN); w = v * that.
+///
+/// A kernel computes, for row i (quantized activations, rows gathered per expert) and output
+/// column j of B (one expert's weight matrix [N][K]):
+///   isum_g = sum_{k in group g} A[i][k] * v[j][k]            (exact int32)
+///   acc    = ((0 + float(isum_0) * s[j][0]) + float(isum_1) * s[j][1]) + ...   (fp32, g increasing,
+///            each product and sum rounded: no FMA)
+///   dst    = acc * lhs_scale[i] + bias[j]                     (fp32, in that order)
+/// so every kernel gives the same bits as the naive oracle.
+///
+/// Kernel names: q4gemm_<lhs>_<rhs>_<mr>x<nr>_<isa> (csrc/ukernels/README.md); the lhs layouts are
+/// those of the qgemm family.
+///
+/// Sizes: k is a multiple of the group, the group a multiple of kW4GroupMultiple (so kernels never
+/// pad K); m >= 0, n >= 0 need no padding by the caller (packing pads n up to nr).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpumoe/cpu_features.h"
+
+namespace cpumoe {
+
+/// The 4-bit weight formats.
+enum class W4Format : int32_t { int4 = 1, mxfp4 = 2 };
+
+/// Every group size is a multiple of this (mxfp4's group is exactly this).
+constexpr int64_t kW4GroupMultiple = 32;
+
+/// "int4" / "mxfp4".
+const char* w4_format_name(W4Format f);
+
+/// The int8 values of the 16 codes of format @p f (see the file comment).
+const int8_t* w4_decode_table(W4Format f);
+
+/// The fp32 scale of an mxfp4 group whose E8M0 byte is @p e: 2^(e - 128), NaN for e = 255
+/// (exact: 2^-128 at e = 0 is a subnormal fp32).
+inline float w4_mxfp4_scale(uint8_t e) {
+  uint32_t bits;
+  if (e == 255) bits = 0x7fc00000u;           // NaN
+  else if (e >= 2) bits = uint32_t(e - 1) << 23;  // 2^((e - 1) - 127)
+  else bits = e == 1 ? 0x00400000u : 0x00200000u;  // 2^-127, 2^-128 (subnormal)
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+/// How one packed weight matrix is laid out beyond its kernel: the format and the group size.
+struct W4Layout {
+  W4Format format = W4Format::int4;
+  int64_t group = 32;  ///< a multiple of kW4GroupMultiple; exactly 32 for mxfp4
+  /// Bytes of one group scale in the input of pack_rhs: 4 (fp32, int4) or 1 (E8M0, mxfp4).
+  int64_t scale_bytes() const { return format == W4Format::mxfp4 ? 1 : 4; }
+};
+
+/// The epilogue of Q4GemmUkernel::run_f32 (the weight scales live in the packed B).
+struct Q4GemmEpilogue {
+  const float* lhs_scale;  ///< [m]: per-row (per-token) scale, from the first row of the call
+  const float* bias;       ///< [n] or nullptr, from the first column of the call
+  /// dst is large and not read again soon (QGemmEpilogue::stream_dst); same values either way.
+  bool stream_dst = false;
+};
+
+/// One microkernel variant. Sizes in elements; pointers non-null where their size is non-zero.
+/// Packed buffers are 64-byte aligned by the callers; kernels use unaligned loads.
+struct Q4GemmUkernel {
+  const char* name;  ///< the kernel's name in the grammar above
+  Isa isa;           ///< the ISA level it needs at run time
+  int64_t mr;        ///< rows of the main register tile; lhs offsets are taken at multiples of it
+  int64_t nr;        ///< columns of a packed B block; rhs offsets are taken at multiples of it
+  int64_t kr;        ///< divides kW4GroupMultiple (K is never padded)
+
+  /// Bytes of packed A for @p m rows of depth @p k.
+  size_t (*lhs_packed_size)(int64_t m, int64_t k);
+  /// Byte offset of row @p m_idx (a multiple of mr) in packed A of depth @p k.
+  size_t (*lhs_packed_offset)(int64_t m_idx, int64_t k);
+  /// Packs @p m int8 rows of depth @p k (row i from rows[i][0..k)); row pieces at multiples of mr
+  /// write what one call writes there (QGemmUkernel::pack_lhs).
+  void (*pack_lhs)(int64_t m, int64_t k, const int8_t* const* rows, void* lhs_packed);
+
+  /// Bytes of packed B (codes and scales) for @p n output columns of depth @p k.
+  size_t (*rhs_packed_size)(int64_t n, int64_t k, const W4Layout& w);
+  /// Byte offset of output column @p n_idx (a multiple of nr) in packed B.
+  size_t (*rhs_packed_offset)(int64_t n_idx, int64_t k, const W4Layout& w);
+  /// Packs B: column j's codes (one per byte, 0..15) at codes + j * code_stride, its k / group
+  /// scales at scales + j * scale_stride * w.scale_bytes() bytes (fp32 for int4, E8M0 bytes for
+  /// mxfp4). Every column's codes and scales are read, nothing else.
+  void (*pack_rhs)(int64_t n, int64_t k, const W4Layout& w, const uint8_t* codes,
+                   int64_t code_stride, const void* scales, int64_t scale_stride,
+                   void* rhs_packed);
+
+  /// dst[i * dst_stride + j] for i < m, j < n as in the file comment; nothing else of dst is
+  /// written. @p lhs_packed / @p rhs_packed point at row 0 / column 0 of the call.
+  /// @pre k % w.group == 0.
+  void (*run_f32)(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs_packed,
+                  const void* rhs_packed, float* dst, int64_t dst_stride,
+                  const Q4GemmEpilogue& ep);
+};
+
+/// Every variant compiled into this build, best first; the portable one is always last.
+const std::vector<const Q4GemmUkernel*>& q4gemm_registry();
+
+/// The best variant this CPU runs whose level is at most @p cap (nullptr: no cap beyond
+/// CPUMOE_ISA). CPUMOE_ISA, when set, caps further. Never returns nullptr.
+const Q4GemmUkernel* q4gemm_select(const Isa* cap = nullptr);
+
+/// The variant named @p name (nullptr if not compiled in).
+const Q4GemmUkernel* q4gemm_find(const char* name);
+
+}  // namespace cpumoe

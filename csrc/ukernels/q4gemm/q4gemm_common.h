@@ -1,0 +1,102 @@
+// What every q4gemm (int8 x 4-bit -> fp32, group scales) microkernel shares, in plain C++: the
+// packed B layout's sizes and offsets (Q4Packing), its packer over a kernel's nibble arrangement,
+// the scalar group-scale and store steps, and make_q4gemm (the interface table). A's layouts are
+// the qgemm family's (qgemm/qgemm_common.h).
+// Internal linkage on purpose (see qgemm/qgemm_common.h): every kernel file has its own ISA flags.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "cpumoe/q4gemm.h"
+#include "ukernels/qgemm/qgemm_common.h"
+
+namespace cpumoe {
+namespace {
+
+/// Packed B of a q4gemm kernel: blocks of Nr output columns; a block holds, for each group g of
+/// k in order, the group's codes (Nr * group / 2 bytes, two codes per byte, low nibble first, in
+/// the kernel's arrangement) followed by the Nr columns' scales of that group as given to
+/// pack_rhs (fp32 for int4, E8M0 bytes for mxfp4), padded to a multiple of 4 bytes; the block is
+/// padded to a multiple of 64 bytes (each block starts a cache line). Columns past n have code 0
+/// (the value 0 in both formats) and scale bytes 0. Offsets at multiples of Nr.
+template <int64_t Nr>
+struct Q4Packing {
+  static constexpr int64_t kNr = Nr;
+  static int64_t codes_bytes(const W4Layout& w) { return Nr * w.group / 2; }
+  static int64_t scales_bytes(const W4Layout& w) { return round_up(Nr * w.scale_bytes(), 4); }
+  static int64_t group_bytes(const W4Layout& w) { return codes_bytes(w) + scales_bytes(w); }
+  static size_t block_bytes(int64_t k, const W4Layout& w) {
+    return size_t(round_up((k / w.group) * group_bytes(w), 64));
+  }
+  static size_t rhs_size(int64_t n, int64_t k, const W4Layout& w) {
+    return size_t((n + Nr - 1) / Nr) * block_bytes(k, w);
+  }
+  static size_t rhs_offset(int64_t n_idx, int64_t k, const W4Layout& w) {
+    return size_t(n_idx / Nr) * block_bytes(k, w);
+  }
+};
+
+/// Q4GemmUkernel::pack_rhs for packing P whose nibble arrangement is Arrange::index(c, kk, g):
+/// the position (0 .. Nr * g) of column c's code kk (0 <= kk < g) in its group's code bytes (byte
+/// index / 2, low nibble when even).
+template <class P, class Arrange>
+void pack_rhs_q4(int64_t n, int64_t k, const W4Layout& w, const uint8_t* codes,
+                 int64_t code_stride, const void* scales, int64_t scale_stride, void* packed) {
+  constexpr int64_t Nr = P::kNr;
+  const int64_t g = w.group, groups = k / g, sb = w.scale_bytes();
+  const auto* sc = static_cast<const uint8_t*>(scales);
+  auto* dst = static_cast<uint8_t*>(packed);
+  for (int64_t j0 = 0; j0 < n; j0 += Nr) {
+    uint8_t* blk = dst + size_t(j0 / Nr) * P::block_bytes(k, w);
+    const size_t used = size_t(groups * P::group_bytes(w));
+    std::memset(blk + used, 0, P::block_bytes(k, w) - used);
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      uint8_t* grp = blk + size_t(gi * P::group_bytes(w));
+      std::memset(grp, 0, size_t(P::group_bytes(w)));
+      for (int64_t c = 0; c < Nr && j0 + c < n; ++c) {
+        const uint8_t* col = codes + (j0 + c) * code_stride + gi * g;
+        for (int64_t kk = 0; kk < g; ++kk) {
+          const int64_t idx = Arrange::index(c, kk, g);
+          grp[idx / 2] |= uint8_t((col[kk] & 15) << (4 * (idx & 1)));
+        }
+        std::memcpy(grp + P::codes_bytes(w) + c * sb, sc + ((j0 + c) * scale_stride + gi) * sb,
+                    size_t(sb));
+      }
+    }
+  }
+}
+
+/// The fp32 scale of column c of a packed group (scale bytes at @p s).
+inline float group_scale(const uint8_t* s, int64_t c, W4Format f) {
+  if (f == W4Format::mxfp4) return w4_mxfp4_scale(s[c]);
+  float v;
+  std::memcpy(&v, s + 4 * c, 4);
+  return v;
+}
+
+/// dst[j] = acc[j] * lhs_scale + bias[j] for j < n (the scalar final step of every kernel).
+inline void store_q4_row(float* dst, const float* acc, int64_t n, float lhs_scale,
+                         const float* bias) {
+  if (bias != nullptr) {
+    for (int64_t j = 0; j < n; ++j) dst[j] = acc[j] * lhs_scale + bias[j];
+  } else {
+    for (int64_t j = 0; j < n; ++j) dst[j] = acc[j] * lhs_scale;
+  }
+}
+
+/// The interface table of a q4gemm kernel whose A is packed as LhsP (a QGemmPacking) and B as
+/// RhsP (a Q4Packing); kr is that of LhsP.
+template <class LhsP, class RhsP>
+constexpr Q4GemmUkernel make_q4gemm(const char* name, Isa isa, int64_t mr,
+                                    decltype(Q4GemmUkernel::pack_lhs) pack_lhs,
+                                    decltype(Q4GemmUkernel::pack_rhs) pack_rhs,
+                                    decltype(Q4GemmUkernel::run_f32) run_f32) {
+  static_assert(kW4GroupMultiple % LhsP::kKr == 0, "K is never padded: kr must divide 32");
+  return Q4GemmUkernel{name,         isa,           mr,       RhsP::kNr,     LhsP::kKr,
+                       LhsP::lhs_size, LhsP::lhs_offset, pack_lhs, RhsP::rhs_size,
+                       RhsP::rhs_offset, pack_rhs, run_f32};
+}
+
+}  // namespace
+}  // namespace cpumoe

@@ -1,0 +1,183 @@
+// Every q4gemm (W4A8) microkernel in the registry against the naive oracle, bit for bit, for both
+// weight formats and every group size class. Kernels the CPU cannot run are skipped.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cpumoe/cpu_features.h"
+#include "cpumoe/q4gemm.h"
+#include "q4gemm_tester.h"
+#include "reference/reference.h"
+
+namespace {
+
+using cpumoe::Q4GemmUkernel;
+using cpumoe::W4Format;
+using cpumoe::W4Layout;
+using cpumoe_test::GuardedBuffer;
+using cpumoe_test::Q4GemmTester;
+
+class Q4GemmKernelTest : public testing::TestWithParam<const Q4GemmUkernel*> {
+ protected:
+  void SetUp() override {
+    if (!cpumoe::cpu_supports(kernel().isa))
+      GTEST_SKIP() << kernel().name << " needs " << cpumoe::isa_name(kernel().isa)
+                   << ", which this CPU lacks";
+  }
+  const Q4GemmUkernel& kernel() const { return *GetParam(); }
+};
+
+struct Fmt {
+  W4Format f;
+  int64_t g;
+};
+constexpr Fmt kFormats[] = {{W4Format::int4, 32}, {W4Format::int4, 64}, {W4Format::int4, 128},
+                            {W4Format::mxfp4, 32}};
+
+// m: every sub-tile of a 16-row tile and past it; n: at, below and above each tile edge
+// (nr 4, 8, 16); k: one group, two, and an odd count of groups.
+constexpr int64_t kMs[] = {1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 33};
+constexpr int64_t kNs[] = {1, 3, 4, 7, 8, 9, 15, 16, 17, 33, 64};
+
+TEST_P(Q4GemmKernelTest, SmallShapes) {
+  for (const Fmt& fm : kFormats)
+    for (int64_t groups : {1, 2, 3})
+      for (int64_t m : kMs)
+        for (int64_t n : kNs) {
+          Q4GemmTester().format(fm.f).group(fm.g).m(m).n(n).k(groups * fm.g).Test(kernel());
+          if (HasFatalFailure()) return;
+        }
+}
+
+// Group sizes beyond 128 (any multiple of 32 that divides K) and real depths: gpt-oss's 2880
+// (groups of 32 and 64), Qwen3's 2048 and 768.
+TEST_P(Q4GemmKernelTest, DeepKAndOtherGroups) {
+  struct Shape { int64_t m, n, k, g; W4Format f; };
+  for (Shape s : {Shape{1, 16, 2880, 32, W4Format::mxfp4}, {9, 33, 2880, 64, W4Format::int4},
+                  {17, 16, 2048, 128, W4Format::int4}, {1, 64, 768, 128, W4Format::int4},
+                  {5, 17, 768, 96, W4Format::int4}, {3, 9, 1024, 256, W4Format::int4},
+                  {2, 8, 4096, 4096, W4Format::int4}, {33, 20, 2048, 32, W4Format::mxfp4}}) {
+    Q4GemmTester().format(s.f).group(s.g).m(s.m).n(s.n).k(s.k).Test(kernel());
+    if (HasFatalFailure()) return;
+  }
+}
+
+// E8M0 0, 1 (subnormal scales), 254 and 255 (NaN: its column is NaN in every row); int4 scales
+// of 1e-30 and 1e30.
+TEST_P(Q4GemmKernelTest, ExtremeScales) {
+  for (const Fmt& fm : kFormats)
+    for (int64_t m : {1, 8, 17})
+      for (int64_t n : {5, 16, 33}) {
+        Q4GemmTester().format(fm.f).group(fm.g).m(m).n(n).k(4 * fm.g).extreme_scales(true)
+            .Test(kernel());
+        if (HasFatalFailure()) return;
+      }
+}
+
+// The largest |product| everywhere at the deepest group: 127 * -8 (int4) and 127 * -12 (mxfp4)
+// summed over a whole group of 4096 k, exact in int32 and in the float conversion.
+TEST_P(Q4GemmKernelTest, LargestGroupSums) {
+  Q4GemmTester().format(W4Format::int4).group(4096).m(9).n(17).k(8192).constant(127, 8)
+      .Test(kernel());
+  Q4GemmTester().format(W4Format::mxfp4).group(32).m(9).n(17).k(2048).constant(-127, 15)
+      .Test(kernel());
+}
+
+// Packing writes every byte of the packed size: the result depends neither on what the buffer
+// held before nor on anything past k / k / g in the rows.
+TEST_P(Q4GemmKernelTest, PackingIsFullyDetermined) {
+  std::mt19937 rng(5);
+  for (const Fmt& fm : kFormats) {
+    const W4Layout w{fm.f, fm.g};
+    for (int64_t n : {1, 3, 9, 17}) {
+      const int64_t k = 2 * fm.g, ldc = k + 7, lds = 2 + 3, sb = w.scale_bytes();
+      std::vector<uint8_t> codes(size_t(n * ldc)), sc(size_t(n * lds * sb));
+      for (auto& v : codes) v = uint8_t(rng() & 15);
+      for (auto& v : sc) v = uint8_t(60 + rng() % 8);  // positive finite floats / E8M0
+      std::vector<uint8_t> codes2 = codes, sc2 = sc;
+      for (int64_t j = 0; j < n; ++j) {
+        for (int64_t x = k; x < ldc; ++x) codes2[size_t(j * ldc + x)] = uint8_t(rng());
+        for (int64_t x = 2 * sb; x < lds * sb; ++x) sc2[size_t(j * lds * sb + x)] = uint8_t(rng());
+      }
+      const size_t rs = kernel().rhs_packed_size(n, k, w);
+      std::vector<uint8_t> r0(rs, 0x00), r1(rs, 0xff);
+      kernel().pack_rhs(n, k, w, codes.data(), ldc, sc.data(), lds, r0.data());
+      kernel().pack_rhs(n, k, w, codes2.data(), ldc, sc2.data(), lds, r1.data());
+      EXPECT_EQ(r0, r1) << cpumoe::w4_format_name(fm.f) << " n=" << n
+                        << ": pack_rhs left bytes unwritten or read past the group scales";
+    }
+  }
+}
+
+// The packed weights are what the format is for: 4 bits per weight plus the group scales (and
+// at most a 64-byte alignment pad per block).
+TEST_P(Q4GemmKernelTest, PackedBytesAreFourBitsPlusScales) {
+  for (const Fmt& fm : kFormats) {
+    const W4Layout w{fm.f, fm.g};
+    for (int64_t n : {kernel().nr, int64_t(64), int64_t(768)}) {
+      for (int64_t k : {int64_t(768), int64_t(2048)}) {
+      const size_t bytes = kernel().rhs_packed_size(n, k, w);
+      const size_t blocks = size_t((n + kernel().nr - 1) / kernel().nr);
+      const size_t want = blocks * size_t(kernel().nr) *
+                          size_t(k / 2 + (k / fm.g) * w.scale_bytes());
+      EXPECT_GE(bytes, want);
+      EXPECT_LE(bytes, want + blocks * 64) << cpumoe::w4_format_name(fm.f) << " g=" << fm.g;
+      for (int64_t j = kernel().nr; j < n; j += kernel().nr)
+        ASSERT_EQ(kernel().rhs_packed_offset(j, k, w) % 64, 0u) << j;
+      }
+    }
+  }
+}
+
+TEST_P(Q4GemmKernelTest, PackingInRowPiecesMatchesOneCall) {
+  cpumoe_test::expect_lhs_packs_in_row_pieces<Q4GemmUkernel, int8_t>(
+      kernel(), [](size_t i) { return int8_t(int(i * 37 % 255) - 127); });
+}
+
+TEST_P(Q4GemmKernelTest, EmptyShapesWriteNothing) {
+  const W4Layout w{W4Format::int4, 32};
+  const int64_t k = 64;
+  std::vector<int8_t> a(size_t(8 * k), 1);
+  std::vector<const int8_t*> rows(8, a.data());
+  std::vector<uint8_t> codes(size_t(8 * k), 3);
+  std::vector<float> sc(16, 1.0f);
+  GuardedBuffer lhs(kernel().lhs_packed_size(8, k)), rhs(kernel().rhs_packed_size(8, k, w));
+  kernel().pack_lhs(8, k, rows.data(), lhs.data());
+  kernel().pack_rhs(8, k, w, codes.data(), k, sc.data(), 2, rhs.data());
+  const std::vector<float> ls(8, 1.0f);
+  for (auto [m, n] : {std::pair<int64_t, int64_t>{0, 8}, {8, 0}, {0, 0}}) {
+    std::vector<float> dst(64, -1.0f);
+    kernel().run_f32(m, n, k, w, lhs.data(), rhs.data(), dst.data(), 8, {ls.data(), nullptr});
+    for (float v : dst) ASSERT_EQ(v, -1.0f) << "m=" << m << " n=" << n;
+  }
+}
+
+std::string KernelName(const testing::TestParamInfo<const Q4GemmUkernel*>& info) {
+  return info.param->name;
+}
+
+INSTANTIATE_TEST_SUITE_P(Registry, Q4GemmKernelTest, testing::ValuesIn(cpumoe::q4gemm_registry()),
+                         KernelName);
+
+// The decode tables against the formats' definitions (the oracle's own decoding).
+TEST(W4Format, DecodeTablesAndScales) {
+  for (W4Format f : {W4Format::int4, W4Format::mxfp4})
+    for (int c = 0; c < 16; ++c)
+      EXPECT_EQ(cpumoe::w4_decode_table(f)[c], cpumoe_ref::w4_value(f, uint8_t(c)))
+          << cpumoe::w4_format_name(f) << " code " << c;
+  for (int e = 0; e < 256; ++e) {
+    const uint8_t b = uint8_t(e);
+    const float got = cpumoe::w4_mxfp4_scale(b), want = cpumoe_ref::w4_scale(W4Format::mxfp4, &b, 0);
+    if (e == 255) {
+      EXPECT_TRUE(std::isnan(got));
+    } else {
+      EXPECT_EQ(std::memcmp(&got, &want, 4), 0) << "e=" << e;
+    }
+  }
+}
+
+}  // namespace
