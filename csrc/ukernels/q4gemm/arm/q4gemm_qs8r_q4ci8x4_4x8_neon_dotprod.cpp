@@ -1,0 +1,177 @@
+// q4gemm_qs8r_q4ci8x4_4x8_neon_dotprod: the W4A8 GEMM on SDOT (Armv8.2 FEAT_DotProd), for CPUs
+// with dotprod but without I8MM (Neoverse N1: Graviton 2, Ampere Altra).
+//
+// A is `qs8r` (row-major int8 rows, as the int8 dotprod kernel's: row i at i * k; k % 32 == 0, so
+// no padding). B (`q4ci8x4`): blocks of 8 columns (Q4Packing<8>: per group the codes, 4 g bytes,
+// then the 8 scales); the codes of a group are the int8 dotprod kernel's `qs8ci8x4` operands
+// (one output column per int32 lane: column c's 4 k at 4 c) two to a byte: for 16 k (chunk t, 64
+// bytes at t * 64), register q (16 bytes at 16 q) holds the 4-k group q of columns 0-3 in its low
+// nibbles and of columns 4-7 in its high nibbles. So one 16-byte load gives both SDOT operands of
+// a 4-k group with one instruction each (q4gemm_arm_common.h's unpacking: int4 `shl #4` /
+// `and #0xf0`, values times 16, undone by scvtf #4; mxfp4 `and` / `ushr` + `tbl`).
+//
+// Register tiles of R = 1..4 rows x 1 block, everything in one asm over all groups: per row two
+// int32 accumulators (columns 0-3, 4-7) in v16.. and two fp32 ones in v24..; per 16 k, R loads
+// of A (one q register: 4 lanes of 4 k), one ld1 of 4 code registers, 8 (int4) or 16 (mxfp4)
+// unpacking instructions and 8 R SDOT by element (lane q of the A register). At a group end,
+// per accumulator scvtf, fmul by the group's scales (the lanes are the columns: the 8 scales as
+// stored, no shuffle), fadd: the oracle's acc + float(isum) * s in g order, no FMA; then the
+// int32 accumulators are zeroed. Walk: blocks outer, row tiles of 4 inner (a block's packed B,
+// 4 k + 32 bytes per group, stays in L1 across the row tiles); decode (m <= 4) reads each weight
+// byte once per call.
+// @pre m, n >= 0, k % group == 0, group % 32 == 0; packed buffers from this kernel's packers.
+// Features used: NEON, DotProd (SDOT).
+#if !defined(__aarch64__) || !defined(__ARM_FEATURE_DOTPROD)
+#error "q4gemm_qs8r_q4ci8x4_4x8_neon_dotprod.cpp needs -march=armv8.2-a+dotprod (set per file by CMake)"
+#endif
+
+#include <arm_neon.h>
+
+#include <algorithm>
+
+#include "cpumoe/q4gemm.h"
+#include "ukernels/q4gemm/arm/q4gemm_arm_common.h"
+#include "ukernels/q4gemm/q4gemm_common.h"
+
+namespace cpumoe {
+namespace {
+
+constexpr int64_t kMr = 4;
+constexpr int64_t kNr = 8;
+using LhsPacking = QGemmPacking<kNr, 16>;  // the int8 dotprod kernel's qs8r (kp = k here)
+using Packing = Q4Packing<kNr>;
+
+// Nibble position of column c's code kk of a group (see the file comment).
+struct Interleaved4 {
+  static int64_t index(int64_t c, int64_t kk, int64_t /*g*/) {
+    const int64_t byte = (kk / 16) * 64 + (kk % 16 / 4) * 16 + (c % 4) * 4 + kk % 4;
+    return 2 * byte + c / 4;
+  }
+};
+
+// --- The tile asm ------------------------------------------------------------------------------
+// Scratch: A rows in v0-v3, the 4 code registers in v4-v7, the two unpacked operands in v8
+// (columns 0-3) and v9 (columns 4-7), mxfp4's scale constants in v10 (2^-127) and v11 (0.5), the
+// group's scales in v12, v13; mask and table are operands (v14, v15). Row i: int32 accumulators
+// v(16 + 2i), v(17 + 2i); fp32 ones v(24 + 2i), v(25 + 2i).
+#define Q4D_UNP_I4(r) "shl v8.16b, " r ".16b, #4\n\tand v9.16b, " r ".16b, %[mask].16b\n\t"
+#define Q4D_UNP_MX(r)                                                              \
+  "and v8.16b, " r ".16b, %[mask].16b\n\tushr v9.16b, " r ".16b, #4\n\t"           \
+  "tbl v8.16b, {%[tab].16b}, v8.16b\n\ttbl v9.16b, {%[tab].16b}, v9.16b\n\t"
+#define Q4D_DOT(lo, hi, a, q) \
+  "sdot " lo ".4s, v8.16b, " a ".4b[" #q "]\n\tsdot " hi ".4s, v9.16b, " a ".4b[" #q "]\n\t"
+#define Q4D_Q1(U, r, q) U(r) Q4D_DOT("v16", "v17", "v0", q)
+#define Q4D_Q2(U, r, q) Q4D_Q1(U, r, q) Q4D_DOT("v18", "v19", "v1", q)
+#define Q4D_Q3(U, r, q) Q4D_Q2(U, r, q) Q4D_DOT("v20", "v21", "v2", q)
+#define Q4D_Q4(U, r, q) Q4D_Q3(U, r, q) Q4D_DOT("v22", "v23", "v3", q)
+#define Q4D_LDA1 "ldr q0, [%[a0]], #16\n\t"
+#define Q4D_LDA2 Q4D_LDA1 "ldr q1, [%[a1]], #16\n\t"
+#define Q4D_LDA3 Q4D_LDA2 "ldr q2, [%[a2]], #16\n\t"
+#define Q4D_LDA4 Q4D_LDA3 "ldr q3, [%[a3]], #16\n\t"
+// 16 k of R rows.
+#define Q4D_CHUNK(R, U)                                                                  \
+  Q4D_LDA##R "ld1 {v4.16b-v7.16b}, [%[b]], #64\n\t" Q4D_Q##R(U, "v4", 0)                 \
+      Q4D_Q##R(U, "v5", 1) Q4D_Q##R(U, "v6", 2) Q4D_Q##R(U, "v7", 3)
+// Group end: the scales into v12, v13 (b then points at the next group's codes).
+#define Q4D_SC_I4 "ldp q12, q13, [%[b]], #32\n\t"
+#define Q4D_SC_MX                                                                        \
+  "ldr d12, [%[b]], #8\n\tushll v12.8h, v12.8b, #7\n\tshll2 v13.4s, v12.8h, #16\n\t"     \
+  "shll v12.4s, v12.4h, #16\n\tumax v12.4s, v12.4s, v10.4s\n\tumax v13.4s, v13.4s, v10.4s\n\t" \
+  "fmul v0.4s, v12.4s, v11.4s\n\tfmul v1.4s, v13.4s, v11.4s\n\t"                         \
+  "fsub v12.4s, v12.4s, v0.4s\n\tfsub v13.4s, v13.4s, v1.4s\n\t"
+#define Q4D_CVT_I4(r) "scvtf " r ".4s, " r ".4s, #4\n\t"
+#define Q4D_CVT_MX(r) "scvtf " r ".4s, " r ".4s\n\t"
+#define Q4D_ROW_END(CVT, lo, hi, flo, fhi)                                               \
+  CVT(lo) CVT(hi) "fmul " lo ".4s, " lo ".4s, v12.4s\n\tfmul " hi ".4s, " hi ".4s, v13.4s\n\t" \
+  "fadd " flo ".4s, " flo ".4s, " lo ".4s\n\tfadd " fhi ".4s, " fhi ".4s, " hi ".4s\n\t"
+#define Q4D_END1(CVT) Q4D_ROW_END(CVT, "v16", "v17", "v24", "v25")
+#define Q4D_END2(CVT) Q4D_END1(CVT) Q4D_ROW_END(CVT, "v18", "v19", "v26", "v27")
+#define Q4D_END3(CVT) Q4D_END2(CVT) Q4D_ROW_END(CVT, "v20", "v21", "v28", "v29")
+#define Q4D_END4(CVT) Q4D_END3(CVT) Q4D_ROW_END(CVT, "v22", "v23", "v30", "v31")
+#define Q4D_INIT_I4 ""
+#define Q4D_INIT_MX "movi v10.4s, #0x40, lsl #16\n\tfmov v11.4s, #0.5\n\t"
+#define Q4D_Z "ld1 {v16.4s-v19.4s}, [%[z]]\n\tld1 {v20.4s-v23.4s}, [%[z]]\n\t"
+#define Q4D_ASM(R, U, SC, CVT, INIT)                                                      \
+  __asm__ volatile(                                                                       \
+      Q4D_Z "ld1 {v24.4s-v27.4s}, [%[z]]\n\tld1 {v28.4s-v31.4s}, [%[z]]\n\t" INIT         \
+      "2:\n\tmov %[n], %[nc2]\n\t"                                                        \
+      "1:\n\t" Q4D_CHUNK(R, U) Q4D_CHUNK(R, U) "subs %[n], %[n], #1\n\tb.ne 1b\n\t"       \
+      SC Q4D_END##R(CVT) Q4D_Z "subs %[gn], %[gn], #1\n\tb.ne 2b\n\t"                      \
+      "st1 {v24.4s-v27.4s}, [%[o]], #64\n\tst1 {v28.4s-v31.4s}, [%[o]]\n\t"               \
+      : [a0] "+r"(a0), [a1] "+r"(a1), [a2] "+r"(a2), [a3] "+r"(a3), [b] "+r"(b),          \
+        [gn] "+r"(gn), [n] "=&r"(n), [o] "+r"(o)                                          \
+      : [nc2] "r"(nc2), [mask] "w"(mask), [tab] "w"(tab), [z] "r"(kZeros)                 \
+      : "v0", "v1", "v2", "v3", "v4", "v5", "v6", "v7", "v8", "v9", "v10", "v11", "v12",  \
+        "v13", "v16", "v17", "v18", "v19", "v20", "v21", "v22", "v23", "v24", "v25", "v26", \
+        "v27", "v28", "v29", "v30", "v31", "cc", "memory")
+#define Q4D_FMT(R)                                                          \
+  if constexpr (F == W4Format::int4) Q4D_ASM(R, Q4D_UNP_I4, Q4D_SC_I4, Q4D_CVT_I4, Q4D_INIT_I4); \
+  else Q4D_ASM(R, Q4D_UNP_MX, Q4D_SC_MX, Q4D_CVT_MX, Q4D_INIT_MX);
+
+alignas(64) constexpr int32_t kZeros[16] = {};
+
+// The fp32 sums of R rows (A row 0 at a, rows k apart) x one block (b) over all groups g:
+// row i's 8 columns at o + 8 i.
+template <int R, W4Format F>
+void tile_sums(const int8_t* a, int64_t k, int64_t g, const uint8_t* b, const int8_t* table,
+               float* o) {
+  // Rows past R are never read: their pointers stay at row 0 (inside the buffer).
+  const int8_t *a0 = a, *a1 = R > 1 ? a + k : a, *a2 = R > 2 ? a + 2 * k : a, *a3 = R > 3 ? a + 3 * k : a;
+  uint64_t gn = uint64_t(k / g), n;
+  const uint64_t nc2 = uint64_t(g) / 32;  // two 16-k chunks per iteration
+  const uint8x16_t mask = vdupq_n_u8(F == W4Format::int4 ? 0xf0 : 0x0f);
+  const int8x16_t tab = vld1q_s8(table);
+  if constexpr (R == 1) { Q4D_FMT(1) }
+  else if constexpr (R == 2) { Q4D_FMT(2) }
+  else if constexpr (R == 3) { Q4D_FMT(3) }
+  else { Q4D_FMT(4) }
+  (void)n;
+}
+
+template <int R, W4Format F>
+void tile(const int8_t* a, int64_t k, const W4Layout& w, const uint8_t* b, float* d,
+          int64_t stride, int64_t nc, const float* ls, const float* bias) {
+  alignas(16) float sums[32];
+  tile_sums<R, F>(a, k, w.group, b, w4_decode_table(w.format), sums);
+  for (int i = 0; i < R; ++i)
+    store_q4_row8(d + i * stride, vld1q_f32(sums + 8 * i), vld1q_f32(sums + 8 * i + 4), nc, ls[i],
+                  bias);
+}
+
+template <W4Format F>
+void run(int64_t m, int64_t n, int64_t k, const W4Layout& w, const int8_t* a, const uint8_t* b,
+         float* dst, int64_t stride, const Q4GemmEpilogue& ep) {
+  for (int64_t j0 = 0; j0 < n; j0 += kNr) {
+    const int64_t nc = std::min(kNr, n - j0);
+    const uint8_t* blk = b + Packing::rhs_offset(j0, k, w);
+    const float* bias = ep.bias != nullptr ? ep.bias + j0 : nullptr;
+    for (int64_t i0 = 0; i0 < m; i0 += kMr) {
+      const int8_t* ai = a + i0 * k;
+      float* d = dst + i0 * stride + j0;
+      const float* ls = ep.lhs_scale + i0;
+      switch (std::min(kMr, m - i0)) {
+        case 4: tile<4, F>(ai, k, w, blk, d, stride, nc, ls, bias); break;
+        case 3: tile<3, F>(ai, k, w, blk, d, stride, nc, ls, bias); break;
+        case 2: tile<2, F>(ai, k, w, blk, d, stride, nc, ls, bias); break;
+        default: tile<1, F>(ai, k, w, blk, d, stride, nc, ls, bias); break;
+      }
+    }
+  }
+}
+
+void run_f32(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs, const void* rhs,
+             float* dst, int64_t dst_stride, const Q4GemmEpilogue& ep) {
+  if (m <= 0 || n <= 0) return;
+  const auto* a = static_cast<const int8_t*>(lhs);
+  const auto* b = static_cast<const uint8_t*>(rhs);
+  if (w.format == W4Format::mxfp4) run<W4Format::mxfp4>(m, n, k, w, a, b, dst, dst_stride, ep);
+  else run<W4Format::int4>(m, n, k, w, a, b, dst, dst_stride, ep);
+}
+
+}  // namespace
+
+extern const Q4GemmUkernel q4gemm_qs8r_q4ci8x4_4x8_neon_dotprod = make_q4gemm<LhsPacking, Packing>(
+    "q4gemm_qs8r_q4ci8x4_4x8_neon_dotprod", Isa::neon_dotprod, kMr, pack_lhs_qs8r<LhsPacking>,
+    pack_rhs_q4<Packing, Interleaved4>, run_f32);
+
+}  // namespace cpumoe
