@@ -43,6 +43,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 #include "cpumoe/qgemm.h"  // round_up
 
@@ -92,6 +93,23 @@ void bf16p_pack_pair(const Elem* r0, const Elem* r1, int64_t k, uint16_t* dst,
     }
   }
 }
+
+// int8 -> bf16 bits (the Cvt of the int8 packers), exact: the fp32 of a small integer has a zero low half. eight(): 8 at a
+// time (uzp2 takes the high halves of the fp32 values).
+struct FromInt8 {
+  static uint16x8_t eight(const int8_t* p) {
+    const int16x8_t w = vmovl_s8(vld1_s8(p));
+    const float32x4_t lo = vcvtq_f32_s32(vmovl_s16(vget_low_s16(w)));
+    const float32x4_t hi = vcvtq_f32_s32(vmovl_high_s16(w));
+    return vuzp2q_u16(vreinterpretq_u16_f32(lo), vreinterpretq_u16_f32(hi));
+  }
+  static uint16_t one(int8_t v) {
+    const float f = float(v);
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return uint16_t(u >> 16);
+  }
+};
 
 // A (bf16p2x4) from m row pointers.
 template <class Cvt, class Elem>

@@ -51,23 +51,6 @@ constexpr int64_t kKBlock = 1024;
 static_assert(kKBlock * 128 * 128 <= (int64_t(1) << 24), "fp32 sums of a K block must be exact");
 static_assert(kKBlock % kKr == 0, "K blocks hold whole slices");
 
-// int8 -> bf16 bits, exact: the fp32 of a small integer has a zero low half. eight(): 8 at a
-// time (uzp2 takes the high halves of the fp32 values).
-struct FromInt8 {
-  static uint16x8_t eight(const int8_t* p) {
-    const int16x8_t w = vmovl_s8(vld1_s8(p));
-    const float32x4_t lo = vcvtq_f32_s32(vmovl_s16(vget_low_s16(w)));
-    const float32x4_t hi = vcvtq_f32_s32(vmovl_high_s16(w));
-    return vuzp2q_u16(vreinterpretq_u16_f32(lo), vreinterpretq_u16_f32(hi));
-  }
-  static uint16_t one(int8_t v) {
-    const float f = float(v);
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    return uint16_t(u >> 16);
-  }
-};
-
 // A tile sums the whole K as exact int32: K blocks of at most kKBlock in fp32 (exact), each
 // converted to int32 and added.
 struct ExactInt32Sum {
