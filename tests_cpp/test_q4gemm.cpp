@@ -87,6 +87,17 @@ TEST_P(Q4GemmKernelTest, LargestGroupSums) {
       .Test(kernel());
 }
 
+// Groups longer than 8192 k, beyond which a group's fp32 partial sums could stop being exact
+// integers: the BFMMLA kernel sums such groups in int32 over pieces of 8192 k (one piece and a
+// half piece here), at the largest |product| and random.
+TEST_P(Q4GemmKernelTest, LongGroups) {
+  Q4GemmTester().format(W4Format::int4).group(16384).m(5).n(9).k(16384).constant(127, 8)
+      .Test(kernel());
+  if (HasFatalFailure()) return;
+  Q4GemmTester().format(W4Format::int4).group(12288).m(3).n(10).k(24576).offsets(false)
+      .Test(kernel());
+}
+
 // Packing writes every byte of the packed size: the result depends neither on what the buffer
 // held before nor on anything past k / k / g in the rows.
 TEST_P(Q4GemmKernelTest, PackingIsFullyDetermined) {
