@@ -10,15 +10,19 @@
 // a column pair with one instruction each (q4gemm_arm_common.h: int4 `shl #4` / `and #0xf0`,
 // values times 16; mxfp4 `and` / `ushr` + `tbl`), and no shuffle is ever needed.
 //
-// Register tiles: NP row pairs x NB column blocks, int32 accumulators (4 per pair and block, as
-// in the int8 kernel: [r c, r c+1, r+1 c, r+1 c+1]) for one group, zeroed at its start; at the
-// group end each goes through scvtf (the fixed-point #4 form for int4 removes the 16), one fmul
-// by the group scales of its column pair ([s_c s_c+1 s_c s_c+1]: one `dup .d` of the 4 scales) and
-// one fadd into the fp32 accumulators: the oracle's acc + float(isum) * s, in g order, no FMA.
-// One-row tiles (decode) first zip the useful halves of two accumulators (row 0 of 4 columns),
-// halving the group-end work and the fp32 accumulators. Tiles: 1 row: 1x2 (8 int32 + 4 fp32
-// accumulators: 1x3 spills the fp32 ones around the k loop); 2 rows: 1x2; 3-8 rows: 2x1, 3x1, 4x1 (one whole A block per column block: the
-// unpacking of each B register serves 4 row pairs).
+// Register tiles: NP row pairs x NB column blocks, each one asm over all groups (below): int32
+// accumulators for the current group (4 per pair and block, as in the int8 kernel: [r c, r c+1,
+// r+1 c, r+1 c+1]), zeroed at its start; at the group end each goes through scvtf (the
+// fixed-point #4 form for int4 removes the 16), one fmul by its column pair's group scales
+// ([s_c s_c+1 s_c s_c+1]: one `dup .d`) and one fadd into the fp32 totals: the oracle's
+// acc + float(isum) * s, in g order, no FMA. One-row tiles (decode) first zip the useful halves of
+// two accumulators (row 0 of 4 columns), halving the group-end work. Tiles: 1-2 rows: 1x2 (8
+// int32 accumulators, the totals in registers too); 3-8 rows: 2x1, 3x1, 4x1 (one whole A block
+// per column block: the unpacking of each B register serves up to 4 row pairs; the totals in a
+// small stack array, one ld1 and st1 per pair and group).
+// Instruction counts (qemu, tests_cpp/bench/q4gemm_bench.cpp, the Qwen3 layer's GEMMs): the k
+// loops take 74 instructions per 32 SMMLA in decode tiles (int8: about 40: the unpacking costs
+// one instruction per SMMLA when no other row pair shares it) and 88 per 64 in the 4x1 tile.
 //
 // Walk: a call of one row tile (m <= 8: decode and most experts) passes over its columns once,
 // so each weight byte is read exactly once per call (decode streams B: 64 bytes per 8 SMMLA per
@@ -26,7 +30,8 @@
 // B (6 x (4 k + scales) bytes) stays in L1/L2 while the row tiles pass. The sums do not depend on
 // the tiling. A partial last block (n % 8) is computed whole (its padding codes are 0) and stored
 // to its first n % 8 columns only.
-// @pre m, n >= 0, k % group == 0, group % 32 == 0; packed buffers from this kernel's packers.
+// @pre m, n >= 0, k % group == 0, group % 32 == 0, int4 groups below 131072 k (the sums times
+//      16 fit int32); packed buffers from this kernel's packers.
 // Features used: NEON, I8MM (SMMLA).
 #if !defined(__aarch64__) || !defined(__ARM_FEATURE_MATMUL_INT8)
 #error "q4gemm_qs8p8x8_q4cp8x8_8x8_neon_i8mm.cpp needs -march=armv8.2-a+i8mm (set per file by CMake)"
@@ -71,25 +76,22 @@ struct Call {
   const int8_t* table;
 };
 
-// --- The k loop of one group, in inline asm -------------------------------------------------
-// GCC keeps part of an intrinsics accumulator array in memory (stores in the k loop), so the loop
-// over a group's slice pairs is asm. Scratch registers are fixed: A slices 2t in v0..v3 and
-// 2t + 1 in v4..v7 (one ld1 each), a block's 4 code registers in v8-v11 (one ld1; the blocks of
-// a tile are bs bytes apart: post-index bs, and `back` = 64 - (NB - 1) bs after the last), the
-// two unpacked registers in v12, v13; mask and table are operands (v14, v15 when everything else
-// is taken). The accumulators (pair p, block j, column pair c at i = (p * NB + j) * 4 + c) are
-// register operands in the tiles of 8 (GCC takes at most 30 operands, an in-out one counting
-// twice), so the fp32 accumulators stay in registers across the groups; the tiles of 12 and 16
-// (3x1, 4x1) keep them in v16..v31, zeroed and stored (st1, 4 per instruction) by the asm. Per
-// slice pair and block: 1 + 8 (int4) or 16 (mxfp4) instructions of loads and unpacking for 8 NP
-// SMMLA. Two slice pairs per iteration (a group has an even number: g % 32 == 0).
+// --- The tiles, each one asm over all groups ---------------------------------------------------
+// (GCC keeps part of an intrinsics accumulator array in memory, with stores in the k loop.)
+// Scratch registers: A slices 2t in v0..v3 and 2t + 1 in v4..v7 (one ld1 each), a block's 4 code
+// registers in v8-v11 (one ld1; the blocks of a tile are bs bytes apart: post-index bs, and
+// `back` = 64 - (NB - 1) bs after the last), the two unpacked registers in v12, v13; mask and
+// table are operands (v14, v15 when all else is taken). The int32 accumulators of the group in
+// v16.. (pair p, block j, column pair c: v16 + (p * NB + j) * 4 + c). Per slice pair and block:
+// 1 + 8 (int4) or 16 (mxfp4) instructions of loads and unpacking for 8 NP SMMLA; two slice pairs
+// per iteration (a group has an even number: g % 32 == 0). After a group's k loop the code pointer
+// is at block 0's scales; the group end adds its products to the fp32 totals, zeroes the int32
+// accumulators (one ld1 of 64 zero bytes per 4) and steps over the scales (sb bytes).
 #define Q4_MM(x, a, b) "smmla " x ".4s, " a ".16b, " b ".16b\n\t"
 #define Q4_UNP_I4(r) "shl v12.16b, " r ".16b, #4\n\tand v13.16b, " r ".16b, %[mask].16b\n\t"
 #define Q4_UNP_MX(r)                                                               \
   "and v12.16b, " r ".16b, %[mask].16b\n\tushr v13.16b, " r ".16b, #4\n\t"         \
   "tbl v12.16b, {%[tab].16b}, v12.16b\n\ttbl v13.16b, {%[tab].16b}, v13.16b\n\t"
-// Accumulator i as an operand (O) or in v16 + i (V).
-#define Q4_O(i) "%[x" #i "]"
 #define Q4_V(i) Q4_V_##i
 #define Q4_V_0 "v16"
 #define Q4_V_1 "v17"
@@ -108,17 +110,17 @@ struct Call {
 #define Q4_V_14 "v30"
 #define Q4_V_15 "v31"
 // Column pair c (code register r) for 1-4 row pairs.
-#define Q4_C1(U, X, r, c) U(r) Q4_MM(X(c), "v0", "v12") Q4_MM(X(c), "v4", "v13")
-#define Q4_C2(U, X, r, c0, c1)                                                        \
-  U(r) Q4_MM(X(c0), "v0", "v12") Q4_MM(X(c1), "v1", "v12") Q4_MM(X(c0), "v4", "v13") \
-      Q4_MM(X(c1), "v5", "v13")
-#define Q4_C3(U, X, r, c0, c1, c2)                                                    \
-  U(r) Q4_MM(X(c0), "v0", "v12") Q4_MM(X(c1), "v1", "v12") Q4_MM(X(c2), "v2", "v12") \
-      Q4_MM(X(c0), "v4", "v13") Q4_MM(X(c1), "v5", "v13") Q4_MM(X(c2), "v6", "v13")
-#define Q4_C4(U, X, r, c0, c1, c2, c3)                                                \
-  U(r) Q4_MM(X(c0), "v0", "v12") Q4_MM(X(c1), "v1", "v12") Q4_MM(X(c2), "v2", "v12") \
-      Q4_MM(X(c3), "v3", "v12") Q4_MM(X(c0), "v4", "v13") Q4_MM(X(c1), "v5", "v13")  \
-          Q4_MM(X(c2), "v6", "v13") Q4_MM(X(c3), "v7", "v13")
+#define Q4_C1(U, r, c) U(r) Q4_MM(Q4_V(c), "v0", "v12") Q4_MM(Q4_V(c), "v4", "v13")
+#define Q4_C2(U, r, c0, c1)                                                                \
+  U(r) Q4_MM(Q4_V(c0), "v0", "v12") Q4_MM(Q4_V(c1), "v1", "v12") Q4_MM(Q4_V(c0), "v4", "v13") \
+      Q4_MM(Q4_V(c1), "v5", "v13")
+#define Q4_C3(U, r, c0, c1, c2)                                                            \
+  U(r) Q4_MM(Q4_V(c0), "v0", "v12") Q4_MM(Q4_V(c1), "v1", "v12") Q4_MM(Q4_V(c2), "v2", "v12") \
+      Q4_MM(Q4_V(c0), "v4", "v13") Q4_MM(Q4_V(c1), "v5", "v13") Q4_MM(Q4_V(c2), "v6", "v13")
+#define Q4_C4(U, r, c0, c1, c2, c3)                                                        \
+  U(r) Q4_MM(Q4_V(c0), "v0", "v12") Q4_MM(Q4_V(c1), "v1", "v12") Q4_MM(Q4_V(c2), "v2", "v12") \
+      Q4_MM(Q4_V(c3), "v3", "v12") Q4_MM(Q4_V(c0), "v4", "v13") Q4_MM(Q4_V(c1), "v5", "v13")  \
+          Q4_MM(Q4_V(c2), "v6", "v13") Q4_MM(Q4_V(c3), "v7", "v13")
 #define Q4_LDA(l0, l1) "ld1 {" l0 "}, [%[a]], %[s64]\n\tld1 {" l1 "}, [%[a]], %[s64]\n\t"
 #define Q4_LDA1 Q4_LDA("v0.16b", "v4.16b")
 #define Q4_LDA2 Q4_LDA("v0.16b-v1.16b", "v4.16b-v5.16b")
@@ -126,92 +128,40 @@ struct Call {
 #define Q4_LDA4 Q4_LDA("v0.16b-v3.16b", "v4.16b-v7.16b")
 #define Q4_LDB(step) "ld1 {v8.16b-v11.16b}, [%[b]], %[" #step "]\n\t"
 // Block j of a one-pair tile.
-#define Q4_B1(U, X, c0, c1, c2, c3) \
-  Q4_C1(U, X, "v8", c0) Q4_C1(U, X, "v9", c1) Q4_C1(U, X, "v10", c2) Q4_C1(U, X, "v11", c3)
+#define Q4_B1(U, c0, c1, c2, c3) \
+  Q4_C1(U, "v8", c0) Q4_C1(U, "v9", c1) Q4_C1(U, "v10", c2) Q4_C1(U, "v11", c3)
 // One slice pair of each shape NPxNB.
-#define Q4_S1x1(U, X) Q4_LDA1 Q4_LDB(back) Q4_B1(U, X, 0, 1, 2, 3)
-#define Q4_S1x2(U, X) \
-  Q4_LDA1 Q4_LDB(bs) Q4_B1(U, X, 0, 1, 2, 3) Q4_LDB(back) Q4_B1(U, X, 4, 5, 6, 7)
-#define Q4_S2x1(U, X)                                                                \
-  Q4_LDA2 Q4_LDB(back) Q4_C2(U, X, "v8", 0, 4) Q4_C2(U, X, "v9", 1, 5)               \
-      Q4_C2(U, X, "v10", 2, 6) Q4_C2(U, X, "v11", 3, 7)
-#define Q4_S3x1(U, X)                                                                \
-  Q4_LDA3 Q4_LDB(back) Q4_C3(U, X, "v8", 0, 4, 8) Q4_C3(U, X, "v9", 1, 5, 9)         \
-      Q4_C3(U, X, "v10", 2, 6, 10) Q4_C3(U, X, "v11", 3, 7, 11)
-#define Q4_S4x1(U, X)                                                                   \
-  Q4_LDA4 Q4_LDB(back) Q4_C4(U, X, "v8", 0, 4, 8, 12) Q4_C4(U, X, "v9", 1, 5, 9, 13)    \
-      Q4_C4(U, X, "v10", 2, 6, 10, 14) Q4_C4(U, X, "v11", 3, 7, 11, 15)
-#define Q4_X4 [x0] "+w"(x[0]), [x1] "+w"(x[1]), [x2] "+w"(x[2]), [x3] "+w"(x[3])
-#define Q4_X8 Q4_X4, [x4] "+w"(x[4]), [x5] "+w"(x[5]), [x6] "+w"(x[6]), [x7] "+w"(x[7])
-#define Q4_IN [s64] "r"(s64), [bs] "r"(bs), [back] "r"(back), [mask] "w"(mask), [tab] "w"(tab)
+#define Q4_S1x1(U) Q4_LDA1 Q4_LDB(back) Q4_B1(U, 0, 1, 2, 3)
+#define Q4_S1x2(U) Q4_LDA1 Q4_LDB(bs) Q4_B1(U, 0, 1, 2, 3) Q4_LDB(back) Q4_B1(U, 4, 5, 6, 7)
+#define Q4_S2x1(U)                                                                       \
+  Q4_LDA2 Q4_LDB(back) Q4_C2(U, "v8", 0, 4) Q4_C2(U, "v9", 1, 5) Q4_C2(U, "v10", 2, 6)   \
+      Q4_C2(U, "v11", 3, 7)
+#define Q4_S3x1(U)                                                                       \
+  Q4_LDA3 Q4_LDB(back) Q4_C3(U, "v8", 0, 4, 8) Q4_C3(U, "v9", 1, 5, 9)                   \
+      Q4_C3(U, "v10", 2, 6, 10) Q4_C3(U, "v11", 3, 7, 11)
+#define Q4_S4x1(U)                                                                       \
+  Q4_LDA4 Q4_LDB(back) Q4_C4(U, "v8", 0, 4, 8, 12) Q4_C4(U, "v9", 1, 5, 9, 13)           \
+      Q4_C4(U, "v10", 2, 6, 10, 14) Q4_C4(U, "v11", 3, 7, 11, 15)
+#define Q4_LOOP(S) "1:\n\t" S S "subs %[n], %[n], #1\n\tb.ne 1b\n\t"
 #define Q4_CLOB                                                                            \
   "v0", "v1", "v2", "v3", "v4", "v5", "v6", "v7", "v8", "v9", "v10", "v11", "v12", "v13", \
       "cc", "memory"
-#define Q4_LOOP(S) "1:\n\t" S S "subs %[n], %[n], #1\n\tb.ne 1b\n\t"
-// Shapes with operand accumulators.
-#define Q4_KLOOP_O(SHAPE, U, XS)                                                         \
-  __asm__ volatile(Q4_LOOP(Q4_S##SHAPE(U, Q4_O))                                         \
-                   : [a] "+r"(a), [b] "+r"(b), [n] "+r"(n), Q4_##XS                     \
-                   : Q4_IN                                                               \
-                   : Q4_CLOB)
-// Shapes with accumulators in v16..: zeroed (one ld1 of 64 zero bytes per 4) and stored to x.
-#define Q4_Z12 "ld1 {v16.4s-v19.4s}, [%[z]]\n\tld1 {v20.4s-v23.4s}, [%[z]]\n\tld1 {v24.4s-v27.4s}, [%[z]]\n\t"
-#define Q4_Z16 Q4_Z12 "ld1 {v28.4s-v31.4s}, [%[z]]\n\t"
-#define Q4_ST12 "st1 {v16.4s-v19.4s}, [%[o]], #64\n\tst1 {v20.4s-v23.4s}, [%[o]], #64\n\tst1 {v24.4s-v27.4s}, [%[o]], #64\n\t"
-#define Q4_ST16 Q4_ST12 "st1 {v28.4s-v31.4s}, [%[o]], #64\n\t"
-#define Q4_KLOOP_V(SHAPE, U, Z, ST)                                                      \
-  __asm__ volatile(Z Q4_LOOP(Q4_S##SHAPE(U, Q4_V)) ST                                    \
-                   : [a] "+r"(a), [b] "+r"(b), [n] "+r"(n), [o] "+r"(o)                  \
-                   : Q4_IN, [z] "r"(kZeros)                                              \
-                   : Q4_CLOB, "v16", "v17", "v18", "v19", "v20", "v21", "v22", "v23",    \
-                     "v24", "v25", "v26", "v27", "v28", "v29", "v30", "v31")
-#define Q4_SHAPE_O(NP_, NB_, XS)                                                    \
-  if constexpr (NP == NP_ && NB == NB_) {                                           \
-    if constexpr (F == W4Format::int4) Q4_KLOOP_O(NP_##x##NB_, Q4_UNP_I4, XS);     \
-    else Q4_KLOOP_O(NP_##x##NB_, Q4_UNP_MX, XS);                                    \
-    return;                                                                         \
-  }
-#define Q4_SHAPE_V(NP_, NB_, Z, ST)                                                 \
-  if constexpr (NP == NP_ && NB == NB_) {                                           \
-    int32x4_t* o = x;                                                               \
-    if constexpr (F == W4Format::int4) Q4_KLOOP_V(NP_##x##NB_, Q4_UNP_I4, Z, ST);  \
-    else Q4_KLOOP_V(NP_##x##NB_, Q4_UNP_MX, Z, ST);                                 \
-    return;                                                                         \
-  }
+#define Q4_CVT_I4(r) "scvtf " r ".4s, " r ".4s, #4\n\t"
+#define Q4_CVT_MX(r) "scvtf " r ".4s, " r ".4s\n\t"
 
-alignas(64) constexpr int32_t kZeros[16] = {};
-
-// One group's sums into x (4 NP NB accumulators, zeroed first): a at the group's first A slice,
-// b at block 0's codes of the group, blocks bs bytes apart; pairs (even) slice pairs.
-template <int NP, int NB, W4Format F>
-__attribute__((always_inline)) inline void group_sums(const int8_t* a, const uint8_t* b,
-                                                      int64_t bs, int64_t pairs, int32x4_t* x,
-                                                      uint8x16_t mask, int8x16_t tab) {
-  uint64_t n = uint64_t(pairs) / 2;
-  const int64_t s64 = 64, back = 64 - (NB - 1) * bs;
-  if constexpr (4 * NP * NB <= 8)
-    for (int i = 0; i < 4 * NP * NB; ++i) x[i] = vdupq_n_s32(0);
-  Q4_SHAPE_O(1, 1, X4)
-  Q4_SHAPE_O(1, 2, X8)
-  Q4_SHAPE_O(2, 1, X8)
-  Q4_SHAPE_V(3, 1, Q4_Z12, Q4_ST12)
-  Q4_SHAPE_V(4, 1, Q4_Z16, Q4_ST16)
-}
-
-// --- One-row tiles (decode): every group in one asm ---------------------------------------
-// The int32 accumulators of 1 x NB blocks in v16.. (4 per block), the fp32 ones in v24.. (2 per
-// block: row 0 of columns 0-3 and 4-7, the useful halves zipped out of the column pairs), all
-// groups in registers. Group end per block: the 8 scales into v1, v2 (int4: one ldp; mxfp4: the
-// E8M0 decode of mxfp4_scales, its constants 2^-127 and 0.5 in v6, v7), 2 zip1, 2 scvtf, 2 fmul,
-// 2 fadd; then the accumulators are zeroed (one ld1 of zeros per block) for the next group.
+// One-pair tiles (1-2 rows, 1-2 blocks: decode), totals in v24..: per group end and block, the
+// 8 scales into v1, v2 (int4: one ldp; mxfp4: mxfp4_scales' decode, its constants 2^-127 and 0.5
+// in v6, v7, free in one-pair tiles), then
+//   one row: 2 zip1 (row 0 of 4 columns out of two column-pair accumulators), 2 scvtf, 2 fmul,
+//            2 fadd into 2 totals per block (row 0 of columns 0-3, 4-7);
+//   two rows: per column pair, a dup .d of its 2 scales, scvtf, fmul, fadd into 4 totals per
+//            block (lanes as the accumulators).
 #define Q4_SC_I4(base) "ldp q1, q2, [" base "]\n\t"
 #define Q4_SC_MX(base)                                                                  \
   "ldr d1, [" base "]\n\tushll v1.8h, v1.8b, #7\n\tshll2 v2.4s, v1.8h, #16\n\t"         \
   "shll v1.4s, v1.4h, #16\n\tumax v1.4s, v1.4s, v6.4s\n\tumax v2.4s, v2.4s, v6.4s\n\t"  \
   "fmul v3.4s, v1.4s, v7.4s\n\tfmul v5.4s, v2.4s, v7.4s\n\t"                            \
   "fsub v1.4s, v1.4s, v3.4s\n\tfsub v2.4s, v2.4s, v5.4s\n\t"
-#define Q4_CVT_I4(r) "scvtf " r ".4s, " r ".4s, #4\n\t"
-#define Q4_CVT_MX(r) "scvtf " r ".4s, " r ".4s\n\t"
 #define Q4_R1_END(SC, CVT, base, a0, a1, a2, a3, f0, f1)                                \
   SC(base) "zip1 v3.2d, " a0 ".2d, " a1 ".2d\n\tzip1 v5.2d, " a2 ".2d, " a3 ".2d\n\t"   \
   CVT("v3") CVT("v5") "fmul v3.4s, v3.4s, v1.4s\n\tfmul v5.4s, v5.4s, v2.4s\n\t"        \
@@ -224,8 +174,6 @@ __attribute__((always_inline)) inline void group_sums(const int8_t* a, const uin
   "add %[s], %[b], %[bs]\n\t"                                                          \
   Q4_R1_END(SC, CVT, "%[s]", "v20", "v21", "v22", "v23", "v26", "v27")                 \
   "add %[b], %[b], %[sb]\n\tld1 {v16.4s-v19.4s}, [%[z]]\n\tld1 {v20.4s-v23.4s}, [%[z]]\n\t"
-// Two rows: the 4 column-pair accumulators of a block by [s_c s_c+1 s_c s_c+1] (dup .d of the
-// 8 scales), in place (they are zeroed after), into 4 fp32 accumulators per block.
 #define Q4_R2_HALF(CVT, sc, a0, a1, f0, f1)                                             \
   "dup v3.2d, " sc ".d[0]\n\tdup v5.2d, " sc ".d[1]\n\t" CVT(a0) CVT(a1)               \
   "fmul " a0 ".4s, " a0 ".4s, v3.4s\n\tfmul " a1 ".4s, " a1 ".4s, v5.4s\n\t"            \
@@ -246,7 +194,7 @@ __attribute__((always_inline)) inline void group_sums(const int8_t* a, const uin
   __asm__ volatile(                                                                      \
       "ld1 {v16.4s-v19.4s}, [%[z]]\n\tld1 {v20.4s-v23.4s}, [%[z]]\n\t"                   \
       "ld1 {v24.4s-v27.4s}, [%[z]]\n\tld1 {v28.4s-v31.4s}, [%[z]]\n\t" INIT              \
-      "2:\n\tmov %[n], %[np2]\n\t" Q4_LOOP(Q4_S1x##NB_(U, Q4_V))                          \
+      "2:\n\tmov %[n], %[np2]\n\t" Q4_LOOP(Q4_S1x##NB_(U))                                \
       Q4_R##ROWS##_ENDS_##NB_(SC, CVT) "subs %[gn], %[gn], #1\n\tb.ne 2b\n\t" ST         \
       : [a] "+r"(a), [b] "+r"(b), [gn] "+r"(gn), [n] "=&r"(n), [s] "=&r"(s), [o] "+r"(o) \
       : [np2] "r"(np2), [s64] "r"(s64), [bs] "r"(bs), [back] "r"(back), [sb] "r"(sb),    \
@@ -255,113 +203,110 @@ __attribute__((always_inline)) inline void group_sums(const int8_t* a, const uin
         "v26", "v27", "v28", "v29", "v30", "v31")
 #define Q4_ST1 "st1 {v24.4s-v25.4s}, [%[o]]\n\t"
 #define Q4_ST2 "st1 {v24.4s-v27.4s}, [%[o]]\n\t"
-#define Q4_ST4 "st1 {v24.4s-v27.4s}, [%[o]], #64\n\t"
-#define Q4_ST8 Q4_ST4 "st1 {v28.4s-v31.4s}, [%[o]]\n\t"
+#define Q4_ST8 "st1 {v24.4s-v27.4s}, [%[o]], #64\n\tst1 {v28.4s-v31.4s}, [%[o]]\n\t"
 #define Q4_P1_FMT(ROWS, NB_, ST)                                                           \
   if constexpr (F == W4Format::int4)                                                     \
     Q4_P1_ASM(ROWS, NB_, Q4_UNP_I4, Q4_SC_I4, Q4_CVT_I4, Q4_R1_INIT_I4, ST);             \
   else                                                                                   \
     Q4_P1_ASM(ROWS, NB_, Q4_UNP_MX, Q4_SC_MX, Q4_CVT_MX, Q4_R1_INIT_MX, ST);
 
-// A one-pair tile (kRows 1 or 2) of NB (1, 2) blocks over all groups: a at the A block, b at
-// block 0. o: kRows == 1: the 8 NB fp32 sums of the row (block j's columns at 8 j); kRows == 2:
-// block j's 4 column-pair accumulators [r0 c, r0 c+1, r1 c, r1 c+1] at 16 j.
-template <int kRows, int NB, W4Format F>
-void pair1_sums(const Call& cl, const int8_t* a, const uint8_t* b, float* o) {
+// Tiles of 2-4 pairs x 1 block: the totals in memory at t (4 per pair: one ld1 and one st1 per
+// pair and group, as the accumulators take v16..v31). Group end: the 8 scales into v8, v9 (mxfp4:
+// the decode, its constants made in v12, v13 first), the 4 column pairs' scales dup'ed into
+// v10-v13, then per pair: ld1 of its totals, per column pair scvtf, fmul, fadd, st1.
+#define Q4_M_SC_I4 "ldp q8, q9, [%[b]]\n\t"
+#define Q4_M_SC_MX                                                                          \
+  "movi v12.4s, #0x40, lsl #16\n\tfmov v13.4s, #0.5\n\tldr d8, [%[b]]\n\t"                 \
+  "ushll v8.8h, v8.8b, #7\n\tshll2 v9.4s, v8.8h, #16\n\tshll v8.4s, v8.4h, #16\n\t"        \
+  "umax v8.4s, v8.4s, v12.4s\n\tumax v9.4s, v9.4s, v12.4s\n\t"                              \
+  "fmul v10.4s, v8.4s, v13.4s\n\tfmul v11.4s, v9.4s, v13.4s\n\t"                            \
+  "fsub v8.4s, v8.4s, v10.4s\n\tfsub v9.4s, v9.4s, v11.4s\n\t"
+#define Q4_M_DUP \
+  "dup v10.2d, v8.d[0]\n\tdup v11.2d, v8.d[1]\n\tdup v12.2d, v9.d[0]\n\tdup v13.2d, v9.d[1]\n\t"
+#define Q4_M_ACC(CVT, x, t, sc) \
+  CVT(x) "fmul " x ".4s, " x ".4s, " sc ".4s\n\tfadd " t ".4s, " t ".4s, " x ".4s\n\t"
+#define Q4_M_PAIR(CVT, x0, x1, x2, x3)                                                      \
+  "ld1 {v0.4s-v3.4s}, [%[t]]\n\t" Q4_M_ACC(CVT, x0, "v0", "v10") Q4_M_ACC(CVT, x1, "v1", "v11") \
+  Q4_M_ACC(CVT, x2, "v2", "v12") Q4_M_ACC(CVT, x3, "v3", "v13") "st1 {v0.4s-v3.4s}, [%[t]], #64\n\t"
+#define Q4_M_END2(CVT) \
+  Q4_M_PAIR(CVT, "v16", "v17", "v18", "v19") Q4_M_PAIR(CVT, "v20", "v21", "v22", "v23")
+#define Q4_M_END3(CVT) Q4_M_END2(CVT) Q4_M_PAIR(CVT, "v24", "v25", "v26", "v27")
+#define Q4_M_END4(CVT) Q4_M_END3(CVT) Q4_M_PAIR(CVT, "v28", "v29", "v30", "v31")
+#define Q4_M_Z2 "ld1 {v16.4s-v19.4s}, [%[z]]\n\tld1 {v20.4s-v23.4s}, [%[z]]\n\t"
+#define Q4_M_Z3 Q4_M_Z2 "ld1 {v24.4s-v27.4s}, [%[z]]\n\t"
+#define Q4_M_Z4 Q4_M_Z3 "ld1 {v28.4s-v31.4s}, [%[z]]\n\t"
+#define Q4_M_ASM(NP_, U, SC, CVT)                                                          \
+  __asm__ volatile(                                                                        \
+      Q4_M_Z##NP_ "2:\n\tmov %[n], %[np2]\n\tmov %[t], %[tb]\n\t" Q4_LOOP(Q4_S##NP_##x1(U)) \
+      SC Q4_M_DUP Q4_M_END##NP_(CVT) Q4_M_Z##NP_                                           \
+      "add %[b], %[b], %[sb]\n\tsubs %[gn], %[gn], #1\n\tb.ne 2b\n\t"                      \
+      : [a] "+r"(a), [b] "+r"(b), [gn] "+r"(gn), [n] "=&r"(n), [t] "=&r"(t)                \
+      : [np2] "r"(np2), [s64] "r"(s64), [back] "r"(back), [sb] "r"(sb), [mask] "w"(mask),  \
+        [tab] "w"(tab), [z] "r"(kZeros), [tb] "r"(o)                                       \
+      : Q4_CLOB, "v16", "v17", "v18", "v19", "v20", "v21", "v22", "v23", "v24", "v25",     \
+        "v26", "v27", "v28", "v29", "v30", "v31")
+#define Q4_M_FMT(NP_)                                                   \
+  if constexpr (F == W4Format::int4) Q4_M_ASM(NP_, Q4_UNP_I4, Q4_M_SC_I4, Q4_CVT_I4); \
+  else Q4_M_ASM(NP_, Q4_UNP_MX, Q4_M_SC_MX, Q4_CVT_MX);
+
+alignas(64) constexpr int32_t kZeros[16] = {};
+
+// The fp32 totals of an NP x NB tile (NP == 1: NB <= 2; NP > 1: NB == 1) over all groups: a at
+// the A block, b at block 0. o: kOneRow: the 8 NB sums of row 0 (block j's columns at 8 j);
+// otherwise (pair p, block j)'s 4 column-pair totals [r c, r c+1, r+1 c, r+1 c+1] at
+// 16 (p NB + j) (o zeroed by the caller when NP > 1).
+template <int NP, int NB, W4Format F, bool kOneRow>
+void tile_sums(const Call& cl, const int8_t* a, const uint8_t* b, float* o) {
+  static_assert((NP == 1 && NB <= 2) || (NP <= 4 && NB == 1), "no such tile");
   const int64_t bs = int64_t(cl.block_bytes), s64 = 64, back = 64 - (NB - 1) * bs;
   const int64_t sb = cl.group_bytes - cl.codes_bytes;
   const uint64_t np2 = uint64_t(cl.g) / 32;
   uint64_t gn = uint64_t(cl.groups), n;
-  const uint8_t* s;
   const uint8x16_t mask = vdupq_n_u8(F == W4Format::int4 ? 0xf0 : 0x0f);
   const int8x16_t tab = vld1q_s8(cl.table);
-  if constexpr (kRows == 1 && NB == 1) { Q4_P1_FMT(1, 1, Q4_ST1) }
-  else if constexpr (kRows == 1) { Q4_P1_FMT(1, 2, Q4_ST2) }
-  else if constexpr (NB == 1) { Q4_P1_FMT(2, 1, Q4_ST2) }
-  else { Q4_P1_FMT(2, 2, Q4_ST8) }
-  (void)s;
+  if constexpr (NP == 1) {
+    const uint8_t* s;
+    if constexpr (kOneRow && NB == 1) { Q4_P1_FMT(1, 1, Q4_ST1) }
+    else if constexpr (kOneRow) { Q4_P1_FMT(1, 2, Q4_ST2) }
+    else if constexpr (NB == 1) { Q4_P1_FMT(2, 1, Q4_ST2) }
+    else { Q4_P1_FMT(2, 2, Q4_ST8) }
+    (void)s;
+  } else {
+    float* t;
+    if constexpr (NP == 2) { Q4_M_FMT(2) }
+    else if constexpr (NP == 3) { Q4_M_FMT(3) }
+    else { Q4_M_FMT(4) }
+    (void)t;
+    (void)bs;
+  }
   (void)n;
 }
 
-// One tile: NP row pairs (rows valid rows, NP = (rows + 1) / 2; kOneRow: rows == 1) x NB full or
-// padded blocks over all groups. a: row pair 0's slice 0 (an A block start); b: block 0; out: row
-// 0, column 0 of the tile; nc: columns of the tile's last block inside n (1..8).
+// One tile: NP row pairs (rows valid rows, NP = (rows + 1) / 2; kOneRow: rows == 1) x NB blocks
+// (full or padded) over all groups. a: row pair 0's slice 0 (an A block start); b: block 0; out:
+// row 0, column 0 of the tile; nc: columns of the tile's last block inside n (1..8).
 template <int NP, int NB, W4Format F, bool kOneRow>
 void tile(const Call& cl, const int8_t* a, const uint8_t* b, float* out, int64_t stride,
           int64_t rows, int64_t nc, const float* ls, const float* bias) {
   static_assert(!kOneRow || NP == 1, "one-row tiles have one row pair");
-  if constexpr (NP == 1 && NB <= 2) {
-    alignas(16) float sums[16 * NB];
-    pair1_sums<kOneRow ? 1 : 2, NB, F>(cl, a, b, sums);
-    for (int j = 0; j < NB; ++j) {
-      const int64_t jc = j == NB - 1 ? nc : kNr;
-      const float* bj = bias != nullptr ? bias + j * kNr : nullptr;
-      if (kOneRow) {
-        store_q4_row8(out + j * kNr, vld1q_f32(sums + 8 * j), vld1q_f32(sums + 8 * j + 4), jc,
-                      ls[0], bj);
-        continue;
-      }
-      const auto pr = [&](int c) { return vld1q_f64(reinterpret_cast<const double*>(sums + 16 * j + 4 * c)); };
-      store_q4_row8(out + j * kNr, vreinterpretq_f32_f64(vzip1q_f64(pr(0), pr(1))),
-                    vreinterpretq_f32_f64(vzip1q_f64(pr(2), pr(3))), jc, ls[0], bj);
-      store_q4_row8(out + stride + j * kNr, vreinterpretq_f32_f64(vzip2q_f64(pr(0), pr(1))),
-                    vreinterpretq_f32_f64(vzip2q_f64(pr(2), pr(3))), jc, ls[1], bj);
-    }
-    return;
-  }
-  constexpr int kF = kOneRow ? 2 : 4;  // fp32 accumulators per pair and block
-  float32x4_t facc[NP][NB][kF];
-  for (int p = 0; p < NP; ++p)
-    for (int j = 0; j < NB; ++j)
-      for (int c = 0; c < kF; ++c) facc[p][j][c] = vdupq_n_f32(0.0f);
-  const int64_t pairs = cl.g / 16;  // slice pairs per group
-  const uint8x16_t mask = vdupq_n_u8(F == W4Format::int4 ? 0xf0 : 0x0f);
-  const int8x16_t tab = vld1q_s8(cl.table);
-  for (int64_t gi = 0; gi < cl.groups; ++gi) {
-    int32x4_t x[4 * NP * NB];
-    const uint8_t* bg = b + gi * cl.group_bytes;
-    group_sums<NP, NB, F>(a + gi * cl.g * 8, bg, int64_t(cl.block_bytes), pairs, x, mask, tab);
-    const auto acc = [&](int p, int j, int c) { return x[(p * NB + j) * 4 + c]; };
-    // Group end: acc += float(isum) * scale, per column.
-    for (int j = 0; j < NB; ++j) {
-      float32x4_t s0, s1;
-      group_scales8<F>(bg + j * cl.block_bytes + cl.codes_bytes, s0, s1);
-      if constexpr (kOneRow) {
-        const int32x4_t i0 = vreinterpretq_s32_s64(
-            vzip1q_s64(vreinterpretq_s64_s32(acc(0, j, 0)), vreinterpretq_s64_s32(acc(0, j, 1))));
-        const int32x4_t i1 = vreinterpretq_s32_s64(
-            vzip1q_s64(vreinterpretq_s64_s32(acc(0, j, 2)), vreinterpretq_s64_s32(acc(0, j, 3))));
-        facc[0][j][0] = vaddq_f32(facc[0][j][0], vmulq_f32(W4Codes<F>::cvt(i0), s0));
-        facc[0][j][1] = vaddq_f32(facc[0][j][1], vmulq_f32(W4Codes<F>::cvt(i1), s1));
-      } else {
-        const float64x2_t d0 = vreinterpretq_f64_f32(s0), d1 = vreinterpretq_f64_f32(s1);
-        const float32x4_t sc[4] = {vreinterpretq_f32_f64(vdupq_laneq_f64(d0, 0)),
-                                   vreinterpretq_f32_f64(vdupq_laneq_f64(d0, 1)),
-                                   vreinterpretq_f32_f64(vdupq_laneq_f64(d1, 0)),
-                                   vreinterpretq_f32_f64(vdupq_laneq_f64(d1, 1))};
-        for (int p = 0; p < NP; ++p)
-          for (int c = 0; c < 4; ++c)
-            facc[p][j][c] =
-                vaddq_f32(facc[p][j][c], vmulq_f32(W4Codes<F>::cvt(acc(p, j, c)), sc[c]));
-      }
-    }
-  }
+  alignas(16) float sums[16 * NP * NB] = {};
+  tile_sums<NP, NB, F, kOneRow>(cl, a, b, sums);
   for (int j = 0; j < NB; ++j) {
     const int64_t jc = j == NB - 1 ? nc : kNr;
     const float* bj = bias != nullptr ? bias + j * kNr : nullptr;
     float* oj = out + j * kNr;
     if constexpr (kOneRow) {
-      store_q4_row8(oj, facc[0][j][0], facc[0][j][1], jc, ls[0], bj);
+      store_q4_row8(oj, vld1q_f32(sums + 8 * j), vld1q_f32(sums + 8 * j + 4), jc, ls[0], bj);
     } else {
       for (int p = 0; p < NP; ++p) {
-        const auto lo = [&](int c) { return vreinterpretq_f64_f32(facc[p][j][c]); };
+        const float* t = sums + 16 * (p * NB + j);
+        const auto pr = [&](int c) { return vld1q_f64(reinterpret_cast<const double*>(t + 4 * c)); };
         // Row 2p: the low halves of the column pairs; row 2p + 1: the high halves.
-        store_q4_row8(oj + 2 * p * stride, vreinterpretq_f32_f64(vzip1q_f64(lo(0), lo(1))),
-                      vreinterpretq_f32_f64(vzip1q_f64(lo(2), lo(3))), jc, ls[2 * p], bj);
+        store_q4_row8(oj + 2 * p * stride, vreinterpretq_f32_f64(vzip1q_f64(pr(0), pr(1))),
+                      vreinterpretq_f32_f64(vzip1q_f64(pr(2), pr(3))), jc, ls[2 * p], bj);
         if (2 * p + 1 < rows)
-          store_q4_row8(oj + (2 * p + 1) * stride,
-                        vreinterpretq_f32_f64(vzip2q_f64(lo(0), lo(1))),
-                        vreinterpretq_f32_f64(vzip2q_f64(lo(2), lo(3))), jc, ls[2 * p + 1], bj);
+          store_q4_row8(oj + (2 * p + 1) * stride, vreinterpretq_f32_f64(vzip2q_f64(pr(0), pr(1))),
+                        vreinterpretq_f32_f64(vzip2q_f64(pr(2), pr(3))), jc, ls[2 * p + 1], bj);
       }
     }
   }

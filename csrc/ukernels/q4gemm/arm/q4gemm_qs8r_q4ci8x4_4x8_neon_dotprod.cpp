@@ -19,7 +19,8 @@
 // int32 accumulators are zeroed. Walk: blocks outer, row tiles of 4 inner (a block's packed B,
 // 4 k + 32 bytes per group, stays in L1 across the row tiles); decode (m <= 4) reads each weight
 // byte once per call.
-// @pre m, n >= 0, k % group == 0, group % 32 == 0; packed buffers from this kernel's packers.
+// @pre m, n >= 0, k % group == 0, group % 32 == 0, int4 groups below 131072 k (the sums times
+//      16 fit int32); packed buffers from this kernel's packers.
 // Features used: NEON, DotProd (SDOT).
 #if !defined(__aarch64__) || !defined(__ARM_FEATURE_DOTPROD)
 #error "q4gemm_qs8r_q4ci8x4_4x8_neon_dotprod.cpp needs -march=armv8.2-a+dotprod (set per file by CMake)"
