@@ -28,6 +28,15 @@ namespace {
 //     x - x * 0.5 is 2^(e - 128) exactly (subnormals included: Linux runs with FZ off), and
 //     inf - inf is the NaN of e = 255.
 
+/// Q4GemmUkernel::run_f32 of a kernel whose loops are one function per format (the unpacking and
+/// the scale decode differ): empty calls return at once, the rest go to the format's loops.
+template <decltype(Q4GemmUkernel::run_f32) kInt4, decltype(Q4GemmUkernel::run_f32) kMxfp4>
+void q4_run_f32(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs,
+                const void* rhs, float* dst, int64_t dst_stride, const Q4GemmEpilogue& ep) {
+  if (m <= 0 || n <= 0) return;
+  (w.format == W4Format::mxfp4 ? kMxfp4 : kInt4)(m, n, k, w, lhs, rhs, dst, dst_stride, ep);
+}
+
 /// Stores the 8 accumulated columns (f0: 0-3, f1: 4-7) of one row as acc * lhs_scale + bias
 /// (bias: nullptr or the block's first column), the first @p nc of them.
 inline void store_q4_row8(float* d, float32x4_t f0, float32x4_t f1, int64_t nc, float ls,

@@ -86,7 +86,8 @@ struct Bf16Table {
 #define Q4B_MM(acc, a, b) "bfmmla " acc ".4s, " a ".8h, " b ".8h\n\t"
 #define Q4B_LDB(step) "ld1 {v2.16b}, [%[b]], %[" #step "]\n\t"
 #define Q4B_BLK1(X, i0, i1, i2, i3) \
-  Q4B_DEC Q4B_MM(X(i0), "v0", "v6") Q4B_MM(X(i1), "v0", "v7") Q4B_MM(X(i2), "v0", "v8") Q4B_MM(X(i3), "v0", "v9")
+  Q4B_DEC Q4B_MM(X(i0), "v0", "v6") Q4B_MM(X(i1), "v0", "v7") Q4B_MM(X(i2), "v0", "v8") \
+      Q4B_MM(X(i3), "v0", "v9")
 #define Q4B_LDA1 "ldr q0, [%[a0]], #16\n\t"
 #define Q4B_S1x1(X) Q4B_LDA1 Q4B_LDB(back) Q4B_BLK1(X, 0, 1, 2, 3)
 #define Q4B_S1x2(X) Q4B_LDA1 Q4B_LDB(bs) Q4B_BLK1(X, 0, 1, 2, 3) Q4B_LDB(back) Q4B_BLK1(X, 4, 5, 6, 7)
@@ -112,7 +113,8 @@ struct Bf16Table {
   "shll v12.4s, v12.4h, #16\n\tumax v12.4s, v12.4s, v10.4s\n\tumax v2.4s, v2.4s, v10.4s\n\t" \
   "fmul v5.4s, v12.4s, v11.4s\n\tfmul v6.4s, v2.4s, v11.4s\n\t"                            \
   "fsub v12.4s, v12.4s, v5.4s\n\tfsub v2.4s, v2.4s, v6.4s\n\t"
-#define Q4B_FA(acc, tot, sc) "fmul " acc ".4s, " acc ".4s, " sc ".4s\n\tfadd " tot ".4s, " tot ".4s, " acc ".4s\n\t"
+#define Q4B_FA(acc, tot, sc) \
+  "fmul " acc ".4s, " acc ".4s, " sc ".4s\n\tfadd " tot ".4s, " tot ".4s, " acc ".4s\n\t"
 #define Q4B_END1(a0, a1, a2, a3, t0, t1, t2, t3)                                         \
   "dup v3.2d, v12.d[0]\n\tdup v4.2d, v12.d[1]\n\t" Q4B_FA(a0, t0, "v3") Q4B_FA(a1, t1, "v4") \
   "dup v3.2d, v2.d[0]\n\tdup v4.2d, v2.d[1]\n\t" Q4B_FA(a2, t2, "v3") Q4B_FA(a3, t3, "v4")
@@ -130,7 +132,8 @@ struct Bf16Table {
 #define Q4B_INIT_I4 ""
 #define Q4B_INIT_MX "movi v10.4s, #0x40, lsl #16\n\tfmov v11.4s, #0.5\n\t"
 #define Q4B_Z "ld1 {v16.4s-v19.4s}, [%[z]]\n\tld1 {v20.4s-v23.4s}, [%[z]]\n\t"
-#define Q4B_CLOB "v0", "v1", "v2", "v3", "v4", "v5", "v6", "v7", "v8", "v9", "v10", "v11", "v12", "cc", "memory"
+#define Q4B_CLOB \
+  "v0", "v1", "v2", "v3", "v4", "v5", "v6", "v7", "v8", "v9", "v10", "v11", "v12", "cc", "memory"
 #define Q4B_ASM(SHAPE, SC, INIT)                                                            \
   __asm__ volatile(                                                                         \
       Q4B_Z "ld1 {v24.4s-v27.4s}, [%[z]]\n\tld1 {v28.4s-v31.4s}, [%[z]]\n\t" INIT           \
@@ -205,7 +208,8 @@ void long_groups(const Call& cl, const uint8_t* a, const uint8_t* b, float* o) {
     }
     const auto* sc = reinterpret_cast<const float*>(b);  // int4: the 8 fp32 scales
     for (int c = 0; c < 4; ++c) {
-      const float32x4_t s = vreinterpretq_f32_u64(vld1q_dup_u64(reinterpret_cast<const uint64_t*>(sc + 2 * c)));
+      const auto* pair = reinterpret_cast<const uint64_t*>(sc + 2 * c);  // [s_c s_c+1] twice
+      const float32x4_t s = vreinterpretq_f32_u64(vld1q_dup_u64(pair));
       tot[c] = vaddq_f32(tot[c], vmulq_f32(vcvtq_f32_s32(isum[c]), s));
     }
     b += cl.group_bytes - cl.codes_bytes;
@@ -226,8 +230,16 @@ inline void store_pair(const float* t, float* d, int64_t stride, bool two, int64
 }
 
 template <W4Format F>
-void run(int64_t m, int64_t n, const Call& cl, const uint8_t* a, const uint8_t* b, float* dst,
-         int64_t stride, const Q4GemmEpilogue& ep) {
+void run(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs, const void* rhs,
+         float* dst, int64_t stride, const Q4GemmEpilogue& ep) {
+  const Call cl{k,
+                w.group,
+                Packing::group_bytes(w),
+                Packing::codes_bytes(w),
+                int64_t(Packing::block_bytes(k, w)),
+                Bf16Table(w4_decode_table(w.format))};
+  const auto* a = static_cast<const uint8_t*>(lhs);
+  const auto* b = static_cast<const uint8_t*>(rhs);
   alignas(16) float t[32];
   const int64_t blocks = (n + kNr - 1) / kNr;
   const auto nc_of = [&](int64_t jb) { return std::min(kNr, n - jb * kNr); };
@@ -264,25 +276,11 @@ void run(int64_t m, int64_t n, const Call& cl, const uint8_t* a, const uint8_t* 
   }
 }
 
-void run_f32(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs, const void* rhs,
-             float* dst, int64_t dst_stride, const Q4GemmEpilogue& ep) {
-  if (m <= 0 || n <= 0) return;
-  const Call cl{k,
-                w.group,
-                Packing::group_bytes(w),
-                Packing::codes_bytes(w),
-                int64_t(Packing::block_bytes(k, w)),
-                Bf16Table(w4_decode_table(w.format))};
-  const auto* a = static_cast<const uint8_t*>(lhs);
-  const auto* b = static_cast<const uint8_t*>(rhs);
-  if (w.format == W4Format::mxfp4) run<W4Format::mxfp4>(m, n, cl, a, b, dst, dst_stride, ep);
-  else run<W4Format::int4>(m, n, cl, a, b, dst, dst_stride, ep);
-}
-
 }  // namespace
 
 extern const Q4GemmUkernel q4gemm_bf16p2x4_q4cp8x4_4x8_neon_bf16 = make_q4gemm<LhsPacking, Packing>(
     "q4gemm_bf16p2x4_q4cp8x4_4x8_neon_bf16", Isa::neon_bf16, kMr, bf16p2x4_pack<FromInt8>,
-    pack_rhs_q4<Packing, PairSlices4>, run_f32);
+    pack_rhs_q4<Packing, PairSlices4>,
+    q4_run_f32<run<W4Format::int4>, run<W4Format::mxfp4>>);
 
 }  // namespace cpumoe

@@ -344,8 +344,10 @@ void row_tile(const Call& cl, const int8_t* a, const uint8_t* b, int64_t jb, int
 }
 
 template <W4Format F>
-void run(int64_t m, int64_t n, int64_t k, const W4Layout& w, const int8_t* a, const uint8_t* b,
+void run(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs, const void* rhs,
          float* dst, int64_t stride, const Q4GemmEpilogue& ep) {
+  const auto* a = static_cast<const int8_t*>(lhs);
+  const auto* b = static_cast<const uint8_t*>(rhs);
   const Call cl{w.group,         k / w.group,
                 Packing::group_bytes(w), Packing::codes_bytes(w),
                 Packing::block_bytes(k, w), w4_decode_table(w.format)};
@@ -359,19 +361,11 @@ void run(int64_t m, int64_t n, int64_t k, const W4Layout& w, const int8_t* a, co
   }
 }
 
-void run_f32(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs, const void* rhs,
-             float* dst, int64_t dst_stride, const Q4GemmEpilogue& ep) {
-  if (m <= 0 || n <= 0) return;
-  const auto* a = static_cast<const int8_t*>(lhs);
-  const auto* b = static_cast<const uint8_t*>(rhs);
-  if (w.format == W4Format::mxfp4) run<W4Format::mxfp4>(m, n, k, w, a, b, dst, dst_stride, ep);
-  else run<W4Format::int4>(m, n, k, w, a, b, dst, dst_stride, ep);
-}
-
 }  // namespace
 
 extern const Q4GemmUkernel q4gemm_qs8p8x8_q4cp8x8_8x8_neon_i8mm =
     make_q4gemm<LhsPacking, Packing>("q4gemm_qs8p8x8_q4cp8x8_8x8_neon_i8mm", Isa::neon_i8mm, kMr,
-                                     pack_lhs, pack_rhs_q4<Packing, PairSlices>, run_f32);
+                                     pack_lhs, pack_rhs_q4<Packing, PairSlices>,
+                                     q4_run_f32<run<W4Format::int4>, run<W4Format::mxfp4>>);
 
 }  // namespace cpumoe

@@ -117,7 +117,8 @@ template <int R, W4Format F>
 void tile_sums(const int8_t* a, int64_t k, int64_t g, const uint8_t* b, const int8_t* table,
                float* o) {
   // Rows past R are never read: their pointers stay at row 0 (inside the buffer).
-  const int8_t *a0 = a, *a1 = R > 1 ? a + k : a, *a2 = R > 2 ? a + 2 * k : a, *a3 = R > 3 ? a + 3 * k : a;
+  const int8_t *a0 = a, *a1 = R > 1 ? a + k : a, *a2 = R > 2 ? a + 2 * k : a;
+  const int8_t* a3 = R > 3 ? a + 3 * k : a;
   uint64_t gn = uint64_t(k / g), n;
   const uint64_t nc2 = uint64_t(g) / 32;  // two 16-k chunks per iteration
   const uint8x16_t mask = vdupq_n_u8(F == W4Format::int4 ? 0xf0 : 0x0f);
@@ -140,8 +141,10 @@ void tile(const int8_t* a, int64_t k, const W4Layout& w, const uint8_t* b, float
 }
 
 template <W4Format F>
-void run(int64_t m, int64_t n, int64_t k, const W4Layout& w, const int8_t* a, const uint8_t* b,
+void run(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs, const void* rhs,
          float* dst, int64_t stride, const Q4GemmEpilogue& ep) {
+  const auto* a = static_cast<const int8_t*>(lhs);
+  const auto* b = static_cast<const uint8_t*>(rhs);
   for (int64_t j0 = 0; j0 < n; j0 += kNr) {
     const int64_t nc = std::min(kNr, n - j0);
     const uint8_t* blk = b + Packing::rhs_offset(j0, k, w);
@@ -160,19 +163,11 @@ void run(int64_t m, int64_t n, int64_t k, const W4Layout& w, const int8_t* a, co
   }
 }
 
-void run_f32(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs, const void* rhs,
-             float* dst, int64_t dst_stride, const Q4GemmEpilogue& ep) {
-  if (m <= 0 || n <= 0) return;
-  const auto* a = static_cast<const int8_t*>(lhs);
-  const auto* b = static_cast<const uint8_t*>(rhs);
-  if (w.format == W4Format::mxfp4) run<W4Format::mxfp4>(m, n, k, w, a, b, dst, dst_stride, ep);
-  else run<W4Format::int4>(m, n, k, w, a, b, dst, dst_stride, ep);
-}
-
 }  // namespace
 
 extern const Q4GemmUkernel q4gemm_qs8r_q4ci8x4_4x8_neon_dotprod = make_q4gemm<LhsPacking, Packing>(
     "q4gemm_qs8r_q4ci8x4_4x8_neon_dotprod", Isa::neon_dotprod, kMr, pack_lhs_qs8r<LhsPacking>,
-    pack_rhs_q4<Packing, Interleaved4>, run_f32);
+    pack_rhs_q4<Packing, Interleaved4>,
+    q4_run_f32<run<W4Format::int4>, run<W4Format::mxfp4>>);
 
 }  // namespace cpumoe
