@@ -106,10 +106,10 @@ def test_matches_reference_on_every_path(backend, case):
 
 def test_gpt_oss_shape_mxfp4(backend):
     """gpt-oss's width (H = I = 2880: groups of 32 and 64, not 128), swigluoai with biases."""
-    p = W4Problem(backend, "mxfp4", 5, 4, 2, 2880, 2880, activation="swigluoai", bias=True,
+    p = W4Problem(backend, "mxfp4", 3, 1, 1, 2880, 2880, activation="swigluoai", bias=True,
                   dtype="bfloat16")
     assert_moe_close(backend, p.run(), p.reference())
-    q = W4Problem(backend, "int4", 5, 4, 2, 2880, 2880, g=64, activation="swigluoai", bias=True,
+    q = W4Problem(backend, "int4", 3, 1, 1, 2880, 2880, g=64, activation="swigluoai", bias=True,
                   dtype="bfloat16")
     assert_moe_close(backend, q.run(), q.reference())
 
@@ -228,6 +228,11 @@ def test_quantizers_round_trip():
     q, s = R.quantize_int4(w, 32)
     assert np.array_equal(q, v) and np.allclose(s, 0.25)
     assert np.array_equal(R.dequantize_int4(q, s, 32), w)
+    # Ties between two magnitudes go to the even code: 0.75 (codes 1, 2) -> 1.0, 1.25 -> 1.0,
+    # 5 (codes 6, 7) -> 4.
+    tb, ts = R.quantize_mxfp4(np.array([[6.0, 0.75, 1.25, 5.0, -0.25] + [0.0] * 27], np.float32))
+    assert ts[0, 0] == 127
+    assert np.array_equal(R.dequantize_mxfp4(tb, ts)[0, :5], [6.0, 1.0, 1.0, 4.0, -0.0])
     codes = rng.integers(0, 16, (3, 64))
     codes[:, ::32] = 7  # +6 in every group: exponent 0 relative to 2^(e - 127)
     vals = R.MXFP4_VALUES[codes] * np.float32(4.0)

@@ -47,8 +47,9 @@ __all__ = [
 ]
 
 # Engine integration, imported on first use (cpumoe.torch_ops imports torch; `import cpumoe`
-# never does): torch_ops (torch.ops.cpumoe.*), experts (Int8Experts), checkpoint (loading).
-_LAZY_SUBMODULES = ("checkpoint", "experts", "torch_ops")
+# never does): torch_ops (torch.ops.cpumoe.*), experts (Int8Experts), checkpoint (loading),
+# checkpoint_w4 (int4 / MXFP4 loading).
+_LAZY_SUBMODULES = ("checkpoint", "checkpoint_w4", "experts", "torch_ops")
 
 
 def __getattr__(name):

@@ -380,16 +380,20 @@ def quantize_mxfp4(w):
     K = w32.shape[-1]
     if K % 32:
         raise ValueError(f"w: K = {K} must be a multiple of 32")
-    wg = w32.reshape(*w32.shape[:-1], K // 32, 32).astype(np.float64)
+    wg = w32.reshape(*w32.shape[:-1], K // 32, 32)
     amax = np.max(np.abs(wg), axis=-1)
-    with np.errstate(divide="ignore"):
-        exp = np.where(amax > 0, np.floor(np.log2(np.maximum(amax, 1e-300))) - 2, -127)
+    # floor(log2(amax)) from the float's own exponent (frexp: amax = m * 2^ex, m in [0.5, 1)).
+    _, ex = np.frexp(amax)
+    exp = np.where(amax > 0, ex.astype(np.int64) - 1 - 2, -127)
     exp = np.clip(exp, -127, 127)
-    scaled = np.clip(wg / np.ldexp(1.0, exp.astype(np.int64))[..., None], -6.0, 6.0)
-    # Nearest of the 8 magnitudes; ties go to the even code (the lower index among two).
-    mags = MXFP4_VALUES[:8].astype(np.float64)
-    dist = np.abs(np.abs(scaled)[..., None] - mags)
-    code = np.argmin(dist + 1e-9 * (np.arange(8) % 2), axis=-1).astype(np.uint8)
+    # Times a power of two: exact (a subnormal product aside).
+    scaled = np.clip(wg * np.exp2(-exp.astype(np.float32))[..., None], -6.0, 6.0)
+    # The nearest E2M1 magnitude, ties to the even code: steps of 0.5 below 2 (codes 0-4), of 1
+    # up to 4 (codes 4-6), of 2 up to 6 (codes 6-7); rint rounds half to even, and in each range
+    # an even step count is an even code. Every operation here is exact in fp32.
+    a = np.abs(scaled)
+    code = np.where(a < 2, np.rint(2 * a),
+                    np.where(a < 4, 4 + np.rint(a - 2), 6 + np.rint((a - 4) / 2))).astype(np.uint8)
     code = code | np.where(scaled < 0, 8, 0).astype(np.uint8)
     code = code.reshape(*w32.shape[:-1], K // 32, 16, 2)
     blocks = (code[..., 0] | (code[..., 1] << 4)).astype(np.uint8)
