@@ -10,6 +10,8 @@ Subcommands:
   read-bandwidth probe (tqdm progress bar, tables and ratios on stdout, ``--json out.json``,
   ``--plot out.png`` with matplotlib, ``--targets`` for issue 4's matrix and verdicts).
 - ``cpumoe info``: CPU features, paths, kernels, build (``--json`` for a machine-readable form).
+- ``cpumoe accuracy``: relative error of W8A8, int4 (g = 32 / 64 / 128) and mxfp4 layers
+  against the fp32 layer, on real-looking weights (cpumoe/cli/accuracy.py).
 
 With no subcommand (the original command line, all its flags kept) it runs the Qwen3-30B-A3B MoE
 layer (H=2048, I=768, E=128, top-8, silu) with random int8 experts at T = 1, 16, 128: each result
@@ -22,7 +24,7 @@ import importlib
 import sys
 from typing import List, Optional
 
-SUBCOMMANDS = ("check", "bench", "info")  # modules of this package; without one: run
+SUBCOMMANDS = ("check", "bench", "info", "accuracy")  # modules of this package; without one: run
 
 
 def main(argv: Optional[List[str]] = None) -> int:
