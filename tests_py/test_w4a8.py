@@ -239,3 +239,49 @@ def test_quantizers_round_trip():
     blocks, scales = R.quantize_mxfp4(vals)
     assert np.array_equal(R.dequantize_mxfp4(blocks, scales), vals)
     assert (scales == 129).all()
+
+
+# ---------------------------------------------------------------------------- Int4Experts
+def _pack_int4_words(v: np.ndarray) -> np.ndarray:
+    """compressed-tensors' int32 packing of int4 values [..., K] (K a multiple of 8): with the
+    package when it is installed (the real format), else the same layout written out here."""
+    try:
+        import torch
+        from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    except ImportError:
+        u = (v.astype(np.int16) + 8).astype(np.uint8)
+        b = (u[..., 0::2] | (u[..., 1::2] << 4)).astype(np.uint8)
+        return np.ascontiguousarray(b).view("<i4")
+    return pack_to_int32(torch.from_numpy(np.ascontiguousarray(v)), 4).numpy()
+
+
+def test_int4_experts_vllm_names(backend):
+    import types
+    from cpumoe.experts import Int4Experts
+    E, H, I, g, T, k = 8, 256, 128, 64, 11, 2
+    (v13, v2, s13, s2), (b13, b2) = w4_weights("int4", E, H, I, g)
+    layer = types.SimpleNamespace(
+        w13_weight_packed=backend.asarray(_pack_int4_words(v13)),
+        w2_weight_packed=backend.asarray(_pack_int4_words(v2)),
+        w13_weight_scale=backend.asarray(s13), w2_weight_scale=backend.asarray(s2),
+        w13_bias=backend.asarray(b13), w2_bias=backend.asarray(b2))
+    ex = Int4Experts(H, I, E, k, "silu", group_size=g)
+    ok, why = Int4Experts.is_supported_config(H, I, E, k, "bfloat16", "silu",
+                                              {"weights": {"num_bits": 8, "type": "int",
+                                                           "symmetric": True,
+                                                           "strategy": "channel"}})
+    assert not ok and "num_bits" in why
+    ex.process_weights_after_loading(layer)
+    assert ex.packed.weight_format == "int4" and ex.packed.group_size == g
+    assert tuple(layer.w13_weight_packed.shape) == (0,)  # the loaded copy is freed
+    rng = np.random.default_rng(4)
+    x = backend.asarray(rng.standard_normal((T, H), dtype=np.float32), "bfloat16")
+    ids = backend.asarray(random_topk_ids(rng, T, E, k))
+    tw = backend.asarray(random_topk_weights(rng, T, k))
+    out = ex.apply(x, tw, ids)
+    ref = R.ref_fused_moe_int4(x, v13, v2, s13, s2, tw, ids, b13=b13, b2=b2, group_size=g)
+    assert_moe_close(backend, out, ref)
+    with pytest.raises(ValueError, match="group_size"):
+        Int4Experts(H, I, E, k, group_size=48)
+    with pytest.raises(ValueError, match="not a multiple of group_size"):
+        Int4Experts(H, 96, E, k, group_size=64)

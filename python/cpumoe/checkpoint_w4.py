@@ -33,7 +33,7 @@ from .checkpoint import (LAYOUTS, Checkpoint, PathLike, UnsupportedCheckpoint, _
                          _targets_module)
 
 __all__ = ["W4LayerWeights", "int4_scheme_problem", "load_int4_moe_layer",
-           "load_mxfp4_moe_layer"]
+           "load_mxfp4_moe_layer", "unpack_int4"]
 
 _FLOAT = ("F32", "F16", "BF16", "F64")
 
@@ -152,7 +152,7 @@ def _int4_config_group(qcfg: Optional[dict], module: str) -> Optional[dict]:
     return hits[0]
 
 
-def _unpack_int4(words: np.ndarray, cols: int) -> np.ndarray:
+def unpack_int4(words: np.ndarray, cols: int) -> np.ndarray:
     """int32 [rows, ceil(cols / 8)] of compressed-tensors' packing -> int8 values [rows, cols]."""
     b = np.ascontiguousarray(words).astype("<i4", copy=False).view(np.uint8)
     b = b.reshape(words.shape[0], -1)
@@ -242,7 +242,7 @@ def load_int4_moe_layer(path: Union[PathLike, Checkpoint], layer: int, *,
                                                 (up, ru, w13, s13, b13, H),
                                                 (down, slice(None), w2, s2, b2, I)):
             m = mod(e, proj)
-            wdst[j, rows] = _unpack_int4(ck.get(m + ".weight_packed"), k)
+            wdst[j, rows] = unpack_int4(ck.get(m + ".weight_packed"), k)
             sdst[j, rows] = ck.get_float32(m + ".weight_scale")
             if has_bias:
                 bdst[j, rows] = ck.get_float32(m + ".bias")
