@@ -4,7 +4,8 @@ Subcommands:
 
 - ``cpumoe check``: correctness of every path this CPU runs against cpumoe.reference: a matrix
   of small cases (dtypes x activations x bias, expert_map, skip_weighted, int64 ids, strided
-  rows, T = 0), then the preset layer; exit code 1 on a failure.
+  rows, T = 0), W4A8 int4 / mxfp4 layers on every W4A8 path, then the preset layer; exit code
+  1 on a failure.
 - ``cpumoe bench`` (cpumoe/cli/bench/): times preset layers for each path and T, and side by side
   cpumoe's bf16 op and vLLM's CPU kernels (``--contenders``), cold and warm weights, against a
   read-bandwidth probe (tqdm progress bar, tables and ratios on stdout, ``--json out.json``,
