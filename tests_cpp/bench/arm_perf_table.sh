@@ -40,7 +40,7 @@ while [ $# -gt 0 ]; do
     --no-phases) phases=0; shift ;;
     --raw) raw=$2; shift 2 ;;
     --formats) formats=$2; shift 2 ;;
-    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
