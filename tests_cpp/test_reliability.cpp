@@ -108,6 +108,39 @@ TEST(Int64Offsets, KernelSizeFunctionsAreExactBeyond2To31) {
   }
 }
 
+// The W4A8 family's packed-B sizes and offsets, which depend on the format and group too: exact
+// beyond 2^31 columns and depths; and its scratch bound at huge T (shared planner): one chunk.
+TEST(Int64Offsets, W4SizesAndScratchBeyond2To31) {
+  for (const cpumoe::Q4GemmUkernel* kp : cpumoe::q4gemm_registry()) {
+    if (!cpumoe::cpu_supports(kp->isa)) continue;
+    SCOPED_TRACE(kp->name);
+    for (const cpumoe::W4Layout w : {cpumoe::W4Layout{cpumoe::W4Format::int4, 32},
+                                     cpumoe::W4Layout{cpumoe::W4Format::int4, 128},
+                                     cpumoe::W4Layout{cpumoe::W4Format::mxfp4, 32}}) {
+      const int64_t depth = 4096;
+      const u128 one = kp->rhs_packed_offset(kp->nr, depth, w);
+      ASSERT_TRUE(one >= u128(kp->nr) * u128(depth) / 2) << "a block holds its 4-bit codes";
+      for (int64_t a : {int64_t(1) << 20, (int64_t(1) << 31) / kp->nr + 3, int64_t(1) << 33}) {
+        const int64_t idx = a * kp->nr;
+        const u128 want = u128(a) * one;
+        EXPECT_TRUE(u128(kp->rhs_packed_offset(idx, depth, w)) == want) << idx;
+        const u128 size = kp->rhs_packed_size(idx, depth, w);
+        EXPECT_TRUE(size >= want && size <= want + one) << idx << ": " << str(size);
+      }
+      const int64_t k1 = (int64_t(1) << 31) + (int64_t(1) << 20);  // a multiple of every group
+      const u128 f1 = kp->rhs_packed_size(kp->nr, k1, w), f2 = kp->rhs_packed_size(kp->nr, 2 * k1, w),
+                 f3 = kp->rhs_packed_size(kp->nr, 3 * k1, w);
+      EXPECT_TRUE(f1 >= u128(kp->nr) * u128(k1) / 2) << str(f1);
+      EXPECT_TRUE(f3 - f2 == f2 - f1) << "size not affine in the depth beyond 2^31";
+    }
+    for (int64_t T : {int64_t(65536), int64_t(1) << 40}) {
+      const size_t got = cpumoe::fused_moe_scratch_bytes(*kp, 128, 2048, 768, T, 8, 4);
+      EXPECT_GE(got, size_t(16384) * 2048 * 4) << "GEMM2's output of one chunk";
+      EXPECT_EQ(got, cpumoe::fused_moe_scratch_bytes(*kp, 128, 2048, 768, 2 * T, 8, 4));
+    }
+  }
+}
+
 // The scratch planner at sizes no machine here could run: every intermediate buffer is at least
 // what the formulas say (no wrap-around), the bound stops growing after one chunk, and it is
 // exact to within the per-expert padding allowance.

@@ -21,13 +21,18 @@ import torch  # noqa: E402
 import cpumoe  # noqa: E402
 
 
-def _layers(backend, bf16: bool, n: int = 2):
-    """n different packed layers of one shape and a routed batch for them."""
+def _layers(backend, bf16, n: int = 2):
+    """n different packed layers of one shape and a routed batch for them (bf16: "int4" makes
+    W4A8 layers from the int8 values' top four bits)."""
     packed = []
     for i in range(n):
         p = make_problem(backend, T=7, E=8, k=2, H=64, I=32, dtype="bfloat16",
                          activation="silu", bias=True, weight_seed=i)
-        if bf16:  # the dequantized int8 weights, in bf16
+        if bf16 == "int4":
+            v13, v2 = (p.w13 >> 4).contiguous(), (p.w2 >> 4).contiguous()  # in [-8, 7]
+            packed.append(cpumoe.prepack_int4(v13, v2, p.s13[..., None].repeat(1, 1, 2) * 16,
+                                              p.s2[..., None] * 16, p.b13, p.b2))
+        elif bf16:  # the dequantized int8 weights, in bf16
             packed.append(cpumoe.prepack_bf16((p.w13.float() * p.s13[..., None]).bfloat16(),
                                               (p.w2.float() * p.s2[..., None]).bfloat16(),
                                               p.b13, p.b2))
@@ -48,10 +53,10 @@ def _graph_targets(fn, *args):
     return out, graphs
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["int8", "bf16"])
+@pytest.mark.parametrize("bf16", [False, True, "int4"], ids=["int8", "bf16", "int4"])
 def test_public_op_compiles_fullgraph(backend, bf16):
     (pa, pb), p = _layers(backend, bf16)
-    op = cpumoe.fused_moe_bf16 if bf16 else cpumoe.fused_moe_int8
+    op = cpumoe.fused_moe_bf16 if bf16 is True else cpumoe.fused_moe_int8
 
     def f(x, packed, tw, ids):
         return op(torch.nn.functional.layer_norm(x, x.shape[-1:]), packed, tw, ids) * 2

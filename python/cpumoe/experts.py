@@ -31,7 +31,7 @@ import numpy as np
 
 from . import ops as _ops
 
-__all__ = ["Int8Experts", "topk_softmax"]
+__all__ = ["Int4Experts", "Int8Experts", "topk_softmax"]
 
 #: quant_scheme strings accepted by is_supported_config (all mean: int8 weights with static
 #: symmetric per-output-channel scales, int8 activations with dynamic symmetric per-token scales).
@@ -125,9 +125,9 @@ class Int8Experts:
         # With expert parallelism k may exceed the local expert count: check k against E_global.
         n_global = num_experts if expert_map is None else int(np.shape(expert_map)[0])
         ok, reason = self.is_supported_config(hidden, intermediate, n_global, topk,
-                                              "float32", act, "w8a8_int8")
+                                              "float32", act, self._default_scheme())
         if not ok:
-            raise ValueError(f"Int8Experts: {reason}")
+            raise ValueError(f"{type(self).__name__}: {reason}")
         self.hidden = int(hidden)
         self.intermediate = int(intermediate)
         self.num_experts = int(num_experts)
@@ -165,8 +165,15 @@ class Int8Experts:
     def supports_expert_map() -> bool:
         return True
 
+    def _default_scheme(self) -> Any:
+        return "w8a8_int8"
+
     @staticmethod
-    def is_supported_config(hidden: int, intermediate: int, num_experts: int, topk: int,
+    def _scheme_reason(quant_scheme: Any) -> Optional[str]:
+        return _quant_scheme_reason(quant_scheme)
+
+    @classmethod
+    def is_supported_config(cls, hidden: int, intermediate: int, num_experts: int, topk: int,
                             dtype: Any, activation: Any,
                             quant_scheme: Any) -> Tuple[bool, Optional[str]]:
         """(True, None), or (False, the reason) for a layer config.
@@ -195,7 +202,7 @@ class Int8Experts:
         if act not in _ops.ACTIVATIONS:
             return False, (f"activation {act!r} is not supported (one of "
                            f"{', '.join(_ops.ACTIVATIONS)})")
-        reason = _quant_scheme_reason(quant_scheme)
+        reason = cls._scheme_reason(quant_scheme)
         if reason is not None:
             return False, reason
         return True, None
@@ -303,8 +310,8 @@ class Int8Experts:
         """
         del w2
         if self.packed is None:
-            raise RuntimeError("Int8Experts.apply: call process_weights_after_loading (or "
-                               "load_packed) first")
+            raise RuntimeError(f"{type(self).__name__}.apply: call "
+                               f"process_weights_after_loading (or load_packed) first")
         act = self.activation if activation is None else _activation_name(activation)
         emap = self.expert_map if expert_map is None else expert_map
         x = hidden_states
@@ -312,7 +319,7 @@ class Int8Experts:
             if topk_ids.shape[1] != 1:
                 raise ValueError("apply_router_weight_on_input: only with topk == 1")
             x = x * (topk_weights.to(x.dtype) if _is_torch(x) else topk_weights.astype(x.dtype))
-        if _is_torch(x):
+        if _is_torch(x) and not isinstance(self.packed, _ops.PackedMoeW4):
             if self._op is None:
                 raise RuntimeError("Int8Experts.apply: got torch tensors, but the weights were "
                                    "packed from numpy arrays (use load_packed(torch_mode=True))")
@@ -337,8 +344,87 @@ class Int8Experts:
 
     def __repr__(self) -> str:
         state = repr(self.packed) if self.packed is not None else "not loaded"
-        return (f"Int8Experts(H={self.hidden}, I={self.intermediate}, E={self.num_experts}, "
+        return (f"{type(self).__name__}(H={self.hidden}, I={self.intermediate}, E={self.num_experts}, "
                 f"k={self.topk}, {self.activation}, {state})")
+
+
+class Int4Experts(Int8Experts):
+    """Fused W4A8 MoE experts of one layer (int4 group-quantized weights, int8 activations):
+    :class:`Int8Experts` with vLLM's compressed-tensors WNA16 MoE attribute names.
+
+    ``process_weights_after_loading`` reads ``w13_weight_packed`` int32 [E, 2I, H / 8] and
+    ``w2_weight_packed`` int32 [E, H, I / 8] (compressed-tensors' packing: eight 4-bit fields
+    per word, element i at bits 4i, each the value + 8), ``w13_weight_scale`` [E, 2I, H / g],
+    ``w2_weight_scale`` [E, H, I / g], optional ``w13_bias`` / ``w2_bias``.
+
+    Args: as Int8Experts, plus ``group_size`` (g, from the checkpoint's config: a multiple of 32
+    dividing H and I). With torch tensors ``apply`` calls :func:`cpumoe.fused_moe_int8`, which
+    compiles as one custom op under torch.compile.
+    """
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, topk: int,
+                 activation: Any = "silu", *, group_size: int = 128, **kw):
+        if not isinstance(group_size, int) or group_size < 32 or group_size % 32:
+            raise ValueError(f"Int4Experts: group_size must be a positive multiple of 32, got "
+                             f"{group_size!r}")
+        self.group_size = group_size
+        super().__init__(hidden, intermediate, num_experts, topk, activation, **kw)
+        for name, dim in (("hidden", self.hidden), ("intermediate", self.intermediate)):
+            if dim % group_size:
+                raise ValueError(f"Int4Experts: {name} {dim} is not a multiple of group_size "
+                                 f"{group_size}")
+
+    def _default_scheme(self) -> Any:
+        return {"weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                            "strategy": "group", "group_size": self.group_size}}
+
+    @staticmethod
+    def _scheme_reason(quant_scheme: Any) -> Optional[str]:
+        if isinstance(quant_scheme, str):
+            if quant_scheme.lower() in ("w4a8_int4", "int4", "w4a16"):
+                return None
+            return f"quant_scheme {quant_scheme!r} is not int4 (w4a8_int4, or a config group)"
+        if isinstance(quant_scheme, dict):
+            from .checkpoint_w4 import int4_scheme_problem
+            return int4_scheme_problem(quant_scheme)
+        return f"quant_scheme: expected a str or a config group dict, got " \
+               f"{type(quant_scheme).__name__}"
+
+    def process_weights_after_loading(self, layer: Any) -> None:
+        """Unpacks and prepacks the layer's int4 weights once, then frees the loaded copies."""
+        from .checkpoint_w4 import unpack_int4
+        E, H, I, g = self.num_experts, self.hidden, self.intermediate, self.group_size
+        torch_mode = _is_torch(getattr(layer, "w13_weight_packed"))
+        arrays = {}
+        for name, shape in (("w13_weight_packed", (E, 2 * I, H // 8)),
+                            ("w2_weight_packed", (E, H, I // 8)),
+                            ("w13_weight_scale", (E, 2 * I, H // g)),
+                            ("w2_weight_scale", (E, H, I // g))):
+            t = getattr(layer, name)
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{name}: shape must be {list(shape)}, got {list(t.shape)}")
+            a = t.detach().float().numpy() if name.endswith("scale") and torch_mode else (
+                t.detach().numpy() if torch_mode else np.asarray(t))
+            arrays[name] = a
+        for name in ("w13_weight_packed", "w2_weight_packed"):
+            if arrays[name].dtype != np.int32:
+                raise TypeError(f"{name}: dtype must be int32, got {arrays[name].dtype}")
+        v13 = unpack_int4(arrays["w13_weight_packed"].reshape(E * 2 * I, -1), H)
+        v2 = unpack_int4(arrays["w2_weight_packed"].reshape(E * H, -1), I)
+        packed = _ops.prepack_int4(v13.reshape(E, 2 * I, H), v2.reshape(E, H, I),
+                                   arrays["w13_weight_scale"], arrays["w2_weight_scale"],
+                                   getattr(layer, "w13_bias", None),
+                                   getattr(layer, "w2_bias", None), group_size=g, isa=self.isa,
+                                   num_threads=self.num_threads)
+        self._set_packed(packed, torch_mode)
+        del arrays, v13, v2
+        for name in ("w13_weight_packed", "w2_weight_packed", "w13_weight_scale",
+                     "w2_weight_scale", "w13_bias", "w2_bias"):
+            _free(layer, name)
+
+    def _set_packed(self, packed: Any, torch_mode: bool) -> None:
+        self.release()
+        self.packed = packed  # apply goes through cpumoe.fused_moe_int8 (no raw handle)
 
 
 def _free(layer: Any, name: str) -> None:

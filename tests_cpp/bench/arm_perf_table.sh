@@ -9,6 +9,7 @@
 #   tests_cpp/bench/arm_perf_table.sh [--build DIR] [--src DIR] [--paths "neon_i8mm ..."]
 #                                     [--problems "qwen3:1 gptoss:64 ..."] [--iters N]
 #                                     [--cpu max] [--no-phases] [--raw DIR]
+#                                     [--formats "int8 int4 int4:32 mxfp4"]
 #
 # --build  an aarch64 build dir that has tests_cpp/cpumoe_moe_bench (configured with
 #          -DCPUMOE_BENCH_HOOKS=ON for the phase table). Without it the script cross-builds
@@ -18,11 +19,14 @@
 #          qwen3  = Qwen3-30B-A3B layer: H=2048 I=768  E=128 k=8 silu,      bf16 activations
 #          gptoss = gpt-oss-20b layer:   H=2880 I=2880 E=32  k=4 swigluoai, bf16 activations
 # --raw    keep each run's bench output and counter marks in DIR
+# --formats  weight formats (default int8): int4[:G] (W4A8, group G, default 128) and mxfp4 run
+#          the same paths on 4-bit weights; their rows are labelled path/format (gptoss: G must
+#          divide 2880, i.e. int4:32 or int4:64)
 # Needs: g++-aarch64-linux-gnu, qemu-user, gcc, python3, cmake, ninja.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 src=$(cd "$here/../.." && pwd)
-build="" iters=2 cpu=max phases=1 raw=""
+build="" iters=2 cpu=max phases=1 raw="" formats="int8"
 paths="neon_i8mm neon_bf16 neon_dotprod portable"
 problems="qwen3:1 qwen3:16 qwen3:128 gptoss:1 gptoss:64"
 while [ $# -gt 0 ]; do
@@ -35,7 +39,8 @@ while [ $# -gt 0 ]; do
     --cpu) cpu=$2; shift 2 ;;
     --no-phases) phases=0; shift ;;
     --raw) raw=$2; shift 2 ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    --formats) formats=$2; shift 2 ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -72,14 +77,20 @@ args_of() {
 
 for prob in $problems; do
   name=${prob%%:*} T=${prob##*:}
+  for fmt in $formats; do
   for path in $paths; do
-    tag=${name}_T${T}_${path}
+    fname=${fmt%%:*} group=128 label=$path
+    [ "$fname" = "$fmt" ] || group=${fmt##*:}
+    [ "$fname" = int8 ] || label=$path/$fmt
+    tag=${name}_T${T}_${path}_${fmt/:/g}
     # shellcheck disable=SC2046
     OMP_NUM_THREADS=1 "$counter" --cpu "$cpu" -- "$bench" $(args_of "$name") --T "$T" \
-      --iters "$iters" --isa "$path" --threads 1 --phases "$phases" \
+      --iters "$iters" --isa "$path" --threads 1 --phases "$phases" --format "$fname" \
+      --group "$group" \
       >"$work/$tag.out" 2>"$work/$tag.marks" || { echo "run $tag failed" >&2; cat "$work/$tag.marks" >&2; exit 1; }
-    echo "$name $T $path $work/$tag.out $work/$tag.marks" >>"$work/runs"
+    echo "$name $T $label $work/$tag.out $work/$tag.marks" >>"$work/runs"
     [ -z "$raw" ] || cp "$work/$tag.out" "$work/$tag.marks" "$raw/"
+  done
   done
 done
 

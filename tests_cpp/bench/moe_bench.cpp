@@ -5,7 +5,11 @@
 //   cpumoe_moe_bench [--H 2048] [--I 768] [--E 128] [--k 8] [--T 16] [--iters 3]
 //                    [--act silu|gelu|gelu_tanh|swigluoai] [--dtype f32|bf16|f16]
 //                    [--isa CAP] [--threads N] [--phases 0|1] [--tasks 0|1]
+//                    [--format int8|int4|mxfp4] [--group G]
 //
+// --format int4 / mxfp4: the W4A8 op (PackedMoeW4) on 4-bit weights made from the same random
+// bytes (int4: the top four bits of each int8, groups of G k, default 128; mxfp4: the bytes as
+// E2M1 code pairs, E8M0 scales near 2^-7).
 // Prints the kernel used, ms per call, the routing (active experts, largest m_e) and the SMMLA
 // floor of the routing (PERF.md: sum_e ceil(m_e / 2) * (2I*H/16 + H*I/16) per call).
 // Marks: one before and one after the `iters` measured calls. With --phases 1 (a build with
@@ -62,7 +66,8 @@ int main(int argc, char** argv) {
   int64_t H = 2048, I = 768, E = 128, k = 8, T = 16, iters = 3;
   int threads = 0;
   bool phases = false, tasks = false;
-  std::string act = "silu", isa, dtype = "f32";
+  std::string act = "silu", isa, dtype = "f32", format = "int8";
+  int64_t group = 128;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     const char* v = argv[i + 1];
@@ -78,6 +83,8 @@ int main(int argc, char** argv) {
     else if (a == "--isa") isa = v;
     else if (a == "--phases") phases = std::atoi(v) != 0;
     else if (a == "--tasks") tasks = std::atoi(v) != 0;
+    else if (a == "--format") format = v;
+    else if (a == "--group") group = std::atoll(v);
     else {
       std::fprintf(stderr, "unknown option %s\n", a.c_str());
       return 2;
@@ -128,115 +135,153 @@ int main(int argc, char** argv) {
     for (int64_t j = 0; j < k; ++j) ids[size_t(t * k + j)] = perm[size_t(j % E)];
   }
 
-  cpumoe::MoeWeights w;
+  const cpumoe::Isa cap = isa.empty() ? cpumoe::Isa::portable : cpumoe::parse_isa(isa, "--isa");
+  const cpumoe::Isa* capp = isa.empty() ? nullptr : &cap;
+  // The rest of the run, on the packed layer of either op.
+  auto measure = [&](const auto& packed) -> int {
+    cpumoe::MoeCall c;
+    c.num_tokens = T;
+    c.topk = k;
+    c.x = x.data();
+    c.x_row_stride = H;
+    c.dtype = dt;
+    c.topk_weights = tw.data();
+    c.topk_weights_row_stride = k;
+    c.topk_ids = ids.data();
+    c.topk_ids_row_stride = k;
+    c.activation = activation;
+    c.out = out.data();
+    c.out_row_stride = H;
+    c.num_threads = threads;
+
+    cpumoe::fused_moe_int8(packed, c);  // warm-up: page faults, lazy set-up
+  #if defined(CPUMOE_BENCH_HOOKS)
+    cpumoe::bench_hooks::reset_tasks();
+  #endif
+    getppid();                          // mark: start of the measured calls
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int64_t i = 0; i < iters; ++i) cpumoe::fused_moe_int8(packed, c);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    getppid();                          // mark: end
+  #if defined(CPUMOE_BENCH_HOOKS)
+    if (phases) {
+      g_phase_seq.reserve(size_t(iters * (T * k * 3 + 64)));
+      cpumoe::bench_hooks::set_single_thread(threads == 1);
+      cpumoe::bench_hooks::set_phase_callback(on_phase);
+      g_recording = true;
+      for (int64_t i = 0; i < iters; ++i) cpumoe::fused_moe_int8(packed, c);
+      g_recording = false;
+      g_phase_time.push_back(std::chrono::steady_clock::now());
+      getppid();                        // mark: end of the phase-marked calls
+      cpumoe::bench_hooks::set_phase_callback(nullptr);
+    }
+  #endif
+
+    // The SMMLA floor of this routing: sum_e ceil(m_e / 2) * (2I*H/16 + H*I/16) per call.
+    std::vector<int64_t> m(static_cast<size_t>(E), 0);
+    for (int32_t e : ids) ++m[size_t(e)];
+    int64_t floor_smmla = 0, active = 0, max_m = 0;
+    for (int64_t me : m) {
+      floor_smmla += (me + 1) / 2 * (2 * I * H / 16 + H * I / 16);
+      active += me > 0;
+      max_m = std::max(max_m, me);
+    }
+    std::printf("kernel %s T %lld H %lld I %lld E %lld k %lld act %s dtype %s iters %lld "
+                "ms/call %.3f active_experts %lld max_rows %lld smmla_floor/call %lld\n",
+                packed.kernel().name, (long long)T, (long long)H, (long long)I, (long long)E,
+                (long long)k, act.c_str(), dtype.c_str(), (long long)iters, s * 1e3 / double(iters),
+                (long long)active, (long long)max_m, (long long)floor_smmla);
+    // Histogram of the rows per active expert: "rows_hist m_e:experts ...".
+    std::vector<int64_t> hist(static_cast<size_t>(max_m + 1), 0);
+    for (int64_t me : m) ++hist[size_t(me)];
+    std::printf("rows_hist");
+    for (int64_t r = 1; r <= max_m; ++r)
+      if (hist[size_t(r)] > 0) std::printf(" %lld:%lld", (long long)r, (long long)hist[size_t(r)]);
+    std::printf("\n");
+  #if defined(CPUMOE_BENCH_HOOKS)
+    namespace bh = cpumoe::bench_hooks;
+    if (phases) {
+      std::printf("phases");
+      for (int p = 0; p < bh::num_phases; ++p) std::printf(" %d:%s", p, bh::phase_name(p));
+      std::printf("\nphase_seq");
+      for (int p : g_phase_seq) std::printf(" %d", p);
+      // Wall ms per call of each phase (meaningful natively, not under qemu): a phase lasts from its
+      // mark to the next one.
+      std::vector<double> ms(size_t(bh::num_phases), 0.0);
+      for (size_t i = 0; i + 1 < g_phase_time.size() && i < g_phase_seq.size(); ++i)
+        ms[size_t(g_phase_seq[i])] +=
+            std::chrono::duration<double, std::milli>(g_phase_time[i + 1] - g_phase_time[i]).count();
+      std::printf("\nphase_ms_per_call");
+      for (int p = 0; p < bh::num_phases; ++p)
+        std::printf(" %s:%.3f", bh::phase_name(p), ms[size_t(p)] / double(iters));
+      std::printf("\n");
+    }
+    if (tasks) {
+      const int nt = std::min(bh::kMaxThreads, threads > 0 ? threads : bh::kMaxThreads);
+      for (int p = 0; p < bh::num_phases; ++p) {
+        int64_t total = 0;
+        for (int t = 0; t < nt; ++t) total += bh::tasks(p, t);
+        if (total == 0) continue;
+        std::printf("tasks %-10s", bh::phase_name(p));
+        for (int t = 0; t < nt; ++t) {
+          if (bh::tasks(p, t) == 0 && threads <= 0) continue;
+          std::printf(" t%d=%lld", t, (long long)bh::tasks(p, t));
+          if (bh::work(p, t) > 0) std::printf("(%lld macs)", (long long)bh::work(p, t));
+        }
+        std::printf("\n");
+      }
+    }
+  #endif
+    return 0;
+  };
+  if (format == "int8") {
+    cpumoe::MoeWeights w;
+    w.num_experts = E;
+    w.hidden = H;
+    w.intermediate = I;
+    w.w13 = w13.data();
+    w.w2 = w2.data();
+    w.s13 = s13.data();
+    w.s2 = s2.data();
+    cpumoe::PackedMoe packed(w, capp ? cpumoe::qgemm_select(capp) : nullptr, threads);
+    std::vector<int8_t>().swap(w13);  // the unpacked copies are not needed any more
+    std::vector<int8_t>().swap(w2);
+    return measure(packed);
+  }
+  if (format != "int4" && format != "mxfp4") {
+    std::fprintf(stderr, "unknown format %s (int8, int4, mxfp4)\n", format.c_str());
+    return 2;
+  }
+  const bool mx = format == "mxfp4";
+  if (mx) group = 32;
+  cpumoe::MoeWeightsW4 w;
   w.num_experts = E;
   w.hidden = H;
   w.intermediate = I;
+  w.format = mx ? cpumoe::W4Format::mxfp4 : cpumoe::W4Format::int4;
+  w.group_size = group;
+  if (!mx)
+    for (auto* v : {&w13, &w2})
+      for (auto& x : *v) x = int8_t(x >> 4);  // in [-8, 7]
+  // int4: fp32 group scales; mxfp4: E8M0 bytes (2^-7 ... 2^-5).
+  const int64_t groups13 = E * 2 * I * (H / group), groups2 = E * H * (I / group);
+  std::vector<float> g13(size_t(mx ? 0 : groups13), 16e-3f), g2(size_t(mx ? 0 : groups2), 16e-3f);
+  std::vector<uint8_t> e13(size_t(mx ? groups13 : 0)), e2(size_t(mx ? groups2 : 0));
+  for (size_t i = 0; i < e13.size(); ++i) e13[i] = uint8_t(120 + i % 3);
+  for (size_t i = 0; i < e2.size(); ++i) e2[i] = uint8_t(120 + i % 3);
   w.w13 = w13.data();
   w.w2 = w2.data();
-  w.s13 = s13.data();
-  w.s2 = s2.data();
-  const cpumoe::QGemmUkernel* kern = nullptr;
-  if (!isa.empty()) {
-    const cpumoe::Isa cap = cpumoe::parse_isa(isa, "--isa");
-    kern = cpumoe::qgemm_select(&cap);
+  w.s13 = mx ? static_cast<const void*>(e13.data()) : g13.data();
+  w.s2 = mx ? static_cast<const void*>(e2.data()) : g2.data();
+  try {
+    cpumoe::PackedMoeW4 packed(w, capp ? cpumoe::q4gemm_select(capp) : nullptr, threads);
+    std::vector<int8_t>().swap(w13);
+    std::vector<int8_t>().swap(w2);
+    std::printf("format %s group %lld packed_bytes %zu\n", format.c_str(), (long long)group,
+                packed.packed_bytes());
+    return measure(packed);
+  } catch (const cpumoe::ArgumentError& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return 2;
   }
-  cpumoe::PackedMoe packed(w, kern, threads);
-  std::vector<int8_t>().swap(w13);  // the unpacked copies are not needed any more
-  std::vector<int8_t>().swap(w2);
-
-  cpumoe::MoeCall c;
-  c.num_tokens = T;
-  c.topk = k;
-  c.x = x.data();
-  c.x_row_stride = H;
-  c.dtype = dt;
-  c.topk_weights = tw.data();
-  c.topk_weights_row_stride = k;
-  c.topk_ids = ids.data();
-  c.topk_ids_row_stride = k;
-  c.activation = activation;
-  c.out = out.data();
-  c.out_row_stride = H;
-  c.num_threads = threads;
-
-  cpumoe::fused_moe_int8(packed, c);  // warm-up: page faults, lazy set-up
-#if defined(CPUMOE_BENCH_HOOKS)
-  cpumoe::bench_hooks::reset_tasks();
-#endif
-  getppid();                          // mark: start of the measured calls
-  const auto t0 = std::chrono::steady_clock::now();
-  for (int64_t i = 0; i < iters; ++i) cpumoe::fused_moe_int8(packed, c);
-  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  getppid();                          // mark: end
-#if defined(CPUMOE_BENCH_HOOKS)
-  if (phases) {
-    g_phase_seq.reserve(size_t(iters * (T * k * 3 + 64)));
-    cpumoe::bench_hooks::set_single_thread(threads == 1);
-    cpumoe::bench_hooks::set_phase_callback(on_phase);
-    g_recording = true;
-    for (int64_t i = 0; i < iters; ++i) cpumoe::fused_moe_int8(packed, c);
-    g_recording = false;
-    g_phase_time.push_back(std::chrono::steady_clock::now());
-    getppid();                        // mark: end of the phase-marked calls
-    cpumoe::bench_hooks::set_phase_callback(nullptr);
-  }
-#endif
-
-  // The SMMLA floor of this routing: sum_e ceil(m_e / 2) * (2I*H/16 + H*I/16) per call.
-  std::vector<int64_t> m(static_cast<size_t>(E), 0);
-  for (int32_t e : ids) ++m[size_t(e)];
-  int64_t floor_smmla = 0, active = 0, max_m = 0;
-  for (int64_t me : m) {
-    floor_smmla += (me + 1) / 2 * (2 * I * H / 16 + H * I / 16);
-    active += me > 0;
-    max_m = std::max(max_m, me);
-  }
-  std::printf("kernel %s T %lld H %lld I %lld E %lld k %lld act %s dtype %s iters %lld "
-              "ms/call %.3f active_experts %lld max_rows %lld smmla_floor/call %lld\n",
-              packed.kernel().name, (long long)T, (long long)H, (long long)I, (long long)E,
-              (long long)k, act.c_str(), dtype.c_str(), (long long)iters, s * 1e3 / double(iters),
-              (long long)active, (long long)max_m, (long long)floor_smmla);
-  // Histogram of the rows per active expert: "rows_hist m_e:experts ...".
-  std::vector<int64_t> hist(static_cast<size_t>(max_m + 1), 0);
-  for (int64_t me : m) ++hist[size_t(me)];
-  std::printf("rows_hist");
-  for (int64_t r = 1; r <= max_m; ++r)
-    if (hist[size_t(r)] > 0) std::printf(" %lld:%lld", (long long)r, (long long)hist[size_t(r)]);
-  std::printf("\n");
-#if defined(CPUMOE_BENCH_HOOKS)
-  namespace bh = cpumoe::bench_hooks;
-  if (phases) {
-    std::printf("phases");
-    for (int p = 0; p < bh::num_phases; ++p) std::printf(" %d:%s", p, bh::phase_name(p));
-    std::printf("\nphase_seq");
-    for (int p : g_phase_seq) std::printf(" %d", p);
-    // Wall ms per call of each phase (meaningful natively, not under qemu): a phase lasts from its
-    // mark to the next one.
-    std::vector<double> ms(size_t(bh::num_phases), 0.0);
-    for (size_t i = 0; i + 1 < g_phase_time.size() && i < g_phase_seq.size(); ++i)
-      ms[size_t(g_phase_seq[i])] +=
-          std::chrono::duration<double, std::milli>(g_phase_time[i + 1] - g_phase_time[i]).count();
-    std::printf("\nphase_ms_per_call");
-    for (int p = 0; p < bh::num_phases; ++p)
-      std::printf(" %s:%.3f", bh::phase_name(p), ms[size_t(p)] / double(iters));
-    std::printf("\n");
-  }
-  if (tasks) {
-    const int nt = std::min(bh::kMaxThreads, threads > 0 ? threads : bh::kMaxThreads);
-    for (int p = 0; p < bh::num_phases; ++p) {
-      int64_t total = 0;
-      for (int t = 0; t < nt; ++t) total += bh::tasks(p, t);
-      if (total == 0) continue;
-      std::printf("tasks %-10s", bh::phase_name(p));
-      for (int t = 0; t < nt; ++t) {
-        if (bh::tasks(p, t) == 0 && threads <= 0) continue;
-        std::printf(" t%d=%lld", t, (long long)bh::tasks(p, t));
-        if (bh::work(p, t) > 0) std::printf("(%lld macs)", (long long)bh::work(p, t));
-      }
-      std::printf("\n");
-    }
-  }
-#endif
-  return 0;
 }

@@ -16,7 +16,8 @@ def parser() -> argparse.ArgumentParser:
         prog="cpumoe check",
         description="Correctness of every path this CPU runs against cpumoe.reference: small "
                     "cases (dtypes x activations x bias, expert_map, skip_weighted, int64 ids, "
-                    "strided rows, T=0) and the preset layer. Exit code 1 on a failure.")
+                    "strided rows, T=0), the W4A8 formats on their paths, and the preset layer. "
+                    "Exit code 1 on a failure.")
     problem.problem_args(p, [1, 16])
     p.add_argument("--no-layer", action="store_true",
                    help="only the small cases, not the preset layer")
@@ -97,6 +98,41 @@ def _run_small_case(lib: problem.Lib, case: dict, paths: List[str], threads: int
     return results, all(b == bits[0] for b in bits)
 
 
+W4_CASES = (("int4", 32, "silu"), ("int4", 128, "gelu"), ("mxfp4", 32, "swigluoai"))
+
+
+def _run_w4_case(lib: problem.Lib, fmt: str, g: int, act: str, paths: List[str], threads: int):
+    """A W4A8 layer (4-bit weights made from random floats) on every W4A8 path against its
+    reference; returns {path: (ok, rel_err)} and whether the paths agreed bit for bit."""
+    import cpumoe
+    from .. import reference as R
+    T, E, k, H, I = 13, 8, 2, 256, 128
+    rng = np.random.default_rng([9, g, len(act)])
+    w13 = (rng.standard_normal((E, 2 * I, H)) / np.sqrt(H)).astype(np.float32)
+    w2 = (rng.standard_normal((E, H, I)) / np.sqrt(I)).astype(np.float32)
+    b13 = (rng.standard_normal((E, 2 * I)) * 0.1).astype(np.float32)
+    b2 = (rng.standard_normal((E, H)) * 0.1).astype(np.float32)
+    x = lib.tensor(rng.standard_normal((T, H), dtype=np.float32), "float32")
+    ids, wts = problem.make_routing(rng, T, E, k)
+    ids_t, wts_t = lib.tensor(ids), lib.tensor(wts)
+    if fmt == "mxfp4":
+        (q13, e13), (q2, e2) = R.quantize_mxfp4(w13), R.quantize_mxfp4(w2)
+        ref = R.ref_fused_moe_mxfp4(x, q13, e13, q2, e2, wts_t, ids_t, act, b13=b13, b2=b2)
+        pack = lambda p: cpumoe.prepack_mxfp4(q13, e13, q2, e2, b13, b2, isa=p)  # noqa: E731
+    else:
+        (v13, t13), (v2, t2) = R.quantize_int4(w13, g), R.quantize_int4(w2, g)
+        ref = R.ref_fused_moe_int4(x, v13, v2, t13, t2, wts_t, ids_t, act, b13=b13, b2=b2,
+                                   group_size=g)
+        pack = lambda p: cpumoe.prepack_int4(v13, v2, t13, t2, b13, b2, group_size=g,  # noqa: E731
+                                             isa=p)
+    results, bits = {}, []
+    for path in paths:
+        got = cpumoe.fused_moe_int8(x, pack(path), wts_t, ids_t, act, num_threads=threads)
+        results[path] = problem.check_one(lib, got, ref)
+        bits.append(lib.numpy32(got).tobytes())
+    return results, all(b == bits[0] for b in bits)
+
+
 def run(args: argparse.Namespace) -> int:
     import cpumoe
 
@@ -138,6 +174,21 @@ def run(args: argparse.Namespace) -> int:
         if not same:
             n_fail += 1
         print(f"  {case['name']:<{width}}" + "".join(f"{c:>14}" for c in cells)
+              + f"  {'yes' if same else 'NO'}", file=out)
+
+    # W4A8: its own kernel family and paths (cpumoe.available_paths("w4")).
+    w4_paths = [p for p in cpumoe.available_paths("w4") if p in paths or p == "portable"]
+    print(f"  W4A8 (int4 / mxfp4 weights) on {', '.join(w4_paths)}", file=out)
+    for fmt, g, act in W4_CASES:
+        results, same = _run_w4_case(lib, fmt, g, act, w4_paths, layer.threads)
+        cells = []
+        for p in w4_paths:
+            ok, rel = results[p]
+            n_pass += ok
+            n_fail += not ok
+            cells.append(f"{p} {rel:.1e} {'ok' if ok else 'FAIL'}")
+        n_fail += not same
+        print(f"  {f'{fmt} g{g} {act}':<{width}}" + "".join(f"{c:>24}" for c in cells)
               + f"  {'yes' if same else 'NO'}", file=out)
 
     if not args.no_layer:

@@ -15,7 +15,11 @@ from . import vllm_cpu
 
 INT8_CONTENDERS = ("cpumoe-int8", "vllm-int8")
 BF16_CONTENDERS = ("cpumoe-bf16", "vllm-bf16", "vllm-bf16-sgl")
-CONTENDERS = ("cpumoe-int8", "cpumoe-bf16", "vllm-int8", "vllm-bf16", "vllm-bf16-sgl")
+# W4A8 (4-bit weights, int8 activations): (format, group size) of each.
+W4_CONTENDERS = {"cpumoe-int4": ("int4", 128), "cpumoe-int4-g32": ("int4", 32),
+                 "cpumoe-mxfp4": ("mxfp4", 32)}
+CONTENDERS = ("cpumoe-int8", "cpumoe-bf16", "vllm-int8", "vllm-bf16", "vllm-bf16-sgl",
+              *W4_CONTENDERS)
 ALL_CONTENDERS = ("cpumoe-int8", "cpumoe-bf16", "vllm-int8", "vllm-bf16")
 CHECK_TOKENS = 3
 
@@ -26,7 +30,8 @@ class Contender:
     def __init__(self, name: str, label: str, path: Optional[str], kernel: str,
                  weight_bytes: int, fn: Callable, ref: str):
         self.name, self.label, self.path, self.kernel = name, label, path, kernel
-        self.weight_bytes = weight_bytes  # bytes per weight element (1 int8, 2 bf16)
+        # bytes read per weight element (1 int8, 2 bf16; 4-bit: 0.5 plus the group scales)
+        self.weight_bytes = weight_bytes
         self.fn = fn
         self.ref = ref  # "int8" or "bf16": the reference it is checked against
         self.check: Optional[Tuple[bool, float]] = None
@@ -50,6 +55,56 @@ def _cpumoe_bf16(layer, w13b, w2b, b13, b2) -> Contender:
     def fn(x, w, i, out):
         cpumoe.fused_moe_bf16(x, packed, w, i, act, out=out, num_threads=threads)
     return Contender("cpumoe-bf16", "cpumoe-bf16", packed.path, packed.kernel, 2, fn, "bf16")
+
+
+def _w4_weights(layer, fmt: str, g: int, w13, w2, s13, s2):
+    """4-bit copies of the layer's int8 experts in the prepack functions' input form, made from
+    the dequantized weights one expert at a time (the float copy of a whole layer is GBs)."""
+    from ... import reference as R
+
+    def np_of(a):
+        return a.numpy() if hasattr(a, "numpy") else np.asarray(a)
+
+    def one(w, s, e):
+        return np_of(w[e]).astype(np.float32) * np_of(s[e]).reshape(-1, 1)
+
+    out = []
+    for w, s in ((w13, s13), (w2, s2)):
+        parts = [R.quantize_mxfp4(one(w, s, e)) if fmt == "mxfp4" else
+                 R.quantize_int4(one(w, s, e), g) for e in range(w.shape[0])]
+        out.append((np.stack([a for a, _ in parts]), np.stack([b for _, b in parts])))
+    (q13, t13), (q2, t2) = out
+    return q13, t13, q2, t2
+
+
+def _cpumoe_w4(layer, name: str, q13, t13, q2, t2, b13, b2) -> Contender:
+    """cpumoe's W4A8 op (fused_moe_int8 on prepack_int4 / prepack_mxfp4)."""
+    import cpumoe
+    fmt, g = W4_CONTENDERS[name]
+    if fmt == "mxfp4":
+        packed = cpumoe.prepack_mxfp4(q13, t13, q2, t2, b13, b2, num_threads=layer.threads)
+        per_weight = 0.5 + 1 / 32
+    else:
+        packed = cpumoe.prepack_int4(q13, q2, t13, t2, b13, b2, group_size=g,
+                                     num_threads=layer.threads)
+        per_weight = 0.5 + 4 / g
+    act, threads = layer.activation, layer.threads
+
+    def fn(x, w, i, out):
+        cpumoe.fused_moe_int8(x, packed, w, i, act, out=out, num_threads=threads)
+    return Contender(name, f"{name} {packed.path}", packed.path, packed.kernel, per_weight, fn,
+                     f"{fmt} g{g}")
+
+
+def _w4_reference(name, x, q13, t13, q2, t2, b13, b2, used, wts, local_ids, act):
+    from ... import reference as R
+    fmt, g = W4_CONTENDERS[name]
+    sub = [a[used] for a in (q13, t13, q2, t2)]
+    bias = dict(b13=_subset(b13, used), b2=_subset(b2, used))
+    if fmt == "mxfp4":
+        return R.ref_fused_moe_mxfp4(x, *sub, wts, local_ids, act, **bias)
+    return R.ref_fused_moe_int4(x, sub[0], sub[2], sub[1], sub[3], wts, local_ids, act,
+                                group_size=g, **bias)
 
 
 def _vllm(name: str, layer, x_dtype, weights) -> Contender:
@@ -139,6 +194,17 @@ def build_contenders(layer, names: List[str], paths: List[str], out
             c = vllm_or_skip("vllm-int8", (w13, w2, s13, s2, b13, b2))
             conts += [c] if c is not None else []
         _run_checks(layer, conts, ref, x, ids, wts)
+    for name in (n for n in names if n in W4_CONTENDERS):
+        fmt, g = W4_CONTENDERS[name]
+        if (layer.H % g or layer.I % g) and fmt == "int4":
+            skipped.append((name, f"group {g} does not divide H = {layer.H} and I = {layer.I}"))
+            continue
+        q = _w4_weights(layer, fmt, g, w13, w2, s13, s2)
+        ref = _w4_reference(name, x, *q, b13, b2, used, wts, local_ids, layer.activation)
+        c = _cpumoe_w4(layer, name, *q, b13, b2)
+        del q
+        _run_checks(layer, [c], ref, x, ids, wts)
+        conts.append(c)
     bf16_names = [n for n in names if n in BF16_CONTENDERS]
     if bf16_names:
         w13b, w2b = _dequant_bf16(lib, w13, s13), _dequant_bf16(lib, w2, s2)

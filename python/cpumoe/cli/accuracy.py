@@ -1,0 +1,122 @@
+"""``cpumoe accuracy``: how far each weight format's layer is from the fp32 layer.
+
+For each preset layer (H, I, activation and biases of the real model; fewer experts, which does
+not change the per-expert error) float experts are drawn from a real-looking distribution: each
+output row has its own scale (log-normal spread), elements are Student-t with 5 degrees of freedom
+(heavier tails than a Gaussian, as trained weights have). The fp32 layer (float64 math on the float
+weights, the op's activation and combine) is the reference; each format is quantized from the same
+floats and run through cpumoe's op (int8 activations throughout): W8A8 (per-channel int8), int4
+at each group size that divides both K, and mxfp4. The error is ||out - ref|| / ||ref|| over all
+tokens (Frobenius), bf16 inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Dict, List
+
+import numpy as np
+
+from . import problem
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cpumoe accuracy",
+                                description="Relative error of W8A8, int4 (g = 32 / 64 / 128) and "
+                                            "mxfp4 layers against the fp32 layer.")
+    p.add_argument("--preset", type=problem.name_list(list(problem.PRESETS),
+                                                      ["qwen3-30b-a3b", "gpt-oss-20b"], "preset"),
+                   default=["qwen3-30b-a3b", "gpt-oss-20b"],
+                   help=f"comma-separated from {', '.join(problem.PRESETS)} or all "
+                        f"(default: qwen3-30b-a3b,gpt-oss-20b)")
+    p.add_argument("--experts", type=problem.positive_int, default=8,
+                   help="experts drawn per layer (default 8)")
+    p.add_argument("--tokens", type=problem.positive_int, default=64, help="tokens (default 64)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="FILE", help="also write the table as JSON")
+    return p
+
+
+def _real_looking(rng, n: int, k: int) -> np.ndarray:
+    """[n, k] float32: row scales log-normal around 1/sqrt(k), Student-t(5) elements."""
+    w = rng.standard_t(5, size=(n, k)) * np.exp(rng.normal(0, 0.3, size=(n, 1)))
+    return (w / math.sqrt(k) / math.sqrt(5 / 3)).astype(np.float32)
+
+
+def _act(name: str, h: np.ndarray, inter: int) -> np.ndarray:
+    from ..reference import _activation
+    return _activation(name, h.astype(np.float32), inter).astype(np.float64)
+
+
+def _fp32_layer(x, w13, w2, b13, b2, ids, tw, act):
+    """The unquantized layer in float64 (x as given, no rounding between the GEMMs)."""
+    T, H = x.shape
+    inter = w2.shape[2]
+    out = np.zeros((T, H))
+    for t in range(T):
+        for j in range(ids.shape[1]):
+            e = ids[t, j]
+            h = w13[e].astype(np.float64) @ x[t].astype(np.float64)
+            if b13 is not None:
+                h = h + b13[e]
+            a = _act(act, h[None, :], inter)[0]
+            y = w2[e].astype(np.float64) @ a
+            if b2 is not None:
+                y = y + b2[e]
+            out[t] += tw[t, j] * y
+    return out
+
+
+def measure(preset: str, E: int, T: int, seed: int) -> Dict[str, float]:
+    """{format: relative error} for one preset."""
+    import cpumoe
+    from .. import reference as R
+    H, I, _, k, act, bias = problem.PRESETS[preset]
+    k = min(k, E)
+    rng = np.random.default_rng([seed, H, I])
+    w13 = np.stack([_real_looking(rng, 2 * I, H) for _ in range(E)])
+    w2 = np.stack([_real_looking(rng, H, I) for _ in range(E)])
+    b13 = (rng.standard_normal((E, 2 * I)) * 0.02).astype(np.float32) if bias else None
+    b2 = (rng.standard_normal((E, H)) * 0.02).astype(np.float32) if bias else None
+    x32 = rng.standard_normal((T, H)).astype(np.float32)
+    x = R.round_to_dtype(x32, "bfloat16")  # the op's bf16 input, as fp32 values
+    ids, tw = problem.make_routing(rng, T, E, k)
+    ref = _fp32_layer(x, w13, w2, b13, b2, ids, tw, act)
+    import ml_dtypes  # noqa: F401  (bf16 numpy arrays for the op)
+    xb = x.astype(ml_dtypes.bfloat16)
+
+    def err(packed) -> float:
+        out = cpumoe.fused_moe_int8(xb, packed, tw, ids, act).astype(np.float64)
+        return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+    res = {}
+    q13, s13 = R.quantize_per_channel(w13)
+    q2, s2 = R.quantize_per_channel(w2)
+    res["w8a8 int8"] = err(cpumoe.prepack(q13, q2, s13, s2, b13, b2))
+    for g in (32, 64, 128):
+        if H % g or I % g:
+            continue
+        v13, t13 = R.quantize_int4(w13, g)
+        v2, t2 = R.quantize_int4(w2, g)
+        res[f"int4 g{g}"] = err(cpumoe.prepack_int4(v13, v2, t13, t2, b13, b2, group_size=g))
+    m13, e13 = R.quantize_mxfp4(w13)
+    m2, e2 = R.quantize_mxfp4(w2)
+    res["mxfp4"] = err(cpumoe.prepack_mxfp4(m13, e13, m2, e2, b13, b2))
+    return res
+
+
+def run(args: argparse.Namespace) -> int:
+    table: Dict[str, Dict[str, float]] = {}
+    for preset in args.preset:
+        table[preset] = measure(preset, args.experts, args.tokens, args.seed)
+        H, I, _, k, act, _ = problem.PRESETS[preset]
+        print(f"{preset} (H={H} I={I} {act}, {args.experts} experts, T={args.tokens}): "
+              f"||out - fp32|| / ||fp32||")
+        for fmt, e in table[preset].items():
+            print(f"  {fmt:10s} {e:.4f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(table, f, indent=1)
+    return 0
