@@ -12,6 +12,9 @@
 #include "cpumoe/q4gemm.h"
 #include "q4gemm_tester.h"
 #include "reference/reference.h"
+#if defined(CPUMOE_TEST_AVX512_EMU)
+#include "avx512emu/q4gemm_avx512_emu.h"
+#endif
 
 namespace {
 
@@ -160,8 +163,14 @@ std::string KernelName(const testing::TestParamInfo<const Q4GemmUkernel*>& info)
   return info.param->name;
 }
 
+#if defined(CPUMOE_TEST_AVX512_EMU)
+// The AVX-512 kernels' code over SIMDe (tests_cpp/avx512emu), in a binary of its own.
+INSTANTIATE_TEST_SUITE_P(Avx512Emu, Q4GemmKernelTest,
+                         testing::Values(&cpumoe_test::q4gemm_avx512_vnni_simde), KernelName);
+#else
 INSTANTIATE_TEST_SUITE_P(Registry, Q4GemmKernelTest, testing::ValuesIn(cpumoe::q4gemm_registry()),
                          KernelName);
+#endif
 
 // The decode tables against the formats' definitions (the oracle's own decoding).
 TEST(W4Format, DecodeTablesAndScales) {
