@@ -1,4 +1,4 @@
-// q4gemm_qs8rs_q4ci16x8_6x16_avx512_vnni: the W4A8 GEMM (int8 activations x int4 / mxfp4 codes
+// q4gemm_qs8rs_q4ci16x8_8x16_avx512_vnni: the W4A8 GEMM (int8 activations x int4 / mxfp4 codes
 // with group scales) on AVX-512 VNNI.
 //
 // vpdpbusd multiplies unsigned bytes by signed bytes. The weights are the unsigned side: a code
@@ -19,18 +19,19 @@
 //      the group's 16 scales (fp32 for int4, E8M0 bytes for mxfp4, decoded here: the bytes read are
 //      what the format is for).
 // Loop: per column step (4 blocks = 64 columns for up to 3 rows, else 2 blocks) and row tile (up
-// to 3 / 6 rows, rows split evenly), per group: per 8 k and block, one 64-byte load decoded into
-// two zmm (and, shift + and, two vpshufb), then per row two vpdpbusd with the row's two 4-byte A
-// words broadcast from memory; at the group end, per row and block, cvt + mul by the group scales
-// + add into the fp32 accumulator (the exact order of q4gemm.h: no FMA). The accumulators (int32
-// and fp32, 2 x rows x blocks <= 24 zmm) stay in registers over the whole K. Decode (one row per
-// expert) thus runs 4 independent weight streams with 5 vector ops per 64 weight bytes besides
-// the 4 vpdpbusd; software prefetch runs kPrefetch bytes ahead in each stream.
+// to 3 / 8 rows, rows split evenly), per group: per 8 k, each block's 64 bytes loaded and decoded
+// into two zmm (and, shift + and, two vpshufb), then per row its two 4-byte A words broadcast and
+// two vpdpbusd per block; at the group end, per row and block, cvt + mul by the group scales + add
+// into the fp32 accumulator (the exact order of q4gemm.h: no FMA). The int32 accumulators stay in
+// registers over the group; the fp32 ones, touched once per group, in L1 (so the register tile
+// can be 8 rows). Decode (one row per expert) thus runs 4 independent weight streams with 5
+// vector ops per 64 weight bytes besides the 2 vpdpbusd; software prefetch runs kPrefetch bytes
+// ahead in each stream.
 // Epilogue: * lhs_scale, + bias, masked tail stores (nothing past n is written).
 // Features used: AVX-512 F, BW, VL, VNNI.
 #if !defined(__x86_64__) || !defined(__AVX512F__) || !defined(__AVX512BW__) || \
     !defined(__AVX512VL__) || !defined(__AVX512VNNI__)
-#error "q4gemm_qs8rs_q4ci16x8_6x16_avx512_vnni.cpp needs -mavx512f -mavx512bw -mavx512vl -mavx512vnni (set per file by CMake)"
+#error "q4gemm_qs8rs_q4ci16x8_8x16_avx512_vnni.cpp needs -mavx512f -mavx512bw -mavx512vl -mavx512vnni (set per file by CMake)"
 #endif
 
 #include <immintrin.h>
@@ -45,14 +46,15 @@
 namespace cpumoe {
 namespace {
 
-constexpr int64_t kMr = 6;
 constexpr int64_t kNr = 16;
 using Packing = Q4Packing<kNr>;
 using Arrange = NibbleSlices8<kNr>;
 constexpr int64_t kSliceBytes = 4 * kNr;  // 8 k of one block
-// Up to 3 rows: 4 blocks per step (4 weight streams; 8..24 accumulators); more: 2 blocks, up to 6
-// rows (24 accumulators), so each decoded vector feeds up to 6 vpdpbusd.
-constexpr int kSmallRows = 3, kSmallBlocks = 4, kRows = 6, kBlocks = 2;
+// Up to 3 rows: 4 blocks per step (4 weight streams, <= 12 int32 accumulators); more: 2 blocks,
+// up to 8 rows (16 accumulators), so each decoded vector feeds up to 8 vpdpbusd. Besides them:
+// 2 x NB decoded vectors, 2 broadcasts, the mask and the table.
+constexpr int64_t kMr = 8;
+constexpr int kSmallRows = 3, kSmallBlocks = 4, kRows = 8, kBlocks = 2;
 constexpr int64_t kPrefetch = 1024;  // bytes ahead in each block's stream
 
 // What stays in registers over the call: the nibble mask and the unsigned decode table.
@@ -106,12 +108,8 @@ void tile(const uint8_t* a, int64_t lda, const uint8_t* bp, int64_t bstride, int
           float* dst, int64_t ld, const Q4GemmEpilogue& ep) {
   const int64_t g = w.group, groups = k / g, gbytes = Packing::group_bytes(w);
   const int64_t cbytes = Packing::codes_bytes(w);
-  __m512 acc[MR][NB];
+  alignas(64) float acc[MR][NB][kNr] = {};
   __m512i isum[MR][NB];
-#pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 4
-    for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
   for (int64_t gi = 0; gi < groups; ++gi) {
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
@@ -123,16 +121,23 @@ void tile(const uint8_t* a, int64_t lda, const uint8_t* bp, int64_t bstride, int
     const uint8_t* grp = bp + gi * gbytes;
     const int8_t* ag = reinterpret_cast<const int8_t*>(a) + gi * g;
     for (int64_t s = 0; s < g / 8; ++s) {
+      // The slice of every block decoded first, then row by row: only one row's two broadcast
+      // words are live at a time (with the rows inner, GCC keeps every row's broadcasts in
+      // registers across the blocks and spills accumulators).
+      __m512i lo[NB], hi[NB];
 #pragma GCC unroll 4
       for (int b = 0; b < NB; ++b) {
         const uint8_t* p = grp + b * bstride + s * kSliceBytes;
         _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch), _MM_HINT_T0);
-        __m512i lo, hi;
-        dec(p, lo, hi);
+        dec(p, lo[b], hi[b]);
+      }
 #pragma GCC unroll 8
-        for (int r = 0; r < MR; ++r) {
-          isum[r][b] = _mm512_dpbusd_epi32(isum[r][b], lo, bcast(ag + r * lda + 8 * s));
-          isum[r][b] = _mm512_dpbusd_epi32(isum[r][b], hi, bcast(ag + r * lda + 8 * s + 4));
+      for (int r = 0; r < MR; ++r) {
+        const __m512i a0 = bcast(ag + r * lda + 8 * s), a1 = bcast(ag + r * lda + 8 * s + 4);
+#pragma GCC unroll 4
+        for (int b = 0; b < NB; ++b) {
+          isum[r][b] = _mm512_dpbusd_epi32(isum[r][b], lo[b], a0);
+          isum[r][b] = _mm512_dpbusd_epi32(isum[r][b], hi[b], a1);
         }
       }
     }
@@ -140,18 +145,19 @@ void tile(const uint8_t* a, int64_t lda, const uint8_t* bp, int64_t bstride, int
     for (int b = 0; b < NB; ++b) {
       const __m512 sc = load_scales<Mx>(grp + b * bstride + cbytes);
 #pragma GCC unroll 8
-      for (int r = 0; r < MR; ++r)
-        acc[r][b] = _mm512_add_ps(acc[r][b], _mm512_mul_ps(_mm512_cvtepi32_ps(isum[r][b]), sc));
+      for (int r = 0; r < MR; ++r) {
+        const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(isum[r][b]), sc);
+        _mm512_store_ps(acc[r][b], _mm512_add_ps(_mm512_load_ps(acc[r][b]), f));
+      }
     }
   }
   const StoreF32Acc store{dst, ld, ep.bias, ep.stream_dst};
-#pragma GCC unroll 4
   for (int b = 0; b < NB; ++b) {
     const int64_t c0 = j0 + kNr * b;
     const int64_t nc = std::min<int64_t>(kNr, n - c0);
-#pragma GCC unroll 8
     for (int r = 0; r < MR; ++r)
-      store(i0 + r, c0, nc, _mm512_mul_ps(acc[r][b], _mm512_set1_ps(ep.lhs_scale[i0 + r])));
+      store(i0 + r, c0, nc,
+            _mm512_mul_ps(_mm512_load_ps(acc[r][b]), _mm512_set1_ps(ep.lhs_scale[i0 + r])));
   }
 }
 
@@ -189,6 +195,7 @@ void run(int64_t m, int64_t n, int64_t k, const W4Layout& w, const uint8_t* a,
   case R: tile_blocks<R, Mx>(nb, ai, lda, bj, bstride, k, kp, w, dec, i0, j0, n, dst, ld, ep); break;
       CPUMOE_Q4_ROWS(1) CPUMOE_Q4_ROWS(2) CPUMOE_Q4_ROWS(3)
       CPUMOE_Q4_ROWS(4) CPUMOE_Q4_ROWS(5) CPUMOE_Q4_ROWS(6)
+      CPUMOE_Q4_ROWS(7) CPUMOE_Q4_ROWS(8)
 #undef CPUMOE_Q4_ROWS
       default: break;  // unreachable: rows <= kRows
     }
@@ -206,8 +213,8 @@ void run_f32(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs
 
 }  // namespace
 
-extern const Q4GemmUkernel q4gemm_qs8rs_q4ci16x8_6x16_avx512_vnni =
-    make_q4gemm<Q4LhsRowSums, Packing>("q4gemm_qs8rs_q4ci16x8_6x16_avx512_vnni",
+extern const Q4GemmUkernel q4gemm_qs8rs_q4ci16x8_8x16_avx512_vnni =
+    make_q4gemm<Q4LhsRowSums, Packing>("q4gemm_qs8rs_q4ci16x8_8x16_avx512_vnni",
                                        Isa::avx512_vnni, kMr, pack_lhs_qs8rs,
                                        pack_rhs_q4<Packing, Arrange>, run_f32);
 
