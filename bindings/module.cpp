@@ -21,6 +21,7 @@
 #include "cpumoe/cpu_features.h"
 #include "cpumoe/moe.h"
 #include "cpumoe/probes.h"
+#include "cpumoe/q4gemm.h"
 #include "cpumoe/qgemm.h"
 
 namespace py = pybind11;
@@ -72,6 +73,16 @@ struct PackedNames<PackedMoeBf16> {
   static constexpr const char* cls = "PackedMoeBf16";
   static constexpr const char* maker = "prepack_bf16";
 };
+template <>
+struct PackedNames<PackedMoeW4> {
+  static constexpr const char* cls = "PackedMoeW4";
+  static constexpr const char* maker = "prepack_int4() or cpumoe.prepack_mxfp4";
+};
+
+// packed.weight_format: "int8", "bf16", "int4" or "mxfp4".
+const char* weight_format(const PackedMoe&) { return "int8"; }
+const char* weight_format(const PackedMoeBf16&) { return "bf16"; }
+const char* weight_format(const PackedMoeW4& p) { return w4_format_name(p.format()); }
 
 // The packed weights behind a Python object. An instance whose C++ object was never constructed
 // (PackedMoe.__new__ without prepack, a subclass skipping __init__) has no holder: refuse it with
@@ -92,8 +103,8 @@ std::shared_ptr<const P> packed_of(py::handle h) {
 // Immutable and self-contained (prepack copies everything it needs): copies share the object,
 // it cannot be subclassed, and it is not picklable (prepack again from the checkpoint).
 template <class P>
-void def_packed(py::module_& m) {
-  py::class_<P, std::shared_ptr<P>>(m, PackedNames<P>::cls, py::is_final())
+py::class_<P, std::shared_ptr<P>> def_packed(py::module_& m) {
+  return py::class_<P, std::shared_ptr<P>>(m, PackedNames<P>::cls, py::is_final())
       .def_property_readonly("num_experts",
                              [](py::handle h) { return packed_of<P>(h)->num_experts(); })
       .def_property_readonly("hidden", [](py::handle h) { return packed_of<P>(h)->hidden(); })
@@ -109,6 +120,8 @@ void def_packed(py::module_& m) {
                              [](py::handle h) { return isa_name(packed_of<P>(h)->kernel().isa); })
       .def_property_readonly("packed_bytes",
                              [](py::handle h) { return packed_of<P>(h)->packed_bytes(); })
+      .def_property_readonly("weight_format",
+                             [](py::handle h) { return weight_format(*packed_of<P>(h)); })
       .def("__copy__", [](py::handle h) {
         packed_of<P>(h);
         return py::reinterpret_borrow<py::object>(h);
@@ -121,7 +134,8 @@ void def_packed(py::module_& m) {
         const auto p = packed_of<P>(h);
         return std::string(PackedNames<P>::cls) + "(E=" + std::to_string(p->num_experts()) +
                ", H=" + std::to_string(p->hidden()) + ", I=" + std::to_string(p->intermediate()) +
-               ", path=" + isa_name(p->kernel().isa) + ", kernel=" + p->kernel().name + ")";
+               ", weight_format=" + weight_format(*p) + ", path=" + isa_name(p->kernel().isa) +
+               ", kernel=" + p->kernel().name + ")";
       });
 }
 
@@ -313,8 +327,17 @@ PYBIND11_MODULE(_C, m) {
         py::arg("isa") = py::none(),
         "Name of the kernel prepack_bf16 would use (capped by isa and CPUMOE_ISA).");
 
+  m.def("w4_kernels", [] { return kernel_list(q4gemm_registry()); },
+        "The W4A8 GEMM kernels compiled in, best first.");
+  m.def("select_w4_kernel",
+        [](std::optional<std::string> isa) { return config_for(isa, w4_config).gemm->name; },
+        py::arg("isa") = py::none(),
+        "Name of the kernel prepack_int4 / prepack_mxfp4 would use (capped by isa and CPUMOE_ISA).");
+
   def_packed<PackedMoe>(m);
   def_packed<PackedMoeBf16>(m);
+  def_packed<PackedMoeW4>(m).def_property_readonly(
+      "group_size", [](py::handle h) { return packed_of<PackedMoeW4>(h)->group_size(); });
 
   m.def(
       "prepack",
@@ -349,6 +372,41 @@ PYBIND11_MODULE(_C, m) {
       py::arg("b13_dtype"), py::arg("b2"), py::arg("b2_dtype"), py::arg("isa"),
       py::arg("num_threads"), "Packs dense bf16 expert weights (addresses of contiguous buffers).");
 
+  m.def(
+      "prepack_w4",
+      [](int64_t E, int64_t H, int64_t I, const std::string& format, int64_t group, uintptr_t w13,
+         uintptr_t w2, uintptr_t s13, uintptr_t s2, uintptr_t b13, const std::string& b13_dtype,
+         uintptr_t b2, const std::string& b2_dtype, std::optional<std::string> isa,
+         int num_threads) {
+        MoeWeightsW4 w;
+        w.num_experts = E;
+        w.hidden = H;
+        w.intermediate = I;
+        if (format == "int4") w.format = W4Format::int4;
+        else if (format == "mxfp4") w.format = W4Format::mxfp4;
+        else throw ArgumentError("format: must be int4 or mxfp4, got '" + format + "'");
+        w.group_size = group;
+        w.w13 = ptr<const void>(w13);
+        w.w2 = ptr<const void>(w2);
+        w.s13 = ptr<const void>(s13);
+        w.s2 = ptr<const void>(s2);
+        w.b13 = b13 ? ptr<const void>(b13) : nullptr;
+        w.b2 = b2 ? ptr<const void>(b2) : nullptr;
+        if (b13) w.b13_dtype = parse_dtype(b13_dtype, "b13");
+        if (b2) w.b2_dtype = parse_dtype(b2_dtype, "b2");
+        const MoeConfig<Q4GemmUkernel> config = config_for(isa, w4_config);
+        py::gil_scoped_release nogil;
+        return std::make_shared<PackedMoeW4>(w, config, num_threads);
+      },
+      py::arg("E"), py::arg("H"), py::arg("I"), py::arg("format"), py::arg("group"),
+      py::arg("w13"), py::arg("w2"), py::arg("s13"), py::arg("s2"), py::arg("b13"),
+      py::arg("b13_dtype"), py::arg("b2"), py::arg("b2_dtype"), py::arg("isa"),
+      py::arg("num_threads"),
+      "Packs 4-bit expert weights: int4 values (int8 buffers) with fp32 group scales, or mxfp4 "
+      "blocks with E8M0 scales (addresses of contiguous buffers).");
+
+  def_op<PackedMoeW4>(m, "fused_moe_w4", fused_moe_int8,
+                      "Runs the fused W4A8 MoE op on raw row-major buffers.");
   def_op<PackedMoe>(m, "fused_moe_int8", fused_moe_int8,
                     "Runs the fused W8A8 MoE op on raw row-major buffers (row strides in elements).");
   def_op<PackedMoeBf16>(m, "fused_moe_bf16", fused_moe_bf16,
@@ -360,6 +418,8 @@ PYBIND11_MODULE(_C, m) {
       [](py::handle packed, int64_t T, int64_t k, int num_threads) {
         if (py::isinstance<PackedMoeBf16>(packed))
           return fused_moe_scratch_bytes(*packed_of<PackedMoeBf16>(packed), T, k, num_threads);
+        if (py::isinstance<PackedMoeW4>(packed))
+          return fused_moe_scratch_bytes(*packed_of<PackedMoeW4>(packed), T, k, num_threads);
         return fused_moe_scratch_bytes(*packed_of<PackedMoe>(packed), T, k, num_threads);
       },
       py::arg("packed"), py::arg("T"), py::arg("k"), py::arg("num_threads"),

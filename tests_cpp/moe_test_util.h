@@ -187,9 +187,11 @@ inline cpumoe::MoeCall make_call(const MoeData& d, void* out, const void* ids, b
   return c;
 }
 
-/// Runs the op; ids are passed as int64 or as a converted int32 copy.
-inline std::vector<uint8_t> run_moe(const cpumoe::PackedMoe& pk, const MoeData& d, int threads,
-                                    bool ids_int64 = true) {
+/// Runs the op (PackedMoe: W8A8, PackedMoeW4: W4A8); ids are passed as int64 or as a converted
+/// int32 copy.
+template <class Packed>
+std::vector<uint8_t> run_moe(const Packed& pk, const MoeData& d, int threads,
+                             bool ids_int64 = true) {
   std::vector<uint8_t> out(size_t(std::max<int64_t>(1, d.s.T * d.out_stride) * d.es()), kOutPattern);
   std::vector<int32_t> ids32(d.ids.begin(), d.ids.end());
   const void* ids = ids_int64 ? static_cast<const void*>(d.ids.data()) : ids32.data();

@@ -42,7 +42,14 @@ void fill_bf16(Tile64& t, std::mt19937& rng, bool subnormals) {
     }
 }
 
+// The model's code is built with the avx512_bf16 level's flags (as the AMX kernels' epilogues
+// are): on a CPU without them, running it would be an illegal instruction.
+#define CPUMOE_SKIP_WITHOUT_MODEL_ISA()                                           \
+  if (!cpumoe::cpu_supports(Isa::avx512_bf16))                                    \
+  GTEST_SKIP() << "the tile model is AVX-512 code; this CPU lacks avx512_bf16"
+
 TEST(AmxTileModel, Int8DotIsTheNaiveWrappingSum) {
+  CPUMOE_SKIP_WITHOUT_MODEL_ISA();
   std::mt19937 rng(7);
   for (int trial = 0; trial < 20; ++trial) {
     Tile64 a, b, c, want;
@@ -68,6 +75,7 @@ TEST(AmxTileModel, Int8DotIsTheNaiveWrappingSum) {
 }
 
 TEST(AmxTileModel, Bf16DotPairsFlushSubnormals) {
+  CPUMOE_SKIP_WITHOUT_MODEL_ISA();
   // One pair, hand-checked: (1.5 * 2 + 0.25 * -4) added to 10 is 12; a subnormal bf16 input is 0.
   Tile64 a{}, b{}, c{};
   const uint16_t one_half = cpumoe::f32_to_bf16(1.5f), two = cpumoe::f32_to_bf16(2.0f),
@@ -152,7 +160,7 @@ TEST(AmxTileModel, MatchesTheHardware) {
 // AMX configured between its own calls (oneDNN does, inside torch) is not disturbed, and a
 // thread without one is left without one.
 TEST(AmxTileScope, KernelRestoresTheCallersConfiguration) {
-  if (!cpumoe::cpu_supports(Isa::avx512_vnni)) GTEST_SKIP() << "the model kernel needs AVX-512 VNNI";
+  CPUMOE_SKIP_WITHOUT_MODEL_ISA();
   alignas(64) uint8_t theirs[64] = {}, after[64], zero[64] = {};
   theirs[0] = 1;                      // palette 1
   theirs[16] = 32, theirs[48] = 4;    // tile 0: 4 rows x 32 bytes

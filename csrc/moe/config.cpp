@@ -18,6 +18,10 @@ MoeConfig<QGemmUkernel> int8_config(const QGemmUkernel* kernel, const Isa* cap) 
   return config_for(kernel != nullptr ? kernel : qgemm_select(cap));
 }
 
+MoeConfig<Q4GemmUkernel> w4_config(const Q4GemmUkernel* kernel, const Isa* cap) {
+  return config_for(kernel != nullptr ? kernel : q4gemm_select(cap));
+}
+
 MoeConfig<BGemmUkernel> bf16_config(const BGemmUkernel* kernel, const Isa* cap) {
   return config_for(kernel != nullptr ? kernel : bgemm_select(cap));
 }

@@ -43,7 +43,11 @@ struct Family<QGemmUkernel> {
   // One task's GEMM with its epilogue; row_scale at the task's first row, col_scale and bias
   // (nullable) at the expert's column 0.
   // stream: dst is large and read only later (QGemmEpilogue::stream_dst).
-  static void run(const QGemmUkernel& kern, const Task& tk, int64_t depth, const void* lhs,
+  // Byte offset of output column n0 in an expert's packed weights of depth `depth`.
+  static size_t rhs_offset(const QGemmUkernel& kern, const Packed&, int64_t n0, int64_t depth) {
+    return kern.rhs_packed_offset(n0, depth);
+  }
+  static void run(const QGemmUkernel& kern, const Packed&, const Task& tk, int64_t depth, const void* lhs,
                   const void* rhs, float* dst, int64_t dst_stride, const float* row_scale,
                   const float* col_scale, const float* bias, bool stream = false) {
     const QGemmEpilogue ep{row_scale, col_scale + tk.n0, bias ? bias + tk.n0 : nullptr, stream};
@@ -67,10 +71,32 @@ struct Family<BGemmUkernel> {
   }
   static const float* scale13(const Packed&, int64_t) { return nullptr; }
   static const float* scale2(const Packed&, int64_t) { return nullptr; }
-  static void run(const BGemmUkernel& kern, const Task& tk, int64_t depth, const void* lhs,
+  static size_t rhs_offset(const BGemmUkernel& kern, const Packed&, int64_t n0, int64_t depth) {
+    return kern.rhs_packed_offset(n0, depth);
+  }
+  static void run(const BGemmUkernel& kern, const Packed&, const Task& tk, int64_t depth, const void* lhs,
                   const void* rhs, float* dst, int64_t dst_stride, const float*, const float*,
                   const float* bias, bool = false) {
     kern.run_f32(tk.m, tk.n, depth, lhs, rhs, dst, dst_stride, bias ? bias + tk.n0 : nullptr);
+  }
+};
+
+// W4A8: the int8 family's input rows, activation and requantization; the weight scales live in
+// the packed blocks, so the epilogue has the row scale and the bias only.
+template <>
+struct Family<Q4GemmUkernel> : Family<QGemmUkernel> {
+  using Packed = PackedMoeW4;
+  static const float* scale13(const Packed&, int64_t) { return nullptr; }
+  static const float* scale2(const Packed&, int64_t) { return nullptr; }
+  static size_t rhs_offset(const Q4GemmUkernel& kern, const Packed& pk, int64_t n0,
+                           int64_t depth) {
+    return kern.rhs_packed_offset(n0, depth, pk.layout());
+  }
+  static void run(const Q4GemmUkernel& kern, const Packed& pk, const Task& tk, int64_t depth,
+                  const void* lhs, const void* rhs, float* dst, int64_t dst_stride,
+                  const float* row_scale, const float*, const float* bias, bool stream = false) {
+    const Q4GemmEpilogue ep{row_scale, bias ? bias + tk.n0 : nullptr, stream};
+    kern.run_f32(tk.m, tk.n, depth, pk.layout(), lhs, rhs, dst, dst_stride, ep);
   }
 };
 

@@ -60,6 +60,8 @@ float quantize_row(const void* x, DType dt, int64_t n, int8_t* q) {
 
 void fused_moe_int8(const PackedMoe& packed, const MoeCall& call) { run_op(packed, call); }
 
+void fused_moe_int8(const PackedMoeW4& packed, const MoeCall& call) { run_op(packed, call); }
+
 void fused_moe_bf16(const PackedMoeBf16& packed, const MoeCall& call) { run_op(packed, call); }
 
 size_t fused_moe_scratch_bytes(const QGemmUkernel& kernel, int64_t num_experts, int64_t hidden,
@@ -77,6 +79,18 @@ size_t fused_moe_scratch_bytes(const BGemmUkernel& kernel, int64_t num_experts, 
 }
 
 size_t fused_moe_scratch_bytes(const PackedMoe& packed, int64_t num_tokens, int64_t topk,
+                               int num_threads) {
+  return packed_bound(packed, num_tokens, topk, num_threads);
+}
+
+size_t fused_moe_scratch_bytes(const Q4GemmUkernel& kernel, int64_t num_experts, int64_t hidden,
+                               int64_t intermediate, int64_t num_tokens, int64_t topk,
+                               int num_threads) {
+  return scratch_bound(w4_config(&kernel), num_experts, hidden, intermediate, num_tokens, topk,
+                       num_threads);
+}
+
+size_t fused_moe_scratch_bytes(const PackedMoeW4& packed, int64_t num_tokens, int64_t topk,
                                int num_threads) {
   return packed_bound(packed, num_tokens, topk, num_threads);
 }

@@ -4,6 +4,8 @@
 #include <cstring>
 #include <new>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "cpumoe/moe.h"
 #include "parallel.h"
@@ -45,12 +47,40 @@ void PackedExperts<Kernel>::AlignedFree::operator()(void* p) const {
   std::free(p);
 }
 
+// A plain weight matrix per expert (int8 or bf16 elements), packed by the kernel's pack_rhs.
+template <class Kernel, class Elem>
+struct PlainPacker final : RhsPacker {
+  const Kernel* k;
+  int64_t h, i;
+  const Elem *w13, *w2;
+  PlainPacker(const Kernel* kern, int64_t hidden, int64_t inter, const Elem* a, const Elem* b)
+      : k(kern), h(hidden), i(inter), w13(a), w2(b) {}
+  void check() const override {
+    if (w13 == nullptr) fail("w13: missing");
+    if (w2 == nullptr) fail("w2: missing");
+  }
+  size_t w13_bytes() const override { return k->rhs_packed_size(2 * i, h); }
+  size_t w2_bytes() const override { return k->rhs_packed_size(h, i); }
+  void pack(int64_t e, void* d13, void* d2) const override {
+    k->pack_rhs(2 * i, h, w13 + e * 2 * i * h, h, d13);
+    k->pack_rhs(h, i, w2 + e * h * i, i, d2);
+  }
+};
+
 template <class Kernel>
 template <class Elem>
 PackedExperts<Kernel>::PackedExperts(int64_t e, int64_t h, int64_t i,
                                      const MoeConfig<Kernel>& config, const Elem* w13,
                                      const Elem* w2, const void* b13, DType b13_dtype,
                                      const void* b2, DType b2_dtype, int num_threads)
+    : PackedExperts(e, h, i, config, PlainPacker<Kernel, Elem>(config.gemm, h, i, w13, w2), b13,
+                    b13_dtype, b2, b2_dtype, num_threads) {}
+
+template <class Kernel>
+PackedExperts<Kernel>::PackedExperts(int64_t e, int64_t h, int64_t i,
+                                     const MoeConfig<Kernel>& config, const RhsPacker& packer,
+                                     const void* b13, DType b13_dtype, const void* b2,
+                                     DType b2_dtype, int num_threads)
     : e_(e), h_(h), i_(i), config_(config) {
   if (config_.gemm == nullptr || config_.rowops == nullptr)
     fail("config: kernel and row operations must be set (use int8_config / bf16_config)");
@@ -62,8 +92,7 @@ PackedExperts<Kernel>::PackedExperts(int64_t e, int64_t h, int64_t i,
   moe_detail::checked_mul(moe_detail::checked_mul(e_, moe_detail::checked_mul(2, i_, "w13"), "w13"), h_,
                           "w13");
   moe_detail::checked_mul(moe_detail::checked_mul(e_, h_, "w2"), i_, "w2");
-  if (w13 == nullptr) fail("w13: missing");
-  if (w2 == nullptr) fail("w2: missing");
+  packer.check();
   const Kernel& k = *config_.gemm;
   if (!cpu_supports(k.isa))
     fail(std::string("isa: kernel ") + k.name + " needs " + isa_name(k.isa) +
@@ -78,14 +107,13 @@ PackedExperts<Kernel>::PackedExperts(int64_t e, int64_t h, int64_t i,
     fail("config: tile policy rows, max_cols and tasks_per_thread must be >= 1");
 
   const int threads = moe_detail::resolve_threads(num_threads);
-  w13_stride_ = moe_detail::align_up(k.rhs_packed_size(2 * i_, h_));
-  w2_stride_ = moe_detail::align_up(k.rhs_packed_size(h_, i_));
+  w13_stride_ = moe_detail::align_up(packer.w13_bytes());
+  w2_stride_ = moe_detail::align_up(packer.w2_bytes());
   w13_.reset(static_cast<uint8_t*>(moe_detail::alloc_large(checked_bytes(w13_stride_, e_, "w13"))));
   w2_.reset(static_cast<uint8_t*>(moe_detail::alloc_large(checked_bytes(w2_stride_, e_, "w2"))));
   if (!w13_ || !w2_) throw std::bad_alloc();
   moe_detail::parallel_for(e_, threads, [&](int64_t x, int) {
-    k.pack_rhs(2 * i_, h_, w13 + x * 2 * i_ * h_, h_, w13_.get() + size_t(x) * w13_stride_);
-    k.pack_rhs(h_, i_, w2 + x * h_ * i_, i_, w2_.get() + size_t(x) * w2_stride_);
+    packer.pack(x, w13_.get() + size_t(x) * w13_stride_, w2_.get() + size_t(x) * w2_stride_);
   });
   if (b13 != nullptr) {
     b13_ = to_f32(b13, b13_dtype, e_ * 2 * i_);
@@ -119,6 +147,7 @@ const void* PackedExperts<Kernel>::w2(int64_t e) const {
 
 template class PackedExperts<QGemmUkernel>;
 template class PackedExperts<BGemmUkernel>;
+template class PackedExperts<Q4GemmUkernel>;
 
 // The scales are checked before anything is packed (the base class packs in its constructor, so
 // the check runs in the argument list); their copies are checked again after the copy, since the
@@ -152,6 +181,100 @@ PackedMoe::PackedMoe(const MoeWeights& w, const MoeConfig<QGemmUkernel>& config,
   moe_detail::check_scales(s2_.get(), E * H, "s2");
   extra_bytes_ = size_t(E * (2 * I + H)) * 4;
 }
+
+namespace {
+
+// Checks what the W4A8 weights' sizes and values must satisfy before anything is packed (the base
+// class packs in its constructor, so this runs in the argument list). The packer masks every
+// code to 4 bits, so memory the caller rewrites meanwhile can change values, never addresses.
+const MoeWeightsW4& checked(const MoeWeightsW4& w) {
+  using moe_detail::checked_mul;
+  const bool mx = w.format == W4Format::mxfp4;
+  if (w.format != W4Format::int4 && !mx) fail("format: must be int4 or mxfp4");
+  const int64_t g = w.group_size;
+  if (mx && g != kW4GroupMultiple)
+    fail("group_size: mxfp4 groups are 32 k, got " + std::to_string(g));
+  if (g < kW4GroupMultiple || g % kW4GroupMultiple != 0)
+    fail("group_size: must be a positive multiple of 32, got " + std::to_string(g));
+  if (w.num_experts < 1 || w.hidden < 1 || w.intermediate < 1) return w;  // the base says why
+  if (w.hidden % g != 0)
+    fail("w13: hidden size H = " + std::to_string(w.hidden) + " is not a multiple of group_size " +
+         std::to_string(g));
+  if (w.intermediate % g != 0)
+    fail("w2: intermediate size I = " + std::to_string(w.intermediate) +
+         " is not a multiple of group_size " + std::to_string(g));
+  const int64_t E = w.num_experts, H = w.hidden, I = w.intermediate;
+  const int64_t n13 = checked_mul(checked_mul(E, checked_mul(2, I, "w13"), "w13"), H, "w13");
+  const int64_t n2 = checked_mul(checked_mul(E, H, "w2"), I, "w2");
+  if (w.s13 == nullptr) fail("s13: missing");
+  if (w.s2 == nullptr) fail("s2: missing");
+  if (mx) return w;  // every code and every E8M0 byte is a value (255: NaN)
+  if (w.w13 == nullptr) fail("w13: missing");
+  if (w.w2 == nullptr) fail("w2: missing");
+  for (auto [p, n, name] : {std::tuple{static_cast<const int8_t*>(w.w13), n13, "w13"},
+                            std::tuple{static_cast<const int8_t*>(w.w2), n2, "w2"}}) {
+    for (int64_t x = 0; x < n; ++x)
+      if (p[x] < -8 || p[x] > 7)
+        fail(std::string(name) + ": int4 values must be in [-8, 7] (element " +
+             std::to_string(x) + " is " + std::to_string(int(p[x])) + ")");
+  }
+  moe_detail::check_scales(static_cast<const float*>(w.s13), n13 / g, "s13");
+  moe_detail::check_scales(static_cast<const float*>(w.s2), n2 / g, "s2");
+  return w;
+}
+
+// One expert's w13 and w2 turned into codes (one per byte) and packed with their group scales.
+struct W4Packer final : RhsPacker {
+  const Q4GemmUkernel* k;
+  const MoeWeightsW4& w;
+  W4Layout layout;
+  W4Packer(const Q4GemmUkernel* kern, const MoeWeightsW4& weights)
+      : k(kern), w(weights), layout{weights.format, weights.group_size} {}
+  void check() const override {
+    if (w.w13 == nullptr) fail("w13: missing");
+    if (w.w2 == nullptr) fail("w2: missing");
+  }
+  size_t w13_bytes() const override {
+    return k->rhs_packed_size(2 * w.intermediate, w.hidden, layout);
+  }
+  size_t w2_bytes() const override { return k->rhs_packed_size(w.hidden, w.intermediate, layout); }
+  // Matrix e of [E, n, depth]: codes, then the kernel's packing.
+  void pack_one(const void* src, const void* scales, int64_t e, int64_t n, int64_t depth,
+                void* dst) const {
+    thread_local std::vector<uint8_t> codes;
+    const size_t count = size_t(n) * size_t(depth);
+    codes.resize(count);
+    if (layout.format == W4Format::mxfp4) {
+      const uint8_t* b = static_cast<const uint8_t*>(src) + size_t(e) * count / 2;
+      for (size_t x = 0; x < count / 2; ++x) {  // low nibble: the even k
+        codes[2 * x] = b[x] & 15;
+        codes[2 * x + 1] = b[x] >> 4;
+      }
+    } else {
+      const int8_t* v = static_cast<const int8_t*>(src) + size_t(e) * count;
+      for (size_t x = 0; x < count; ++x) codes[x] = uint8_t(v[x]) & 15;
+    }
+    const int64_t groups = depth / layout.group;
+    const auto* sc = static_cast<const uint8_t*>(scales) +
+                     size_t(e) * size_t(n) * size_t(groups) * size_t(layout.scale_bytes());
+    k->pack_rhs(n, depth, layout, codes.data(), depth, sc, groups, dst);
+  }
+  void pack(int64_t e, void* d13, void* d2) const override {
+    pack_one(w.w13, w.s13, e, 2 * w.intermediate, w.hidden, d13);
+    pack_one(w.w2, w.s2, e, w.hidden, w.intermediate, d2);
+  }
+};
+
+}  // namespace
+
+PackedMoeW4::PackedMoeW4(const MoeWeightsW4& w, const Q4GemmUkernel* kernel, int num_threads)
+    : PackedMoeW4(w, w4_config(kernel), num_threads) {}
+
+PackedMoeW4::PackedMoeW4(const MoeWeightsW4& w, const MoeConfig<Q4GemmUkernel>& config,
+                         int num_threads)
+    : PackedExperts(checked(w).num_experts, w.hidden, w.intermediate, config,
+                    W4Packer(config.gemm, w), w.b13, w.b13_dtype, w.b2, w.b2_dtype, num_threads),
+      layout_{w.format, w.group_size} {}
 
 PackedMoeBf16::PackedMoeBf16(const MoeWeightsBf16& w, const BGemmUkernel* kernel, int num_threads)
     : PackedMoeBf16(w, bf16_config(kernel), num_threads) {}

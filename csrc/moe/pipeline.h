@@ -156,8 +156,8 @@ class Pipeline {
       const int64_t row0 = r.first[tk.e] + tk.m0;
       const uint8_t* lp = lhs + off[tk.e] + kern.lhs_packed_offset(tk.m0, depth);
       const uint8_t* rp =
-          static_cast<const uint8_t*>(weights(tk.e)) + kern.rhs_packed_offset(tk.n0, depth);
-      F::run(kern, tk, depth, lp, rp, dst + row0 * n + tk.n0, n, row_scale + row0, scale(tk.e),
+          static_cast<const uint8_t*>(weights(tk.e)) + F::rhs_offset(kern, pk, tk.n0, depth);
+      F::run(kern, pk, tk, depth, lp, rp, dst + row0 * n + tk.n0, n, row_scale + row0, scale(tk.e),
              bias(tk.e), stream);
       // The task's work for the bench hooks: multiply-adds over the kernel's padded tiles.
       return round_up(tk.m, kern.mr) * round_up(tk.n, kern.nr) * round_up(depth, kern.kr);
@@ -198,7 +198,7 @@ class Pipeline {
       const Task& tk = tasks[i];
       const int64_t row0 = r.first[tk.e] + tk.m0;
       float* ht = thread_h ? h + int64_t(tid) * rows_per * 2 * I : h + row0 * 2 * I;
-      F::run(kern, tk, H, lhs1 + off1[tk.e] + kern.lhs_packed_offset(tk.m0, H), pk.w13(tk.e), ht,
+      F::run(kern, pk, tk, H, lhs1 + off1[tk.e] + kern.lhs_packed_offset(tk.m0, H), pk.w13(tk.e), ht,
              2 * I, row_scale + row0, F::scale13(pk, tk.e), pk.b13(tk.e));
       for (int64_t p = 0; p < tk.m; ++p) {
         F::activate(ro, c.activation, ht + p * 2 * I, I, c.dtype, tmp + int64_t(tid) * I,

@@ -1,4 +1,4 @@
-"""The public ops: prepack the expert weights once, run the fused W8A8 (or BF16) MoE."""
+"""The public ops: prepack the expert weights once, run the fused W8A8 (W4A8, BF16) MoE."""
 
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ from ._tensors import (FLOAT_DTYPES, View, as_float32, check_dtype, check_rows, 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
 PackedMoe = _C.PackedMoe
 PackedMoeBf16 = _C.PackedMoeBf16
+PackedMoeW4 = _C.PackedMoeW4
+#: The packed kinds fused_moe_int8 runs (int8 activations): W8A8 and W4A8.
+_INT8_PACKED = (PackedMoe, PackedMoeW4)
 
 
 def cpu_features() -> Dict[str, Any]:
@@ -29,16 +32,24 @@ def bf16_kernels() -> List[Dict[str, Any]]:
     return [dict(k) for k in _C.bf16_kernels()]
 
 
+def w4_kernels() -> List[Dict[str, Any]]:
+    """The W4A8 GEMM kernels (of :func:`prepack_int4` / :func:`prepack_mxfp4`) compiled in,
+    best first."""
+    return [dict(k) for k in _C.w4_kernels()]
+
+
 def _family(op: str):
     if op == "int8":
         return _C.kernels, _C.select_kernel
     if op == "bf16":
         return _C.bf16_kernels, _C.select_bf16_kernel
-    raise ValueError(f"op: must be 'int8' or 'bf16', got {op!r}")
+    if op == "w4":
+        return _C.w4_kernels, _C.select_w4_kernel
+    raise ValueError(f"op: must be 'int8', 'bf16' or 'w4', got {op!r}")
 
 
 def available_paths(op: str = "int8") -> List[str]:
-    """Paths (ISA levels) this CPU runs for ``op`` ("int8" or "bf16"), best first,
+    """Paths (ISA levels) this CPU runs for ``op`` ("int8", "bf16" or "w4"), best first,
     ``"portable"`` last, capped by CPUMOE_ISA."""
     kernels_of, _ = _family(op)
     cap = _C.env_isa_cap()
@@ -49,7 +60,8 @@ def available_paths(op: str = "int8") -> List[str]:
 
 
 def selected_path(isa: Optional[str] = None, op: str = "int8") -> str:
-    """The path prepack (``op="bf16"``: prepack_bf16) picks by default, or under the cap ``isa``."""
+    """The path prepack (``op="bf16"``: prepack_bf16, ``"w4"``: prepack_int4 / prepack_mxfp4) picks
+    by default, or under the cap ``isa``."""
     kernels_of, select = _family(op)
     name = select(isa)
     return next(k["isa"] for k in kernels_of() if k["name"] == name)
@@ -146,29 +158,122 @@ def prepack_bf16(w13: Any, w2: Any, b13: Any = None, b2: Any = None, *,
                            isa, _num_threads(num_threads, w13))
 
 
+def _w4_bias_and_isa(E, H, I, b13, b2, isa):
+    if isa is not None and not isinstance(isa, str):
+        raise TypeError(f"isa: must be a str or None, got {type(isa).__name__}")
+    b13, b13_addr, b13_dt = _bias("b13", b13, E, 2 * I)
+    b2, b2_addr, b2_dt = _bias("b2", b2, E, H)
+    return (b13, b2), (b13_addr, b13_dt, b2_addr, b2_dt)
+
+
+def _int_arg(name: str, v: Any, low: int) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or not low <= v < 2**62:
+        raise ValueError(f"{name}: must be an int >= {low}, got {v!r}")
+    return v
+
+
+def prepack_int4(w13: Any, w2: Any, s13: Any, s2: Any, b13: Any = None, b2: Any = None, *,
+                 group_size: int = 32, isa: Optional[str] = None,
+                 num_threads: Optional[int] = None) -> PackedMoeW4:
+    """Packs a layer's int4 expert weights (W4A8) once, for :func:`fused_moe_int8`.
+
+    Args:
+      w13: int8 [E, 2I, H] holding int4 values in [-8, 7] (unpacked, one per element): gate rows
+        [0, I), up rows [I, 2I) (swigluoai: even / odd rows).
+      w2: int8 [E, H, I], values in [-8, 7].
+      s13, s2: group scales [E, 2I, H / g] / [E, H, I / g], finite and > 0: weight
+        ``w[n, k] = value[n, k] * s[n, k // g]``.
+      b13, b2: optional biases [E, 2I] / [E, H], any float dtype (kept as float32).
+      group_size: g, a multiple of 32 dividing H and I.
+      isa: cap the path, as in :func:`prepack`.
+    The packed layer holds 4 bits per weight plus the scales. Each GEMM output is
+    ``s_x * sum_g (exact int32 group sum) * s[n, g] + b[n]``, fp32 over the groups in order.
+    """
+    w13, v13, v2, E, H, I = _expert_weights(w13, w2, "int8", isa)
+    g = _int_arg("group_size", group_size, 1)
+    if g % 32:
+        raise ValueError(f"group_size: must be a positive multiple of 32, got {g}")
+    for name, dim in (("H", H), ("I", I)):
+        if dim % g:
+            raise ValueError(f"group_size: {g} must divide {name} = {dim} (w13 [E, 2I, H], "
+                             f"w2 [E, H, I])")
+    s13 = as_float32("s13", s13)
+    s2 = as_float32("s2", s2)
+    vs13, vs2 = view("s13", s13), view("s2", s2)
+    check_shape(vs13, "s13", (E, 2 * I, H // g), f" (group_size {g})")
+    check_shape(vs2, "s2", (E, H, I // g), f" (group_size {g})")
+    keep, (b13a, b13d, b2a, b2d) = _w4_bias_and_isa(E, H, I, b13, b2, isa)
+    return _C.prepack_w4(E, H, I, "int4", g, v13.address, v2.address, vs13.address, vs2.address,
+                         b13a, b13d, b2a, b2d, isa, _num_threads(num_threads, w13))
+
+
+def prepack_mxfp4(w13_blocks: Any, w13_scales: Any, w2_blocks: Any, w2_scales: Any,
+                  b13: Any = None, b2: Any = None, *, isa: Optional[str] = None,
+                  num_threads: Optional[int] = None) -> PackedMoeW4:
+    """Packs a layer's MXFP4 expert weights (OCP MX, gpt-oss's layout) once, for
+    :func:`fused_moe_int8`.
+
+    Args:
+      w13_blocks: uint8 [E, 2I, H / 32, 16]: two FP4 E2M1 codes per byte, the low nibble first
+        (gate and up rows as in :func:`prepack`; gpt-oss interleaves them: swigluoai).
+      w13_scales: uint8 [E, 2I, H / 32]: E8M0 group scales, 2^(e - 127); 255 is NaN (the outputs
+        of its group are NaN).
+      w2_blocks: uint8 [E, H, I / 32, 16]; w2_scales: uint8 [E, H, I / 32].
+      b13, b2: optional biases [E, 2I] / [E, H], any float dtype.
+      isa: cap the path, as in :func:`prepack`.
+    """
+    w13_blocks = contiguous("w13_blocks", w13_blocks)
+    w2_blocks = contiguous("w2_blocks", w2_blocks)
+    w13_scales = contiguous("w13_scales", w13_scales)
+    w2_scales = contiguous("w2_scales", w2_scales)
+    v13, v2 = view("w13_blocks", w13_blocks), view("w2_blocks", w2_blocks)
+    vs13, vs2 = view("w13_scales", w13_scales), view("w2_scales", w2_scales)
+    for v, name in ((v13, "w13_blocks"), (v2, "w2_blocks"), (vs13, "w13_scales"),
+                    (vs2, "w2_scales")):
+        check_dtype(v, name, ("uint8",))
+    if v13.ndim != 4 or v13.shape[3] != 16:
+        raise ValueError(f"w13_blocks: shape must be [E, 2I, H / 32, 16], got {list(v13.shape)}")
+    E, I2, G13, _ = v13.shape
+    if I2 % 2:
+        raise ValueError(f"w13_blocks: dim 1 must be 2*I (even), got {I2}")
+    I, H = I2 // 2, G13 * 32
+    if I % 32:
+        raise ValueError(f"w2_blocks: I = {I} must be a multiple of 32 (mxfp4 groups)")
+    check_shape(v2, "w2_blocks", (E, H, I // 32, 16), " to match w13_blocks [E, 2I, H / 32, 16]")
+    check_shape(vs13, "w13_scales", (E, 2 * I, H // 32))
+    check_shape(vs2, "w2_scales", (E, H, I // 32))
+    keep, (b13a, b13d, b2a, b2d) = _w4_bias_and_isa(E, H, I, b13, b2, isa)
+    return _C.prepack_w4(E, H, I, "mxfp4", 32, v13.address, v2.address, vs13.address,
+                         vs2.address, b13a, b13d, b2a, b2d, isa,
+                         _num_threads(num_threads, w13_blocks))
+
+
 def scratch_bytes(T: int, k: int, packed: Any, *, num_threads: Optional[int] = None) -> int:
     """Upper bound of the scratch memory (bytes) one :func:`fused_moe_int8` call with ``T`` tokens
     and ``k`` experts per token takes, for any routing. It stops growing beyond one internal chunk
     (16384 token-expert slots). The calling thread keeps its scratch for its next calls, so a
     thread's steady-state use is this bound for its largest call; ``num_threads`` as in the op
     (default: the OpenMP default; torch inputs use torch's count, which only changes a few KB)."""
-    if not isinstance(packed, (PackedMoe, PackedMoeBf16)):
-        raise TypeError(f"packed: expected cpumoe.PackedMoe from prepack() or "
-                        f"cpumoe.PackedMoeBf16 from prepack_bf16(), got {type(packed).__name__}")
+    if not isinstance(packed, (PackedMoe, PackedMoeBf16, PackedMoeW4)):
+        raise TypeError(f"packed: expected cpumoe.PackedMoe from prepack(), cpumoe.PackedMoeW4 "
+                        f"from prepack_int4() / prepack_mxfp4() or cpumoe.PackedMoeBf16 from "
+                        f"prepack_bf16(), got {type(packed).__name__}")
     for name, v, low in (("T", T, 0), ("k", k, 1)):
         if not isinstance(v, int) or isinstance(v, bool) or not low <= v < 2**63:
             raise ValueError(f"{name}: must be an int in [{low}, 2**63), got {v!r}")
     return int(_C.scratch_bytes(packed, T, k, _num_threads(num_threads)))
 
 
-def fused_moe_int8(x: Any, packed: PackedMoe, topk_weights: Any, topk_ids: Any,
+def fused_moe_int8(x: Any, packed: Any, topk_weights: Any, topk_ids: Any,
                    activation: str = "silu", skip_weighted: bool = False, out: Any = None, *,
                    expert_map: Any = None, num_threads: Optional[int] = None) -> Any:
     """The fused W8A8 MoE: ``out[t] = sum_j topk_weights[t, j] * FFN_{topk_ids[t, j]}(x[t])``.
 
     Args:
       x: [T, H] float32 / float16 / bfloat16, rows contiguous (row stride may exceed H).
-      packed: from :func:`prepack`.
+      packed: from :func:`prepack` (int8 weights), :func:`prepack_int4` or :func:`prepack_mxfp4`
+        (4-bit weights, W4A8: ``packed.weight_format`` says which); the activations are int8
+        in all three.
       topk_weights: float32 [T, k]. topk_ids: int32 or int64 [T, k], each in [0, E); an id that
         repeats in a row counts twice (two slots, each with its weight), so k > E is allowed.
       activation: "silu", "gelu", "gelu_tanh" or "swigluoai".
@@ -187,15 +292,15 @@ def fused_moe_int8(x: Any, packed: PackedMoe, topk_weights: Any, topk_ids: Any,
     On torch tensors it compiles: under ``torch.compile(fullgraph=True)`` the call is one
     ``cpumoe::fused_moe_packed`` node (see :mod:`cpumoe.torch_ops`).
     """
-    if not isinstance(packed, PackedMoe):
-        raise TypeError(f"packed: expected cpumoe.PackedMoe from prepack(), got "
-                        f"{type(packed).__name__}")
+    if not isinstance(packed, _INT8_PACKED):
+        raise TypeError(f"packed: expected cpumoe.PackedMoe from prepack() or cpumoe.PackedMoeW4 "
+                        f"from prepack_int4() / prepack_mxfp4(), got {type(packed).__name__}")
     tops = _torch_ops_for(x, topk_weights, topk_ids, activation, skip_weighted, out, expert_map,
                           num_threads)
     if tops is not None:
         return tops.fused_moe_packed(x, packed, topk_weights, topk_ids, activation,
                                      skip_weighted, out, expert_map, num_threads)
-    return _run(_C.fused_moe_int8, x, packed, topk_weights, topk_ids, activation, skip_weighted,
+    return _run(_native_op(packed), x, packed, topk_weights, topk_ids, activation, skip_weighted,
                 out, expert_map, num_threads)
 
 
@@ -222,6 +327,13 @@ def fused_moe_bf16(x: Any, packed: PackedMoeBf16, topk_weights: Any, topk_ids: A
                                      skip_weighted, out, expert_map, num_threads)
     return _run(_C.fused_moe_bf16, x, packed, topk_weights, topk_ids, activation, skip_weighted,
                 out, expert_map, num_threads)
+
+
+def _native_op(packed):
+    """The _C entry point that runs ``packed`` (by its kind)."""
+    if isinstance(packed, PackedMoeW4):
+        return _C.fused_moe_w4
+    return _C.fused_moe_int8 if isinstance(packed, PackedMoe) else _C.fused_moe_bf16
 
 
 def _torch_ops_for(x, topk_weights, topk_ids, activation, skip_weighted, out, expert_map,

@@ -19,6 +19,14 @@ The op, per token t and each of its k experts e = topk_ids[t, j]:
      out[t] = sum_j topk_weights[t, j] * y_j (weight 1 with skip_weighted), fp32, j in order,
      stored in the input dtype.
 
+The W4A8 ops (``ref_fused_moe_int4``, ``ref_fused_moe_mxfp4``) are the W8A8 op with 4-bit weights:
+each weight is an integer value v (int4: [-8, 7]; mxfp4: 2 * E2M1, in [-12, 12]) and each group of
+g consecutive k of an output row n has one fp32 scale s[n, g] (mxfp4: g = 32, s = 2^(e - 128) from
+the E8M0 byte e, the 1/2 of the doubled values folded in; e = 255 is NaN). Steps 2 and 5 become
+  h[n] = (sum over groups in increasing order, in fp32: acc = acc + float32(isum_g) * s[n, g]) * s_t
+         + b[n],   isum_g = the exact int32 sum of q[k] * v[n, k] over the group's k
+(each fp32 product and sum rounded on its own: no fused multiply-add).
+
 The BF16 op (``ref_fused_moe_bf16``) is the same with no quantization: x is rounded to bf16,
 h = x_bf16 . w13[e]^T + b13[e] (products exact, summed here in float64, rounded once to fp32),
 a = act(gate, up) rounded to bf16, y = a_bf16 . w2[e]^T + b2[e], and the same combine.
@@ -34,9 +42,16 @@ import numpy as np
 __all__ = [
     "ACTIVATIONS",
     "quantize_per_token",
+    "MXFP4_VALUES",
+    "dequantize_int4",
+    "dequantize_mxfp4",
+    "quantize_int4",
+    "quantize_mxfp4",
     "quantize_per_channel",
     "ref_fused_moe_bf16",
+    "ref_fused_moe_int4",
     "ref_fused_moe_int8",
+    "ref_fused_moe_mxfp4",
     "round_to_dtype",
 ]
 
@@ -295,6 +310,156 @@ def ref_fused_moe_int8(x, w13, w2, s13, s2, topk_weights, topk_ids, activation="
         return _linear(qa, sa, w2n[e], s2n[e], None if b2n is None else b2n[e])
 
     return _run_moe(x, w13, w2, topk_weights, topk_ids, skip_weighted, ffn)
+
+
+# ---------------------------------------------------------------------------- W4A8
+def _e2m1(code: int) -> float:
+    """The FP4 E2M1 value of a 4-bit code: sign bit 3, exponent bits 2-1, mantissa bit 0."""
+    exp, man = (code >> 1) & 3, code & 1
+    mag = 0.5 * man if exp == 0 else (1.0 + 0.5 * man) * 2.0 ** (exp - 1)
+    return -mag if code & 8 else mag
+
+
+#: The 16 E2M1 values of the mxfp4 codes 0..15.
+MXFP4_VALUES = np.array([_e2m1(c) for c in range(16)], dtype=np.float32)
+# Doubled: exact integers in [-12, 12], the int8 values the kernels multiply.
+_MXFP4_INT = (2 * MXFP4_VALUES).astype(np.int8)
+
+
+def _mxfp4_codes(blocks) -> np.ndarray:
+    """uint8 [..., K / 32, 16] (two codes per byte, low nibble first) -> uint8 codes [..., K]."""
+    b = _to_numpy(blocks)
+    if b.dtype != np.uint8 or b.ndim < 2 or b.shape[-1] != 16:
+        raise ValueError(f"blocks: expected uint8 [..., K / 32, 16], got {b.dtype} {b.shape}")
+    codes = np.stack([b & 15, b >> 4], axis=-1)  # [..., K/32, 16, 2]: k = 2j, 2j + 1
+    return codes.reshape(*b.shape[:-2], b.shape[-2] * 32)
+
+
+def _e8m0_scale(e, halve: bool) -> np.ndarray:
+    """float32 2^(e - 127) (halve: 2^(e - 128)) of E8M0 bytes; NaN for 255."""
+    e = _to_numpy(e).astype(np.int64)
+    v = np.ldexp(np.float64(1.0), e - (128 if halve else 127)).astype(np.float32)
+    return np.where(e == 255, np.float32(np.nan), v).astype(np.float32)
+
+
+def dequantize_int4(values, scales, group_size: int):
+    """The real weights of int4 values [..., N, K] with group scales [..., N, K / g] (float32)."""
+    v = _to_numpy(values).astype(np.float32)
+    sc = _to_numpy(scales, float32=True)
+    return _like(values, v * np.repeat(sc, group_size, axis=-1))
+
+
+def dequantize_mxfp4(blocks, scales):
+    """The real weights (float32 [..., N, K]) of mxfp4 blocks [..., N, K / 32, 16] and E8M0
+    scales [..., N, K / 32]."""
+    vals = MXFP4_VALUES[_mxfp4_codes(blocks)]
+    return _like(blocks, vals * np.repeat(_e8m0_scale(scales, False), 32, axis=-1))
+
+
+def quantize_int4(w, group_size: int = 32, amax_floor: float = CHANNEL_AMAX_FLOOR):
+    """Symmetric per-group int4 quantization of weights [..., N, K], groups of ``group_size`` k:
+    s = max(amax, floor) / 7, v = round_half_even(w / s) clamped to [-8, 7]. Returns (int8
+    values, float32 scales [..., N, K / g])."""
+    w32 = _to_numpy(w, float32=True)
+    K = w32.shape[-1]
+    if group_size < 1 or K % group_size:
+        raise ValueError(f"group_size: {group_size} must divide K = {K}")
+    wg = w32.reshape(*w32.shape[:-1], K // group_size, group_size)
+    amax = np.max(np.abs(wg), axis=-1)
+    s = (np.maximum(amax, np.float32(amax_floor)) / np.float32(7)).astype(np.float32)
+    v = np.clip(np.rint(wg / s[..., None]), -8, 7).astype(np.int8).reshape(w32.shape)
+    return _like(w, v), _like(w, s)
+
+
+def quantize_mxfp4(w):
+    """OCP MX FP4 quantization of weights [..., N, K] (K a multiple of 32), as gpt-oss's
+    checkpoints hold them: per 32 k a shared exponent e = floor(log2(amax)) - 2 (E2M1's largest
+    exponent), values w / 2^e rounded to the nearest E2M1 value (ties to the even code), clamped to
+    +-6. Returns (uint8 blocks [..., N, K / 32, 16], uint8 E8M0 scales [..., N, K / 32])."""
+    w32 = _to_numpy(w, float32=True)
+    K = w32.shape[-1]
+    if K % 32:
+        raise ValueError(f"w: K = {K} must be a multiple of 32")
+    wg = w32.reshape(*w32.shape[:-1], K // 32, 32)
+    amax = np.max(np.abs(wg), axis=-1)
+    # floor(log2(amax)) from the float's own exponent (frexp: amax = m * 2^ex, m in [0.5, 1)).
+    _, ex = np.frexp(amax)
+    exp = np.where(amax > 0, ex.astype(np.int64) - 1 - 2, -127)
+    exp = np.clip(exp, -127, 127)
+    # Times a power of two: exact (a subnormal product aside).
+    scaled = np.clip(wg * np.exp2(-exp.astype(np.float32))[..., None], -6.0, 6.0)
+    # The nearest E2M1 magnitude, ties to the even code: steps of 0.5 below 2 (codes 0-4), of 1
+    # up to 4 (codes 4-6), of 2 up to 6 (codes 6-7); rint rounds half to even, and in each range
+    # an even step count is an even code. Every operation here is exact in fp32.
+    a = np.abs(scaled)
+    code = np.where(a < 2, np.rint(2 * a),
+                    np.where(a < 4, 4 + np.rint(a - 2), 6 + np.rint((a - 4) / 2))).astype(np.uint8)
+    code = code | np.where(scaled < 0, 8, 0).astype(np.uint8)
+    code = code.reshape(*w32.shape[:-1], K // 32, 16, 2)
+    blocks = (code[..., 0] | (code[..., 1] << 4)).astype(np.uint8)
+    return _like(w, blocks), _like(w, (exp + 127).astype(np.uint8))
+
+
+def _w4_linear(q, s, v, gs, g, b):
+    """W4A8 GEMM epilogue: fp32 sum over groups of float32(exact group sum) * gs, then * s, + b.
+    q int8 [M, K]; v int8 values [N, K]; gs float32 [N, K / g]."""
+    M, K = q.shape
+    acc = np.zeros((M, v.shape[0]), dtype=np.float32)
+    q64 = q.astype(np.float64)
+    v64 = v.astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for gi in range(K // g):
+            part = (q64[:, gi * g:(gi + 1) * g] @ v64[:, gi * g:(gi + 1) * g].T).astype(np.float32)
+            acc = acc + part * gs[None, :, gi]
+        y = acc * s[:, None]
+        if b is not None:
+            y = y + b[None, :]
+    return y
+
+
+def _ref_w4(x, v13, v2, gs13, gs2, g, topk_weights, topk_ids, activation, b13, b2,
+            skip_weighted):
+    _check_activation(activation)
+    dtype_name = _dtype_name(x)
+    b13n = _to_numpy(b13, float32=True)
+    b2n = _to_numpy(b2, float32=True)
+
+    def ffn(e, x_rows, w13n, w2n):
+        inter = w2n.shape[2]
+        qx, sx = _quantize_rows_np(x_rows, TOKEN_AMAX_FLOOR)
+        h = _w4_linear(qx, sx, w13n[e], gs13[e], g, None if b13n is None else b13n[e])
+        a = round_to_dtype(_activation(activation, h, inter), dtype_name)
+        qa, sa = _quantize_rows_np(a, TOKEN_AMAX_FLOOR)
+        return _w4_linear(qa, sa, w2n[e], gs2[e], g, None if b2n is None else b2n[e])
+
+    return _run_moe(x, v13, v2, topk_weights, topk_ids, skip_weighted, ffn)
+
+
+def ref_fused_moe_int4(x, w13, w2, s13, s2, topk_weights, topk_ids, activation="silu",
+                       b13=None, b2=None, skip_weighted=False, group_size=32):
+    """The W4A8 op on int4 weights, naively: w13 int8 [E, 2I, H] / w2 [E, H, I] holding values in
+    [-8, 7], s13 [E, 2I, H / g] / s2 [E, H, I / g] group scales; the rest as ref_fused_moe_int8."""
+    v13 = _to_numpy(w13)
+    v2 = _to_numpy(w2)
+    if v13.dtype != np.int8 or v2.dtype != np.int8:
+        raise TypeError("w13/w2: int4 values must be given as int8 arrays")
+    if (v13.size and (v13.min() < -8 or v13.max() > 7)) or (v2.size and (v2.min() < -8 or
+                                                                          v2.max() > 7)):
+        raise ValueError("w13/w2: int4 values must be in [-8, 7]")
+    gs13 = _to_numpy(s13, float32=True)
+    gs2 = _to_numpy(s2, float32=True)
+    return _ref_w4(x, v13, v2, gs13, gs2, group_size, topk_weights, topk_ids, activation, b13,
+                   b2, skip_weighted)
+
+
+def ref_fused_moe_mxfp4(x, w13_blocks, w13_scales, w2_blocks, w2_scales, topk_weights, topk_ids,
+                        activation="silu", b13=None, b2=None, skip_weighted=False):
+    """The W4A8 op on mxfp4 weights (gpt-oss's layout: blocks uint8 [E, N, K / 32, 16], E8M0
+    scales uint8 [E, N, K / 32]), naively; the rest as ref_fused_moe_int8."""
+    v13 = _MXFP4_INT[_mxfp4_codes(w13_blocks)]
+    v2 = _MXFP4_INT[_mxfp4_codes(w2_blocks)]
+    return _ref_w4(x, v13, v2, _e8m0_scale(w13_scales, True), _e8m0_scale(w2_scales, True), 32,
+                   topk_weights, topk_ids, activation, b13, b2, skip_weighted)
 
 
 def _bf16_linear(a32, w32, b):

@@ -292,7 +292,7 @@ def fused_moe(input: torch.Tensor, w13: torch.Tensor, topk_weights: torch.Tensor
 
 
 # ---------------------------------------------------------------------------- packed-object ops
-# Live PackedMoe / PackedMoeBf16 objects by id(): the key the public functions pass to the op.
+# Live PackedMoe / PackedMoeW4 / PackedMoeBf16 objects by id(): the key the public functions pass to the op.
 # Weak, so the op never keeps a layer alive; an id reused by a new object is re-registered by the
 # call that passes it (the entry of a dead object is gone by then).
 _live: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
@@ -312,7 +312,7 @@ def _packed_key(packed) -> int:
 def _packed_by_key(key: int):
     packed = _live.get(int(key))
     if packed is None:
-        raise ValueError(f"packed: no live cpumoe.PackedMoe/PackedMoeBf16 has key {key} (the "
+        raise ValueError(f"packed: no live cpumoe.PackedMoe/PackedMoeW4/PackedMoeBf16 has key {key} (the "
                          f"layer was freed, or the key was not made by cpumoe)")
     return packed
 
@@ -322,8 +322,7 @@ def _run_packed(out: Optional[torch.Tensor], input: torch.Tensor, packed: int,
                 skip_weighted: bool, expert_map: Optional[torch.Tensor],
                 num_threads: int) -> torch.Tensor:
     obj = _packed_by_key(packed)
-    op = _C.fused_moe_int8 if isinstance(obj, _ops.PackedMoe) else _C.fused_moe_bf16
-    return _ops._run(op, input, obj, topk_weights, topk_ids, activation, skip_weighted, out,
+    return _ops._run(_ops._native_op(obj), input, obj, topk_weights, topk_ids, activation, skip_weighted, out,
                      expert_map, None if num_threads <= 0 else num_threads)
 
 

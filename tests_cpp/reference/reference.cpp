@@ -168,13 +168,15 @@ float w4_scale(W4Format f, const void* scales, int64_t idx) {
 void gemm_w4(int64_t m, int64_t n, int64_t k, W4Format f, int64_t g, const int8_t* a, int64_t lda,
              const uint8_t* codes, int64_t ldc, const void* scales, int64_t lds,
              const float* lhs_scale, const float* bias, float* dst, int64_t ldd) {
+  int8_t value[16];  // the definition above, evaluated once per call
+  for (int c = 0; c < 16; ++c) value[c] = w4_value(f, uint8_t(c));
   for (int64_t i = 0; i < m; ++i) {
     for (int64_t j = 0; j < n; ++j) {
       float acc = 0.0f;
       for (int64_t g0 = 0; g0 < k; g0 += g) {
         int64_t isum = 0;
         for (int64_t x = g0; x < g0 + g; ++x)
-          isum += int64_t(a[i * lda + x]) * w4_value(f, codes[j * ldc + x]);
+          isum += int64_t(a[i * lda + x]) * value[codes[j * ldc + x] & 15];
         acc = acc + float(isum) * w4_scale(f, scales, j * lds + g0 / g);
       }
       float v = acc * lhs_scale[i];

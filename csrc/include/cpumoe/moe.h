@@ -3,7 +3,8 @@
 ///   out[t] = sum_j w[t,j] * FFN_{ids[t,j]}(x[t])
 /// W8A8 (fused_moe_int8): int8 weights with per-channel scales, dynamic per-token int8
 /// quantization of the activations, GEMM1 (w13), a gated activation, requantization, GEMM2 (w2)
-/// and the weighted combine. BF16 (fused_moe_bf16): bf16 weights, the same pipeline with the
+/// and the weighted combine. W4A8 (fused_moe_int8 on a PackedMoeW4): the same with 4-bit weights
+/// (int4 or mxfp4) and one scale per group of k (q4gemm.h). BF16 (fused_moe_bf16): bf16 weights, the same pipeline with the
 /// GEMM inputs rounded to bf16 instead of quantized. The whole chain (GEMM kernel, row operations,
 /// tile policy: a MoeConfig) is chosen once, at prepack, for this CPU (int8_config / bf16_config),
 /// and stored in the packed layer; the MoE code knows the kernels only through their interfaces.
@@ -21,6 +22,7 @@
 #include "cpumoe/activation.h"
 #include "cpumoe/bgemm.h"
 #include "cpumoe/dtype.h"
+#include "cpumoe/q4gemm.h"
 #include "cpumoe/qgemm.h"
 #include "cpumoe/rowops.h"  // MoeConfig, kAmaxFloor
 
@@ -69,6 +71,9 @@ MoeConfig<QGemmUkernel> int8_config(const QGemmUkernel* kernel, const Isa* cap =
 /// The bf16 op's config, as int8_config (bgemm_select).
 MoeConfig<BGemmUkernel> bf16_config(const BGemmUkernel* kernel, const Isa* cap = nullptr);
 
+/// The W4A8 op's config, as int8_config (q4gemm_select).
+MoeConfig<Q4GemmUkernel> w4_config(const Q4GemmUkernel* kernel, const Isa* cap = nullptr);
+
 /// Plain (unpacked) int8 expert weights as given by a checkpoint; all arrays dense, row-major.
 struct MoeWeights {
   int64_t num_experts = 0;   ///< E
@@ -95,6 +100,41 @@ struct MoeWeightsBf16 {
   DType b13_dtype = DType::f32;
   const void* b2 = nullptr;       ///< [E, H] or nullptr, of type b2_dtype
   DType b2_dtype = DType::f32;
+};
+
+/// Plain 4-bit expert weights (W4A8), in one of two input forms:
+///   - int4:  w13 int8 [E, 2I, H] and w2 int8 [E, H, I] holding values in [-8, 7] (one per byte);
+///            s13 fp32 [E, 2I, H / g], s2 fp32 [E, H, I / g] group scales, finite and > 0.
+///   - mxfp4: gpt-oss's layout: w13 uint8 [E, 2I, H / 32, 16] and w2 [E, H, I / 32, 16], two
+///            E2M1 codes per byte, the low nibble first (k even); s13 uint8 [E, 2I, H / 32] and s2
+///            [E, H, I / 32] E8M0 scales (255 is NaN: its group's outputs are NaN).
+/// g = group_size: a multiple of kW4GroupMultiple dividing H and I (mxfp4: 32).
+struct MoeWeightsW4 {
+  int64_t num_experts = 0;
+  int64_t hidden = 0;
+  int64_t intermediate = 0;
+  W4Format format = W4Format::int4;
+  int64_t group_size = 32;
+  const void* w13 = nullptr;
+  const void* w2 = nullptr;
+  const void* s13 = nullptr;
+  const void* s2 = nullptr;
+  const void* b13 = nullptr;  ///< [E, 2I] or nullptr, of type b13_dtype
+  DType b13_dtype = DType::f32;
+  const void* b2 = nullptr;   ///< [E, H] or nullptr, of type b2_dtype
+  DType b2_dtype = DType::f32;
+};
+
+/// How PackedExperts packs one expert's w13 and w2 for the layer's kernel: the sizes per expert
+/// and the packing itself (called once per expert, from several threads). Internal to the
+/// packed classes; exposed only because their protected constructor takes one.
+struct RhsPacker {
+  virtual ~RhsPacker() = default;
+  /// ArgumentError for missing weights (called first, once the sizes are checked).
+  virtual void check() const = 0;
+  virtual size_t w13_bytes() const = 0;
+  virtual size_t w2_bytes() const = 0;
+  virtual void pack(int64_t e, void* w13_dst, void* w2_dst) const = 0;
 };
 
 /// Expert weights packed for one kernel of a family (QGemmUkernel: int8, BGemmUkernel: bf16):
@@ -131,6 +171,11 @@ class PackedExperts {
   PackedExperts(int64_t e, int64_t h, int64_t i, const MoeConfig<Kernel>& config, const Elem* w13,
                 const Elem* w2, const void* b13, DType b13_dtype, const void* b2, DType b2_dtype,
                 int num_threads);
+  /// The same checks, then each expert packed by @p packer (whose functions are called only
+  /// after the sizes and the config are checked).
+  PackedExperts(int64_t e, int64_t h, int64_t i, const MoeConfig<Kernel>& config,
+                const RhsPacker& packer, const void* b13, DType b13_dtype, const void* b2,
+                DType b2_dtype, int num_threads);
   size_t extra_bytes_ = 0;  ///< bytes a derived class holds besides the packed weights
 
  private:
@@ -160,6 +205,25 @@ class PackedMoe : public PackedExperts<QGemmUkernel> {
 
  private:
   std::unique_ptr<float[]> s13_, s2_;
+};
+
+/// 4-bit expert weights (W4A8) packed for one Q4GemmUkernel, group scales inside the packed
+/// blocks. Run by fused_moe_int8 (the activations are int8 as in W8A8).
+class PackedMoeW4 : public PackedExperts<Q4GemmUkernel> {
+ public:
+  /// Packs @p w for @p kernel (nullptr: q4gemm_select() for this CPU, capped by CPUMOE_ISA).
+  /// @pre E >= 1; H, I >= kDimMultiple and multiples of it and of the group size; the group a
+  /// multiple of kW4GroupMultiple (mxfp4: exactly 32); int4 values in [-8, 7] and scales
+  /// finite and > 0. Throws ArgumentError otherwise, naming the argument.
+  PackedMoeW4(const MoeWeightsW4& w, const Q4GemmUkernel* kernel = nullptr, int num_threads = 0);
+  /// Packs @p w for the chain @p config (from w4_config); as above otherwise.
+  PackedMoeW4(const MoeWeightsW4& w, const MoeConfig<Q4GemmUkernel>& config, int num_threads = 0);
+  W4Format format() const { return layout_.format; }
+  int64_t group_size() const { return layout_.group; }
+  const W4Layout& layout() const { return layout_; }
+
+ private:
+  W4Layout layout_;
 };
 
 /// Bf16 expert weights packed for one BGemmUkernel.
@@ -217,6 +281,11 @@ struct MoeCall {
 /// largest call so far and reused by the next ones (at most fused_moe_scratch_bytes() of the
 /// largest call). Calls from different threads never share scratch.
 void fused_moe_int8(const PackedMoe& packed, const MoeCall& call);
+/// The W4A8 op: fused_moe_int8's pipeline, validation, threads and scratch, with both GEMMs on
+/// 4-bit weights (q4gemm.h's arithmetic: exact int32 sums per group, fp32 over groups in
+/// increasing order, then the token's scale and the bias). Deterministic for any thread count and
+/// the same bits on every kernel.
+void fused_moe_int8(const PackedMoeW4& packed, const MoeCall& call);
 
 /// The BF16 op: the same routing, activation, combine, strides, validation, expert map, thread
 /// and scratch behaviour as fused_moe_int8, with no quantization:
@@ -235,6 +304,12 @@ size_t fused_moe_scratch_bytes(const PackedMoe& packed, int64_t num_tokens, int6
                                int num_threads = 0);
 /// The same bound for weights of E x H x I packed for @p kernel, without packing them.
 size_t fused_moe_scratch_bytes(const QGemmUkernel& kernel, int64_t num_experts, int64_t hidden,
+                               int64_t intermediate, int64_t num_tokens, int64_t topk,
+                               int num_threads = 0);
+/// The bounds of W4A8 calls.
+size_t fused_moe_scratch_bytes(const PackedMoeW4& packed, int64_t num_tokens, int64_t topk,
+                               int num_threads = 0);
+size_t fused_moe_scratch_bytes(const Q4GemmUkernel& kernel, int64_t num_experts, int64_t hidden,
                                int64_t intermediate, int64_t num_tokens, int64_t topk,
                                int num_threads = 0);
 /// The bounds of fused_moe_bf16 calls.

@@ -1,0 +1,292 @@
+"""Loading 4-bit MoE layers (W4A8): compressed-tensors int4 and gpt-oss MXFP4 checkpoints.
+
+Two checkpoint kinds, read through :class:`cpumoe.checkpoint.Checkpoint` (safetensors files,
+numpy memory maps, no torch needed):
+
+- **compressed-tensors int4** (``format: pack-quantized``; weights ``num_bits: 4``, ``type:
+  int``, ``symmetric: true``, ``strategy: group``, ``group_size: g``; input activations absent
+  (W4A16: cpumoe quantizes them per token anyway) or dynamic per-token int8 (W4A8)). Each expert
+  projection is a Linear: ``<name>.weight_packed`` int32 [out, in / 8] (eight 4-bit fields per
+  word, element i at bits 4i, each the value + 8), ``<name>.weight_scale`` [out, in / g] (float),
+  ``<name>.weight_shape`` [2] (out, in), a ``weight_zero_point`` only if all zero. Expert names as
+  in :mod:`cpumoe.checkpoint` (``qwen3`` / ``mixtral`` layouts). :func:`load_int4_moe_layer`.
+- **gpt-oss MXFP4**: fused expert tensors ``model.layers.{L}.mlp.experts.gate_up_proj_blocks``
+  uint8 [E, 2I, H / 32, 16], ``gate_up_proj_scales`` uint8 [E, 2I, H / 32] (E8M0),
+  ``gate_up_proj_bias`` [E, 2I], and ``down_proj_blocks`` / ``_scales`` / ``_bias``; gate and up
+  interleaved by row (even rows gate, odd up: the op's swigluoai layout, gpt-oss's activation).
+  :func:`load_mxfp4_moe_layer`.
+
+Both give a :class:`W4LayerWeights` whose :meth:`~W4LayerWeights.prepack` makes the packed layer
+for :func:`cpumoe.fused_moe_int8`. Anything that does not fit raises
+:class:`cpumoe.checkpoint.UnsupportedCheckpoint` naming the tensor or setting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional, Sequence, Union
+
+import numpy as np
+
+from . import ops as _ops
+from .checkpoint import (LAYOUTS, Checkpoint, PathLike, UnsupportedCheckpoint, _open,
+                         _targets_module)
+
+__all__ = ["W4LayerWeights", "int4_scheme_problem", "load_int4_moe_layer",
+           "load_mxfp4_moe_layer"]
+
+_FLOAT = ("F32", "F16", "BF16", "F64")
+
+
+@dataclasses.dataclass
+class W4LayerWeights:
+    """One 4-bit MoE layer in the prepack functions' input form (numpy).
+
+    int4: ``w13`` int8 [E, 2I, H] / ``w2`` int8 [E, H, I] values in [-8, 7], ``s13`` float32
+    [E, 2I, H / g] / ``s2`` [E, H, I / g]. mxfp4: ``w13`` / ``w2`` uint8 blocks [E, N, K / 32, 16],
+    ``s13`` / ``s2`` uint8 E8M0 scales [E, N, K / 32]. Biases float32 or None.
+    """
+
+    weight_format: str
+    group_size: int
+    w13: np.ndarray
+    w2: np.ndarray
+    s13: np.ndarray
+    s2: np.ndarray
+    b13: Optional[np.ndarray]
+    b2: Optional[np.ndarray]
+    expert_ids: List[int]
+    num_global_experts: int
+    activation: str
+    layer: int
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    def expert_map(self) -> np.ndarray:
+        """int32 [num_global_experts]: global id -> local id, -1 for experts not loaded."""
+        m = np.full(self.num_global_experts, -1, np.int32)
+        m[np.asarray(self.expert_ids, dtype=np.int64)] = np.arange(len(self.expert_ids))
+        return m
+
+    def prepack(self, isa: Optional[str] = None,
+                num_threads: Optional[int] = None) -> _ops.PackedMoeW4:
+        if self.weight_format == "mxfp4":
+            return _ops.prepack_mxfp4(self.w13, self.s13, self.w2, self.s2, self.b13, self.b2,
+                                      isa=isa, num_threads=num_threads)
+        return _ops.prepack_int4(self.w13, self.w2, self.s13, self.s2, self.b13, self.b2,
+                                 group_size=self.group_size, isa=isa, num_threads=num_threads)
+
+
+def _expert_ids(experts: Optional[Sequence[int]], n_global: int) -> List[int]:
+    ids = list(range(n_global)) if experts is None else [int(e) for e in experts]
+    if not ids or any(e < 0 or e >= n_global for e in ids) or len(set(ids)) != len(ids):
+        raise ValueError(f"experts: distinct ids in [0, {n_global}) expected, got {experts!r}")
+    return ids
+
+
+def _need(ck: Checkpoint, name: str, dtypes, shape) -> None:
+    if name not in ck:
+        raise UnsupportedCheckpoint(f"checkpoint: missing {name}")
+    if ck.dtype(name) not in dtypes:
+        raise UnsupportedCheckpoint(f"{name}: dtype {ck.dtype(name)}, expected "
+                                    f"{' or '.join(dtypes)}")
+    if tuple(ck.shape(name)) != tuple(shape):
+        raise UnsupportedCheckpoint(f"{name}: shape {list(ck.shape(name))}, expected "
+                                    f"{list(shape)}")
+
+
+# ---------------------------------------------------------------------------- int4
+def int4_scheme_problem(group: dict) -> Optional[str]:
+    """None if a compressed-tensors config group is int4 as the W4A8 op computes it (symmetric
+    group-wise int4 weights; activations unquantized or dynamic per-token int8); else what
+    differs. The group size is returned by :func:`_int4_group_size`."""
+    if not isinstance(group, dict):
+        return "config group: not a JSON object"
+    w = group.get("weights") or {}
+    a = group.get("input_activations")
+    if not isinstance(w, dict) or not (a is None or isinstance(a, dict)):
+        return "weights / input_activations: not JSON objects"
+    for k, v in {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group"}.items():
+        if w.get(k) != v:
+            return f"weights: {k} is {w.get(k)!r}, cpumoe's int4 path needs {v!r}"
+    if w.get("dynamic"):
+        return "weights: dynamic weight quantization is not supported"
+    if w.get("actorder") not in (None, "static", "weight"):
+        return f"weights: actorder {w.get('actorder')!r} (a permuted group order) is not supported"
+    g = w.get("group_size")
+    if not isinstance(g, int) or isinstance(g, bool) or g < 32 or g % 32:
+        return f"weights: group_size {g!r}, cpumoe needs a positive multiple of 32"
+    if a:
+        for k, v in {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
+                     "dynamic": True}.items():
+            if a.get(k) != v:
+                return f"input_activations: {k} is {a.get(k)!r}, cpumoe needs {v!r} (or none)"
+    return None
+
+
+def _int4_config_group(qcfg: Optional[dict], module: str) -> Optional[dict]:
+    """The config group that covers ``module`` (checked), or None without a config."""
+    if qcfg is None:
+        return None
+    if qcfg.get("quant_method") != "compressed-tensors":
+        raise UnsupportedCheckpoint(f"quantization_config: quant_method "
+                                    f"{qcfg.get('quant_method')!r}, expected 'compressed-tensors'")
+    if qcfg.get("format") not in (None, "pack-quantized"):
+        raise UnsupportedCheckpoint(f"quantization_config: format {qcfg.get('format')!r} "
+                                    f"(expected 'pack-quantized' for int4)")
+    if _targets_module(qcfg.get("ignore") or (), module):
+        raise UnsupportedCheckpoint(f"{module}: listed in quantization_config.ignore")
+    groups = qcfg.get("config_groups") or {}
+    if not isinstance(groups, dict):
+        raise UnsupportedCheckpoint("quantization_config: config_groups must be a JSON object")
+    hits = [g for g in groups.values()
+            if isinstance(g, dict) and _targets_module(g.get("targets") or (), module)]
+    if not hits:
+        raise UnsupportedCheckpoint(f"{module}: no quantization_config.config_groups entry "
+                                    f"targets it")
+    problem = int4_scheme_problem(hits[0])
+    if problem is not None:
+        raise UnsupportedCheckpoint(f"{module}: {problem}")
+    return hits[0]
+
+
+def _unpack_int4(words: np.ndarray, cols: int) -> np.ndarray:
+    """int32 [rows, ceil(cols / 8)] of compressed-tensors' packing -> int8 values [rows, cols]."""
+    b = np.ascontiguousarray(words).astype("<i4", copy=False).view(np.uint8)
+    b = b.reshape(words.shape[0], -1)
+    nib = np.stack([b & 15, b >> 4], axis=-1).reshape(words.shape[0], -1)[:, :cols]
+    return (nib.astype(np.int16) - 8).astype(np.int8)
+
+
+def load_int4_moe_layer(path: Union[PathLike, Checkpoint], layer: int, *,
+                        experts: Optional[Sequence[int]] = None, activation: str = "silu",
+                        layout: Optional[str] = None, group_size: Optional[int] = None,
+                        check_config: bool = True) -> W4LayerWeights:
+    """Reads the routed experts of one compressed-tensors int4 (pack-quantized) MoE layer.
+
+    Args:
+      path, layer, experts, activation, layout: as :func:`cpumoe.checkpoint.load_moe_layer`.
+      group_size: the group size; default from config.json (required without a config).
+      check_config: check config.json's quantization_config for the int4 scheme.
+    """
+    if activation not in _ops.ACTIVATIONS:
+        raise ValueError(f"activation: must be one of {', '.join(_ops.ACTIVATIONS)}; got "
+                         f"{activation!r}")
+    ck = _open(path)
+    if layout is None:
+        layout = next((n for n, (t, p) in LAYOUTS.items()
+                       if t.format(layer=layer, expert=0, proj=p[0]) + ".weight_packed" in ck),
+                      None)
+        if layout is None:
+            raise UnsupportedCheckpoint(f"layer {layer}: no int4 (weight_packed) experts found")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: one of {', '.join(LAYOUTS)}; got {layout!r}")
+    template, (gate, up, down) = LAYOUTS[layout]
+
+    def mod(e: int, proj: str) -> str:
+        return template.format(layer=layer, expert=e, proj=proj)
+
+    n_global = 0
+    while mod(n_global, gate) + ".weight_packed" in ck:
+        n_global += 1
+    if n_global == 0:
+        raise UnsupportedCheckpoint(f"layer {layer}: no experts of layout {layout!r}")
+    ids = _expert_ids(experts, n_global)
+    g = group_size
+    if check_config:
+        for proj in (gate, up, down):
+            grp = _int4_config_group(ck.quantization_config, mod(ids[0], proj))
+            if grp is not None:
+                cfg_g = grp["weights"]["group_size"]
+                if g is not None and g != cfg_g:
+                    raise ValueError(f"group_size: {g} given, the checkpoint's is {cfg_g}")
+                g = cfg_g
+    if g is None:
+        raise ValueError("group_size: not in a config.json; pass it")
+    shape_name = mod(ids[0], gate) + ".weight_shape"
+    if shape_name not in ck or ck.shape(shape_name) != (2,):
+        raise UnsupportedCheckpoint(f"checkpoint: missing or not [2]: {shape_name}")
+    I, H = (int(v) for v in np.asarray(ck.get(shape_name)).reshape(2))
+    if I < 1 or H < 1 or H % g or I % g:
+        raise UnsupportedCheckpoint(f"{shape_name}: [{I}, {H}] does not fit group_size {g} "
+                                    f"(both must be positive multiples of it)")
+    E = len(ids)
+    has_bias = mod(ids[0], gate) + ".bias" in ck
+    for e in ids:  # every header first: the arrays below are then the size of data on disk
+        for proj, (n, k) in ((gate, (I, H)), (up, (I, H)), (down, (H, I))):
+            m = mod(e, proj)
+            _need(ck, m + ".weight_packed", ("I32",), (n, (k + 7) // 8))
+            _need(ck, m + ".weight_scale", _FLOAT, (n, k // g))
+            if has_bias:
+                _need(ck, m + ".bias", _FLOAT, (n,))
+            zp = m + ".weight_zero_point"
+            if zp in ck and np.any(ck.get(zp) != 0):
+                raise UnsupportedCheckpoint(f"{zp}: nonzero zero points (asymmetric) are not "
+                                            f"supported")
+            sh = m + ".weight_shape"
+            if sh in ck and tuple(int(v) for v in np.asarray(ck.get(sh)).reshape(-1)) != (n, k):
+                raise UnsupportedCheckpoint(f"{sh}: {list(np.asarray(ck.get(sh)))}, expected "
+                                            f"{[n, k]}")
+    w13 = np.empty((E, 2 * I, H), np.int8)
+    w2 = np.empty((E, H, I), np.int8)
+    s13 = np.empty((E, 2 * I, H // g), np.float32)
+    s2 = np.empty((E, H, I // g), np.float32)
+    b13 = np.empty((E, 2 * I), np.float32) if has_bias else None
+    b2 = np.empty((E, H), np.float32) if has_bias else None
+    rg, ru = (slice(0, None, 2), slice(1, None, 2)) if activation == "swigluoai" else (
+        slice(0, I), slice(I, 2 * I))
+    for j, e in enumerate(ids):
+        for proj, rows, wdst, sdst, bdst, k in ((gate, rg, w13, s13, b13, H),
+                                                (up, ru, w13, s13, b13, H),
+                                                (down, slice(None), w2, s2, b2, I)):
+            m = mod(e, proj)
+            wdst[j, rows] = _unpack_int4(ck.get(m + ".weight_packed"), k)
+            sdst[j, rows] = ck.get_float32(m + ".weight_scale")
+            if has_bias:
+                bdst[j, rows] = ck.get_float32(m + ".bias")
+    return W4LayerWeights("int4", g, w13, w2, s13, s2, b13, b2, ids, n_global, activation,
+                          layer)
+
+
+# ---------------------------------------------------------------------------- mxfp4
+def load_mxfp4_moe_layer(path: Union[PathLike, Checkpoint], layer: int, *,
+                         experts: Optional[Sequence[int]] = None,
+                         prefix: str = "model.layers.{layer}.mlp.experts.") -> W4LayerWeights:
+    """Reads one gpt-oss MXFP4 MoE layer (fused expert tensors, see the module doc); its
+    activation is swigluoai (gate and up already interleaved by row)."""
+    ck = _open(path)
+    p = prefix.format(layer=layer)
+    gu, dn = p + "gate_up_proj", p + "down_proj"
+    if gu + "_blocks" not in ck:
+        raise UnsupportedCheckpoint(f"checkpoint: missing {gu}_blocks (not a gpt-oss MXFP4 "
+                                    f"layer)")
+    shape = ck.shape(gu + "_blocks")
+    if len(shape) != 4 or shape[3] != 16 or shape[1] % 2:
+        raise UnsupportedCheckpoint(f"{gu}_blocks: shape {list(shape)}, expected "
+                                    f"[E, 2I, H / 32, 16]")
+    n_global, I2, G, _ = shape
+    I, H = I2 // 2, G * 32
+    if I % 32:
+        raise UnsupportedCheckpoint(f"{gu}_blocks: I = {I} is not a multiple of 32")
+    _need(ck, gu + "_scales", ("U8",), (n_global, I2, G))
+    _need(ck, dn + "_blocks", ("U8",), (n_global, H, I // 32, 16))
+    _need(ck, dn + "_scales", ("U8",), (n_global, H, I // 32))
+    _need(ck, gu + "_blocks", ("U8",), shape)
+    has_bias = gu + "_bias" in ck
+    if has_bias:
+        _need(ck, gu + "_bias", _FLOAT, (n_global, I2))
+        _need(ck, dn + "_bias", _FLOAT, (n_global, H))
+    ids = _expert_ids(experts, n_global)
+    sel = np.asarray(ids, dtype=np.int64)
+
+    def take(name):
+        return np.ascontiguousarray(ck.get(name)[sel])
+
+    return W4LayerWeights(
+        "mxfp4", 32, take(gu + "_blocks"), take(dn + "_blocks"), take(gu + "_scales"),
+        take(dn + "_scales"),
+        ck.get_float32(gu + "_bias")[sel] if has_bias else None,
+        ck.get_float32(dn + "_bias")[sel] if has_bias else None,
+        ids, n_global, "swigluoai", layer)

@@ -1,0 +1,316 @@
+// The W4A8 op (PackedMoeW4 + fused_moe_int8) against the naive oracle (cpumoe_ref::fused_moe_w4),
+// for every q4gemm kernel this CPU runs, int4 at several group sizes and mxfp4: bit for bit with
+// the library's activation forms, the same bytes on every kernel and thread count; NaN scales;
+// argument errors.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "cpumoe/moe.h"
+#include "moe_test_util.h"
+#include "reference/reference.h"
+
+namespace {
+
+using cpumoe::Activation;
+using cpumoe::ArgumentError;
+using cpumoe::DType;
+using cpumoe::W4Format;
+using cpumoe_test::make_moe_data;
+using cpumoe_test::MoeData;
+using cpumoe_test::MoeShape;
+
+// A W4A8 problem: make_moe_data's inputs, routing and biases with 4-bit weights: the oracle's
+// codes and scale bytes, and the library's input form (int4: values one per int8; mxfp4: two
+// codes per byte, low nibble first).
+struct W4Data {
+  MoeData d;
+  cpumoe_ref::MoeProblemW4 ref;
+  std::vector<int8_t> v13, v2;        // int4 input values
+  std::vector<uint8_t> blk13, blk2;   // mxfp4 input blocks
+
+  cpumoe::MoeWeightsW4 weights() const {
+    cpumoe::MoeWeightsW4 w;
+    w.num_experts = ref.E;
+    w.hidden = ref.H;
+    w.intermediate = ref.I;
+    w.format = ref.format;
+    w.group_size = ref.group;
+    const bool mx = ref.format == W4Format::mxfp4;
+    w.w13 = mx ? static_cast<const void*>(blk13.data()) : v13.data();
+    w.w2 = mx ? static_cast<const void*>(blk2.data()) : v2.data();
+    w.s13 = ref.s13.data();
+    w.s2 = ref.s2.data();
+    w.b13 = d.b13_raw.empty() ? nullptr : d.b13_raw.data();
+    w.b13_dtype = d.b13_dtype;
+    w.b2 = d.b2_raw.empty() ? nullptr : d.b2_raw.data();
+    w.b2_dtype = d.b2_dtype;
+    return w;
+  }
+};
+
+// Group scales chosen as make_moe_data's channel scales are (GEMM1 outputs over about [-8, 8]):
+// a 4-bit value has about a tenth of an int8 weight's spread.
+W4Data make_w4(MoeShape s, W4Format f, int64_t g, DType dtype, Activation act, bool bias,
+               uint32_t seed) {
+  W4Data w;
+  w.d = make_moe_data(s, dtype, act, bias, seed);
+  auto& r = w.ref;
+  r.E = s.E;
+  r.H = s.H;
+  r.I = s.I;
+  r.format = f;
+  r.group = g;
+  r.b13 = w.d.ref.b13;
+  r.b2 = w.d.ref.b2;
+  std::mt19937 rng(seed * 7 + 1);
+  const bool mx = f == W4Format::mxfp4;
+  auto fill = [&](std::vector<uint8_t>& codes, std::vector<uint8_t>& sc, int64_t n, int64_t k,
+                  std::vector<int8_t>& vals, std::vector<uint8_t>& blk) {
+    codes.resize(size_t(s.E * n * k));
+    for (auto& c : codes) c = uint8_t(rng() & 15);
+    const int64_t groups = s.E * n * (k / g);
+    const double want = 3.0 / ((mx ? 6.0 : 4.6) * std::sqrt(double(k)));  // h ~ 3 per unit x
+    std::uniform_real_distribution<float> unit(0.5f, 1.5f);
+    if (mx) {
+      sc.resize(size_t(groups));
+      const int e0 = int(std::lround(std::log2(want))) + 128;
+      for (auto& e : sc) e = uint8_t(e0 + int(rng() % 3) - 1);
+      blk.resize(codes.size() / 2);
+      for (size_t x = 0; x < blk.size(); ++x)
+        blk[x] = uint8_t(codes[2 * x] | (codes[2 * x + 1] << 4));
+    } else {
+      sc.resize(size_t(groups) * 4);
+      for (int64_t x = 0; x < groups; ++x) {
+        const float v = unit(rng) * float(want);
+        std::memcpy(sc.data() + 4 * x, &v, 4);
+      }
+      vals.resize(codes.size());
+      for (size_t x = 0; x < codes.size(); ++x) vals[x] = cpumoe_ref::w4_value(f, codes[x]);
+    }
+  };
+  fill(r.w13, r.s13, 2 * s.I, s.H, w.v13, w.blk13);
+  fill(r.w2, r.s2, s.H, s.I, w.v2, w.blk2);
+  return w;
+}
+
+std::vector<const cpumoe::Q4GemmUkernel*> supported_w4_kernels() {
+  std::vector<const cpumoe::Q4GemmUkernel*> out;
+  for (const cpumoe::Q4GemmUkernel* k : cpumoe::q4gemm_registry())
+    if (cpumoe::cpu_supports(k->isa)) out.push_back(k);
+  return out;
+}
+
+// Bit for bit against the oracle (NaN where it has NaN), on every kernel and 1-3 threads.
+void expect_oracle_bits(const std::vector<float>& got, const std::vector<float>& exact) {
+  ASSERT_EQ(got.size(), exact.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (std::isnan(exact[i])) {
+      ASSERT_TRUE(std::isnan(got[i])) << "element " << i << ": got " << got[i] << ", want NaN";
+    } else {
+      ASSERT_EQ(std::memcmp(&got[i], &exact[i], 4), 0)
+          << "element " << i << ": got " << got[i] << " want " << exact[i];
+    }
+  }
+}
+
+void check_all_w4_paths(const W4Data& w) {
+  SCOPED_TRACE(testing::Message() << cpumoe::w4_format_name(w.ref.format) << " g=" << w.ref.group
+                                  << " T=" << w.d.s.T << " E=" << w.d.s.E << " k=" << w.d.s.k
+                                  << " H=" << w.d.s.H << " I=" << w.d.s.I << " act="
+                                  << cpumoe::activation_name(w.d.act) << " dtype="
+                                  << cpumoe::dtype_name(w.d.dtype));
+  std::vector<uint8_t> first;
+  for (const cpumoe::Q4GemmUkernel* kern : supported_w4_kernels()) {
+    const cpumoe::PackedMoeW4 pk(w.weights(), kern);
+    for (int threads : {1, 2, 3}) {
+      std::vector<uint8_t> raw = cpumoe_test::run_moe(pk, w.d, threads);
+      if (first.empty()) {
+        first = std::move(raw);
+      } else {
+        ASSERT_TRUE(raw == first) << kern->name << " threads=" << threads << " differs";
+      }
+    }
+  }
+  const std::vector<float> got = cpumoe_test::output_values(w.d, first);
+  expect_oracle_bits(got, cpumoe_ref::fused_moe_w4(w.ref, w.d.ref_inputs(), cpumoe::vec::apply));
+}
+
+struct Fmt {
+  W4Format f;
+  int64_t g;
+};
+constexpr Fmt kFormats[] = {{W4Format::int4, 32}, {W4Format::int4, 64}, {W4Format::int4, 128},
+                            {W4Format::mxfp4, 32}};
+
+// T in {0, 1, 3, 9, 33}, E in {1, 4, 8}, k in {1, 2, 4}, every activation and dtype in turn,
+// bias off and on; (H, I) multiples of the group.
+TEST(MoeW4, GridMatchesOracle) {
+  constexpr Activation kActs[] = {Activation::silu, Activation::gelu, Activation::gelu_tanh,
+                                  Activation::swigluoai};
+  constexpr DType kTypes[] = {DType::f32, DType::f16, DType::bf16};
+  uint32_t n = 0;
+  for (const Fmt& fm : kFormats) {
+    for (int64_t T : {0, 1, 3, 9, 33}) {
+      for (int64_t E : {1, 4, 8}) {
+        for (int64_t k : {1, 2, 4}) {
+          const int64_t H = fm.g * (1 + n % 3), I = fm.g * (1 + (n / 3) % 2);
+          const W4Data w = make_w4({T, E, k, H, I}, fm.f, fm.g, kTypes[n % 3], kActs[n % 4],
+                                   n % 2 == 1, 500 + n);
+          check_all_w4_paths(w);
+          if (HasFatalFailure()) return;
+          ++n;
+        }
+      }
+    }
+  }
+  std::cout << "[ moe w4 grid ] " << n << " cases x " << supported_w4_kernels().size()
+            << " kernels x 3 thread counts, bit for bit" << std::endl;
+}
+
+// Prefill-sized calls: GEMM1 fused with the activation and GEMM2's packing (several row chunks
+// per expert) and phase by phase give the oracle's bits.
+TEST(MoeW4, FusedAndPhasedGiveTheOraclesBits) {
+  for (const Fmt& fm : {Fmt{W4Format::int4, 128}, Fmt{W4Format::mxfp4, 32}}) {
+    const W4Data w = make_w4({700, 3, 2, 128, 256}, fm.f, fm.g, DType::bf16, Activation::swigluoai,
+                             true, 23);
+    const std::vector<float> exact =
+        cpumoe_ref::fused_moe_w4(w.ref, w.d.ref_inputs(), cpumoe::vec::apply);
+    for (const cpumoe::Q4GemmUkernel* kern : supported_w4_kernels()) {
+      for (bool fuse : {true, false}) {
+        SCOPED_TRACE(testing::Message() << kern->name << " fuse=" << fuse);
+        cpumoe::MoeConfig<cpumoe::Q4GemmUkernel> cfg = cpumoe::w4_config(kern);
+        cfg.tiles.fuse_gemm1 = fuse;
+        cfg.tiles.rows = 200;
+        const cpumoe::PackedMoeW4 pk(w.weights(), cfg, 1);
+        for (int threads : {1, 3}) {
+          expect_oracle_bits(cpumoe_test::output_values(w.d, run_moe(pk, w.d, threads)), exact);
+          if (HasFatalFailure()) return;
+        }
+      }
+    }
+  }
+}
+
+// An E8M0 byte of 255 is NaN: every token routed to that expert gets NaN outputs (the NaN column
+// of h reaches the activation's requantization scale), the others are exact.
+TEST(MoeW4, Mxfp4NanScalePropagates) {
+  W4Data w = make_w4({9, 4, 2, 64, 64}, W4Format::mxfp4, 32, DType::f32, Activation::silu, false,
+                     31);
+  w.ref.s13[size_t(2 * 2 * 64 * 2 + 5)] = 255;  // expert 2, a group of its w13
+  const std::vector<float> exact =
+      cpumoe_ref::fused_moe_w4(w.ref, w.d.ref_inputs(), cpumoe::vec::apply);
+  int nan_tokens = 0;
+  for (int64_t t = 0; t < 9; ++t) nan_tokens += std::isnan(exact[size_t(t * 64)]);
+  ASSERT_GT(nan_tokens, 0);
+  ASSERT_LT(nan_tokens, 9);
+  for (const cpumoe::Q4GemmUkernel* kern : supported_w4_kernels()) {
+    SCOPED_TRACE(kern->name);
+    const cpumoe::PackedMoeW4 pk(w.weights(), kern);
+    expect_oracle_bits(cpumoe_test::output_values(w.d, run_moe(pk, w.d, 2)), exact);
+  }
+}
+
+// The packed layer holds 4 bits per weight plus the group scales (about half of W8A8's bytes).
+TEST(MoeW4, PackedBytesAndAccessors) {
+  const W4Data w = make_w4({1, 3, 1, 256, 128}, W4Format::int4, 128, DType::f32,
+                           Activation::silu, true, 5);
+  const W4Data m = make_w4({1, 3, 1, 256, 128}, W4Format::mxfp4, 32, DType::f32,
+                           Activation::silu, false, 6);
+  for (const cpumoe::Q4GemmUkernel* kern : supported_w4_kernels()) {
+    SCOPED_TRACE(kern->name);
+    const cpumoe::PackedMoeW4 pk(w.weights(), kern, 2), pm(m.weights(), kern, 2);
+    EXPECT_EQ(pk.format(), W4Format::int4);
+    EXPECT_EQ(pk.group_size(), 128);
+    EXPECT_EQ(pm.format(), W4Format::mxfp4);
+    EXPECT_EQ(&pk.kernel(), kern);
+    EXPECT_TRUE(pk.has_bias13());
+    EXPECT_FALSE(pm.has_bias2());
+    const size_t weights = size_t(3) * 3 * 256 * 128;  // E * (2I * H + H * I)
+    const size_t bias = size_t(3) * (256 + 256) * 4;
+    const size_t pad = size_t(3) * 2 * 4096;  // per-expert alignment and per-block padding
+    EXPECT_GE(pk.packed_bytes(), weights / 2 + weights / 128 * 4 + bias);
+    EXPECT_LE(pk.packed_bytes(), weights / 2 + weights / 128 * 4 + bias + pad);
+    EXPECT_GE(pm.packed_bytes(), weights / 2 + weights / 32);
+    EXPECT_LE(pm.packed_bytes(), weights / 2 + weights / 32 + pad);
+  }
+}
+
+TEST(MoeW4, ScratchBoundHolds) {
+  const W4Data w = make_w4({300, 8, 4, 128, 64}, W4Format::int4, 64, DType::bf16,
+                           Activation::gelu, false, 8);
+  const cpumoe::PackedMoeW4 pk(w.weights());
+  cpumoe::release_thread_scratch();
+  run_moe(pk, w.d, 2);
+  EXPECT_GT(cpumoe::thread_scratch_bytes(), 0u);
+  EXPECT_LE(cpumoe::thread_scratch_bytes(), cpumoe::fused_moe_scratch_bytes(pk, 300, 4, 2));
+  EXPECT_EQ(cpumoe::fused_moe_scratch_bytes(pk, 300, 4, 2),
+            cpumoe::fused_moe_scratch_bytes(pk.kernel(), 8, 128, 64, 300, 4, 2));
+}
+
+// Each bad input is an ArgumentError whose message starts with the argument's name.
+TEST(MoeW4, BadWeightsAreArgumentErrors) {
+  const W4Data base = make_w4({1, 2, 1, 64, 64}, W4Format::int4, 32, DType::f32,
+                              Activation::silu, false, 9);
+  auto expect_bad = [](const cpumoe::MoeWeightsW4& mw, const char* prefix) {
+    try {
+      const cpumoe::PackedMoeW4 pk(mw);
+      ADD_FAILURE() << prefix << ": accepted";
+    } catch (const ArgumentError& e) {
+      EXPECT_EQ(std::string(e.what()).rfind(prefix, 0), 0u) << e.what();
+    }
+  };
+  {
+    W4Data w = base;
+    w.v13[77] = 8;  // outside [-8, 7]
+    expect_bad(w.weights(), "w13: int4 values");
+    w = base;
+    w.v2[3] = -9;
+    expect_bad(w.weights(), "w2: int4 values");
+  }
+  {
+    cpumoe::MoeWeightsW4 mw = base.weights();
+    mw.group_size = 48;
+    expect_bad(mw, "group_size");
+    mw.group_size = 0;
+    expect_bad(mw, "group_size");
+    mw.group_size = 128;  // does not divide H = 64
+    expect_bad(mw, "w13: hidden size");
+  }
+  {
+    W4Data w = make_w4({1, 2, 1, 128, 96}, W4Format::int4, 32, DType::f32, Activation::silu,
+                       false, 10);
+    cpumoe::MoeWeightsW4 mw = w.weights();
+    mw.group_size = 64;  // divides H = 128, not I = 96
+    expect_bad(mw, "w2: intermediate size");
+  }
+  for (float bad : {0.0f, -1.0f, std::nanf(""), INFINITY}) {
+    W4Data w = base;
+    std::memcpy(w.ref.s13.data() + 4 * 5, &bad, 4);
+    expect_bad(w.weights(), "s13");
+  }
+  {
+    cpumoe::MoeWeightsW4 mw = base.weights();
+    mw.s2 = nullptr;
+    expect_bad(mw, "s2: missing");
+    mw = base.weights();
+    mw.w13 = nullptr;
+    expect_bad(mw, "w13: missing");
+    mw = base.weights();
+    mw.format = W4Format(7);
+    expect_bad(mw, "format");
+  }
+  {
+    W4Data m = make_w4({1, 2, 1, 64, 64}, W4Format::mxfp4, 32, DType::f32, Activation::silu,
+                       false, 11);
+    cpumoe::MoeWeightsW4 mw = m.weights();
+    mw.group_size = 64;
+    expect_bad(mw, "group_size: mxfp4");
+  }
+}
+
+}  // namespace

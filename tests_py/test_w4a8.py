@@ -1,0 +1,241 @@
+"""The W4A8 ops (cpumoe.prepack_int4 / prepack_mxfp4 + fused_moe_int8) against the reference
+(cpumoe.reference.ref_fused_moe_int4 / ref_fused_moe_mxfp4), on every path, and their argument
+errors.
+
+The weights are made as checkpoints make them (cpumoe.reference.quantize_int4 / quantize_mxfp4
+of N(0, 1/sqrt(fan_in)) floats), so scales and codes have realistic spreads. The same tolerance as
+W8A8 (conftest.MOE_ATOL_OF_SCALE): the two sides differ only in the activation's last bits, which
+the requantization between the GEMMs can turn into one int8 step.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import numpy as np
+import pytest
+
+import cpumoe
+from cpumoe import reference as R
+from conftest import assert_moe_close, random_topk_ids, random_topk_weights
+
+
+@functools.lru_cache(maxsize=16)
+def _float_weights(E, H, I, seed=0):
+    rng = np.random.default_rng([seed, E, H, I, 4])
+    w13 = (rng.standard_normal((E, 2 * I, H), dtype=np.float32) / np.float32(np.sqrt(H)))
+    w2 = (rng.standard_normal((E, H, I), dtype=np.float32) / np.float32(np.sqrt(I)))
+    b13 = (rng.standard_normal((E, 2 * I)) * 0.1).astype(np.float32)
+    b2 = (rng.standard_normal((E, H)) * 0.1).astype(np.float32)
+    return w13, w2, b13, b2
+
+
+@functools.lru_cache(maxsize=16)
+def w4_weights(fmt, E, H, I, g=32, seed=0):
+    """(w13, w2, s13, s2) in the prepack function's input form, and (b13, b2)."""
+    w13, w2, b13, b2 = _float_weights(E, H, I, seed)
+    if fmt == "mxfp4":
+        q13, e13 = R.quantize_mxfp4(w13)
+        q2, e2 = R.quantize_mxfp4(w2)
+        return (q13, e13, q2, e2), (b13, b2)
+    v13, s13 = R.quantize_int4(w13, g)
+    v2, s2 = R.quantize_int4(w2, g)
+    return (v13, v2, s13, s2), (b13, b2)
+
+
+class W4Problem:
+    def __init__(self, backend, fmt, T, E, k, H, I, g=32, dtype="float32", activation="silu",
+                 bias=False, seed=0):
+        self.B, self.fmt, self.g, self.activation = backend, fmt, g, activation
+        rng = np.random.default_rng([seed, T, E, k, H, I])
+        self.T, self.H = T, H
+        self.weights, biases = w4_weights(fmt, E, H, I, g)
+        self.biases = tuple(backend.asarray(b, copy=False) for b in biases) if bias else (None,
+                                                                                          None)
+        self.x = backend.asarray(rng.standard_normal((T, H), dtype=np.float32), dtype)
+        self.ids = backend.asarray(random_topk_ids(rng, T, E, k))
+        self.tw = backend.asarray(random_topk_weights(rng, T, k))
+
+    def prepack(self, **kw):
+        w = [self.B.asarray(a, copy=False) for a in self.weights]
+        if self.fmt == "mxfp4":
+            return cpumoe.prepack_mxfp4(*w, *self.biases, **kw)
+        return cpumoe.prepack_int4(*w, *self.biases, group_size=self.g, **kw)
+
+    def run(self, packed=None, **kw):
+        return cpumoe.fused_moe_int8(self.x, packed or self.prepack(), self.tw, self.ids,
+                                     activation=self.activation, **kw)
+
+    def reference(self):
+        b13, b2 = self.biases
+        if self.fmt == "mxfp4":
+            return R.ref_fused_moe_mxfp4(self.x, *self.weights, self.tw, self.ids,
+                                         activation=self.activation, b13=b13, b2=b2)
+        return R.ref_fused_moe_int4(self.x, *self.weights, self.tw, self.ids,
+                                    activation=self.activation, b13=b13, b2=b2,
+                                    group_size=self.g)
+
+
+FORMATS = (("int4", 32), ("int4", 64), ("int4", 128), ("mxfp4", 32))
+SHAPES = ((1, 8, 2, 256, 128), (7, 16, 4, 128, 256), (64, 8, 4, 256, 256), (33, 8, 1, 128, 128))
+CASES = [pytest.param(dict(fmt=f, g=g, T=s[0], E=s[1], k=s[2], H=s[3], I=s[4], dtype=dt,
+                           activation=act, bias=bias),
+                      id=f"{f}-g{g}-T{s[0]}E{s[1]}k{s[2]}H{s[3]}I{s[4]}-{dt}-{act}"
+                         f"{'-bias' if bias else ''}")
+         for i, ((f, g), dt, act, bias) in enumerate(itertools.product(
+             FORMATS, ("float32", "bfloat16", "float16"), ("silu", "swigluoai", "gelu_tanh",
+                                                           "gelu"), (False, True)))
+         if i % 3 == 0
+         for s in (SHAPES[i % len(SHAPES)],)]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_reference_on_every_path(backend, case):
+    p = W4Problem(backend, **case)
+    packed = p.prepack()
+    assert packed.weight_format == case["fmt"]
+    assert packed.group_size == case["g"]
+    out = p.run(packed)
+    assert backend.dtype_name(out) == case["dtype"]
+    assert_moe_close(backend, out, p.reference())
+    for path in cpumoe.available_paths("w4")[1:]:
+        other = p.run(p.prepack(isa=path))
+        assert np.array_equal(backend.bits(other), backend.bits(out)), f"path {path} differs"
+
+
+def test_gpt_oss_shape_mxfp4(backend):
+    """gpt-oss's width (H = I = 2880: groups of 32 and 64, not 128), swigluoai with biases."""
+    p = W4Problem(backend, "mxfp4", 3, 1, 1, 2880, 2880, activation="swigluoai", bias=True,
+                  dtype="bfloat16")
+    assert_moe_close(backend, p.run(), p.reference())
+    q = W4Problem(backend, "int4", 3, 1, 1, 2880, 2880, g=64, activation="swigluoai", bias=True,
+                  dtype="bfloat16")
+    assert_moe_close(backend, q.run(), q.reference())
+
+
+def test_threads_out_and_expert_map(backend):
+    p = W4Problem(backend, "int4", 40, 8, 2, 128, 128, g=32, dtype="bfloat16")
+    packed = p.prepack()
+    base = p.run(packed, num_threads=1)
+    for nt in (2, 3):
+        assert np.array_equal(backend.bits(p.run(packed, num_threads=nt)), backend.bits(base))
+    out = backend.empty((40, 128), "bfloat16")
+    assert p.run(packed, out=out) is out
+    assert np.array_equal(backend.bits(out), backend.bits(base))
+    # Expert parallelism: the global ids map to this rank's 8 experts, or -1 for a 9th elsewhere.
+    emap = backend.asarray(np.array([0, 1, 2, 3, 4, 5, 6, 7, -1], np.int32))
+    got = p.run(packed, expert_map=emap)
+    assert np.array_equal(backend.bits(got), backend.bits(base))
+
+
+def test_packed_bytes_half_of_w8a8():
+    E, H, I = 4, 512, 256
+    (v13, v2, s13, s2), _ = w4_weights("int4", E, H, I, 128)
+    p4 = cpumoe.prepack_int4(v13, v2, s13, s2, group_size=128)
+    p8 = cpumoe.prepack(v13, v2, np.ones((E, 2 * I), np.float32), np.ones((E, H), np.float32))
+    weights = E * 3 * H * I
+    assert weights // 2 <= p4.packed_bytes - weights // 128 * 4 <= weights // 2 + 64 * 1024
+    assert p4.packed_bytes < 0.55 * p8.packed_bytes
+    assert "int4" in repr(p4) and p4.path in cpumoe.available_paths("w4")
+
+
+def test_mxfp4_nan_scale_gives_nan_rows():
+    (b13, e13, b2, e2), _ = w4_weights("mxfp4", 4, 128, 64)
+    e13 = e13.copy()
+    e13[1, 3, 2] = 255  # expert 1: NaN (E8M0 255)
+    packed = cpumoe.prepack_mxfp4(b13, e13, b2, e2)
+    x = np.random.default_rng(3).standard_normal((4, 128)).astype(np.float32)
+    ids = np.array([[1], [0], [1], [2]], np.int32)
+    out = cpumoe.fused_moe_int8(x, packed, np.ones((4, 1), np.float32), ids)
+    assert np.isnan(out[[0, 2]]).all() and np.isfinite(out[[1, 3]]).all()
+    ref = R.ref_fused_moe_mxfp4(x, b13, e13, b2, e2, np.ones((4, 1), np.float32), ids)
+    assert np.isnan(ref[[0, 2]]).all()
+
+
+def test_scratch_bytes_covers_a_call():
+    (v13, v2, s13, s2), _ = w4_weights("int4", 8, 128, 128, 32)
+    packed = cpumoe.prepack_int4(v13, v2, s13, s2, group_size=32)
+    x = np.ones((50, 128), np.float32)
+    cpumoe._C.release_thread_scratch()  # this thread's block from earlier, larger calls
+    ids = np.tile(np.arange(4, dtype=np.int32), (50, 1))
+    cpumoe.fused_moe_int8(x, packed, np.ones((50, 4), np.float32), ids, num_threads=2)
+    assert 0 < cpumoe._C.thread_scratch_bytes() <= cpumoe.scratch_bytes(50, 4, packed,
+                                                                        num_threads=2)
+
+
+# ---------------------------------------------------------------------------- errors
+def test_int4_bad_inputs_are_clear_errors():
+    (v13, v2, s13, s2), _ = w4_weights("int4", 2, 128, 64, 32)
+
+    def bad(exc, match, *a, **kw):
+        with pytest.raises(exc, match=match):
+            cpumoe.prepack_int4(*a, **kw)
+
+    v = v13.copy()
+    v[0, 1, 2] = 8
+    bad(ValueError, r"^w13: int4 values must be in \[-8, 7\]", v, v2, s13, s2)
+    v = v2.copy()
+    v[1, 0, 0] = -9
+    bad(ValueError, r"^w2: int4 values", v13, v, s13, s2)
+    bad(ValueError, "^group_size: 128 must divide I = 64", v13, v2, s13, s2, group_size=128)
+    bad(ValueError, "^group_size: must be a positive multiple of 32", v13, v2, s13, s2,
+        group_size=48)
+    bad(ValueError, "^group_size", v13, v2, s13, s2, group_size=0)
+    bad(ValueError, r"^s13: .*shape", v13, v2, s13[:, :, :2], s2)
+    bad(ValueError, r"^s2: .*shape", v13, v2, s13, s2.reshape(2, 128, 2)[:, :, :1])
+    bad(ValueError, "^s13: every scale must be finite and > 0",
+        v13, v2, np.where(s13 > 0, np.nan, s13).astype(np.float32), s2)
+    s = s2.copy()
+    s[0, 0, 0] = 0
+    bad(ValueError, "^s2: every scale", v13, v2, s13, s)
+    bad(TypeError, "^w13: dtype must be int8", v13.astype(np.float32), v2, s13, s2)
+    bad(TypeError, "^w2: dtype must be int8", v13, v2.astype(np.int16), s13, s2)
+    bad(ValueError, "^w13: shape", v13[0], v2, s13, s2)
+    bad(ValueError, "^w2: ", v13, v2[:, :, :32], s13, s2)
+
+
+def test_mxfp4_bad_inputs_are_clear_errors():
+    (b13, e13, b2, e2), _ = w4_weights("mxfp4", 2, 128, 64)
+
+    def bad(exc, match, *a):
+        with pytest.raises(exc, match=match):
+            cpumoe.prepack_mxfp4(*a)
+
+    bad(TypeError, "^w13_blocks: dtype must be uint8", b13.view(np.int8), e13, b2, e2)
+    bad(TypeError, "^w2_scales: dtype must be uint8", b13, e13, b2, e2.astype(np.float32))
+    bad(ValueError, r"^w13_blocks: shape must be \[E, 2I, H / 32, 16\]", b13[..., :8], e13, b2,
+        e2)
+    bad(ValueError, "^w2_blocks: ", b13, e13, b2[:, :64], e2)
+    bad(ValueError, "^w13_scales: ", b13, e13[:, :, :1], b2, e2)
+    bad(ValueError, "^w2_scales: ", b13, e13, b2, e2[:1])
+
+
+def test_reference_rejects_out_of_range_int4():
+    (v13, v2, s13, s2), _ = w4_weights("int4", 2, 128, 64, 32)
+    v = v13.astype(np.int8) * 2
+    with pytest.raises(ValueError, match="int4 values"):
+        R.ref_fused_moe_int4(np.ones((1, 128), np.float32), v, v2, s13, s2,
+                             np.ones((1, 1), np.float32), np.zeros((1, 1), np.int32))
+
+
+def test_quantizers_round_trip():
+    """quantize_int4 / quantize_mxfp4 of values already on their grid are exact."""
+    rng = np.random.default_rng(9)
+    v = rng.integers(-7, 8, (3, 64), dtype=np.int8)
+    v[:, ::32] = 7  # every group reaches 7: its scale is exactly the unit
+    w = v.astype(np.float32) * np.float32(0.25)
+    q, s = R.quantize_int4(w, 32)
+    assert np.array_equal(q, v) and np.allclose(s, 0.25)
+    assert np.array_equal(R.dequantize_int4(q, s, 32), w)
+    # Ties between two magnitudes go to the even code: 0.75 (codes 1, 2) -> 1.0, 1.25 -> 1.0,
+    # 5 (codes 6, 7) -> 4.
+    tb, ts = R.quantize_mxfp4(np.array([[6.0, 0.75, 1.25, 5.0, -0.25] + [0.0] * 27], np.float32))
+    assert ts[0, 0] == 127
+    assert np.array_equal(R.dequantize_mxfp4(tb, ts)[0, :5], [6.0, 1.0, 1.0, 4.0, -0.0])
+    codes = rng.integers(0, 16, (3, 64))
+    codes[:, ::32] = 7  # +6 in every group: exponent 0 relative to 2^(e - 127)
+    vals = R.MXFP4_VALUES[codes] * np.float32(4.0)
+    blocks, scales = R.quantize_mxfp4(vals)
+    assert np.array_equal(R.dequantize_mxfp4(blocks, scales), vals)
+    assert (scales == 129).all()
