@@ -102,11 +102,13 @@ inline __m512i bcast(const int8_t* p) {
 
 // Rows [0, MR) of A (row r at a + r * lda) x blocks [0, NB) of B (block b at b + b * bstride),
 // columns j0 .. of the call (nc real columns in all).
-template <int MR, int NB, bool Mx>
+// G: the group size when known at compile time (32: mxfp4's and the common int4 one, its slice
+// loop and row sums unrolled), else 0 (w.group).
+template <int MR, int NB, bool Mx, int G>
 void tile(const uint8_t* a, int64_t lda, const uint8_t* bp, int64_t bstride, int64_t k,
           int64_t kp, const W4Layout& w, const Decode& dec, int64_t i0, int64_t j0, int64_t n,
           float* dst, int64_t ld, const Q4GemmEpilogue& ep) {
-  const int64_t g = w.group, groups = k / g, gbytes = Packing::group_bytes(w);
+  const int64_t g = G > 0 ? G : w.group, groups = k / g, gbytes = Packing::group_bytes(w);
   const int64_t cbytes = Packing::codes_bytes(w);
   alignas(64) float acc[MR][NB][kNr] = {};
   __m512i isum[MR][NB];
@@ -162,7 +164,7 @@ void tile(const uint8_t* a, int64_t lda, const uint8_t* bp, int64_t bstride, int
 }
 
 // One tile of the walk: MR rows (a compile-time count) x nb blocks.
-template <int MR, bool Mx>
+template <int MR, bool Mx, int G>
 void tile_blocks(int64_t nb, const uint8_t* a, int64_t lda, const uint8_t* bp, int64_t bstride,
                  int64_t k, int64_t kp, const W4Layout& w, const Decode& dec, int64_t i0,
                  int64_t j0, int64_t n, float* dst, int64_t ld, const Q4GemmEpilogue& ep) {
@@ -171,7 +173,7 @@ void tile_blocks(int64_t nb, const uint8_t* a, int64_t lda, const uint8_t* bp, i
 #define CPUMOE_Q4_NB(NB)                                                              \
   case NB:                                                                            \
     if constexpr (NB <= kMaxNb)                                                       \
-      tile<MR, NB, Mx>(a, lda, bp, bstride, k, kp, w, dec, i0, j0, n, dst, ld, ep);   \
+      tile<MR, NB, Mx, G>(a, lda, bp, bstride, k, kp, w, dec, i0, j0, n, dst, ld, ep);   \
     break;
     CPUMOE_Q4_NB(1) CPUMOE_Q4_NB(2) CPUMOE_Q4_NB(3) CPUMOE_Q4_NB(4)
 #undef CPUMOE_Q4_NB
@@ -179,7 +181,7 @@ void tile_blocks(int64_t nb, const uint8_t* a, int64_t lda, const uint8_t* bp, i
   }
 }
 
-template <bool Mx>
+template <bool Mx, int G>
 void run(int64_t m, int64_t n, int64_t k, const W4Layout& w, const uint8_t* a,
          const uint8_t* b, float* dst, int64_t ld, const Q4GemmEpilogue& ep) {
   const Decode dec(w.format);
@@ -192,7 +194,7 @@ void run(int64_t m, int64_t n, int64_t k, const W4Layout& w, const uint8_t* a,
     const int64_t j0 = jb * kNr;
     switch (rows) {
 #define CPUMOE_Q4_ROWS(R) \
-  case R: tile_blocks<R, Mx>(nb, ai, lda, bj, bstride, k, kp, w, dec, i0, j0, n, dst, ld, ep); break;
+  case R: tile_blocks<R, Mx, G>(nb, ai, lda, bj, bstride, k, kp, w, dec, i0, j0, n, dst, ld, ep); break;
       CPUMOE_Q4_ROWS(1) CPUMOE_Q4_ROWS(2) CPUMOE_Q4_ROWS(3)
       CPUMOE_Q4_ROWS(4) CPUMOE_Q4_ROWS(5) CPUMOE_Q4_ROWS(6)
       CPUMOE_Q4_ROWS(7) CPUMOE_Q4_ROWS(8)
@@ -206,8 +208,9 @@ void run_f32(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs
              const void* rhs, float* dst, int64_t dst_stride, const Q4GemmEpilogue& ep) {
   const auto* a = static_cast<const uint8_t*>(lhs);
   const auto* b = static_cast<const uint8_t*>(rhs);
-  if (w.format == W4Format::mxfp4) run<true>(m, n, k, w, a, b, dst, dst_stride, ep);
-  else run<false>(m, n, k, w, a, b, dst, dst_stride, ep);
+  if (w.format == W4Format::mxfp4) run<true, 32>(m, n, k, w, a, b, dst, dst_stride, ep);
+  else if (w.group == 32) run<false, 32>(m, n, k, w, a, b, dst, dst_stride, ep);
+  else run<false, 0>(m, n, k, w, a, b, dst, dst_stride, ep);
   if (ep.stream_dst) _mm_sfence();  // the non-temporal stores visible before the call returns
 }
 
