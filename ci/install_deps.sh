@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Installs what building and testing cpumoe needs on a fresh Debian 12 machine (idempotent; quick
 # when everything is there): the native and aarch64 cross toolchains, qemu-user, GoogleTest's
-# sources, and the Python build/test packages (torch pinned: any other spec may pull a CUDA build).
+# sources, the SIMDe headers (tests_cpp/avx512emu: the AVX-512 kernels emulated on CPUs without
+# AVX-512), and the Python build/test packages (torch pinned: any other spec may pull a CUDA build).
 set -euo pipefail
 export DEBIAN_FRONTEND=noninteractive
 
-APT_PKGS=(cmake ninja-build g++ g++-aarch64-linux-gnu qemu-user googletest)
+APT_PKGS=(cmake ninja-build g++ g++-aarch64-linux-gnu qemu-user googletest libsimde-dev)
 PIP_PKGS=("torch==2.13.0" "numpy>=1.22" "ml_dtypes>=0.3" "pytest>=7" "pybind11>=2.12"
           "scikit-build-core>=0.10" "safetensors>=0.4" "tqdm>=4.60" "matplotlib>=3.5"
           "atheris>=2.3")

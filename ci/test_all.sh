@@ -46,17 +46,18 @@ stage_x86_haswell() {
   log "native: x86-haswell, test binaries under qemu-x86_64 -cpu Haswell"
   command -v qemu-x86_64 >/dev/null || { echo "x86-haswell: qemu-x86_64 missing (qemu-user)" >&2; exit 1; }
   local t out fam
-  for t in cpumoe_qgemm_test cpumoe_bgemm_test cpumoe_moe_test cpumoe_moe_bf16_test cpumoe_numerics_test; do
+  for t in cpumoe_qgemm_test cpumoe_bgemm_test cpumoe_q4gemm_test cpumoe_moe_test cpumoe_moe_bf16_test cpumoe_numerics_test; do
     if ! out=$(OMP_WAIT_POLICY=PASSIVE qemu-x86_64 -cpu Haswell "$BUILD/native/tests_cpp/$t" 2>&1); then
       tail -n 60 <<<"$out"
       echo "x86-haswell: $t failed under qemu -cpu Haswell" >&2
       exit 1
     fi
     grep -E '^\[ selected \]|^\[  (PASSED|SKIPPED) +\] [0-9]+ test' <<<"$out" || true
-    # The kernel families (qgemm int8, bgemm bf16): the AVX2 kernel selected, no AVX-512 one run.
+    # The kernel families (qgemm int8, bgemm bf16, q4gemm W4A8): the AVX2 kernel selected, no
+    # AVX-512 one run.
     fam=${t#cpumoe_}
     fam=${fam%_test}
-    if [ "$fam" = qgemm ] || [ "$fam" = bgemm ]; then
+    if [ "$fam" = qgemm ] || [ "$fam" = bgemm ] || [ "$fam" = q4gemm ]; then
       grep -qE "^\[ selected \] ${fam}_[a-z0-9_]+_avx2 \(isa avx2" <<<"$out" ||
         { echo "x86-haswell: the AVX2 $fam kernel was not selected" >&2; exit 1; }
       ! grep -qE '^\[       OK \] .*(avx512|amx)' <<<"$out" ||

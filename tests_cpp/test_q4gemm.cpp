@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <iostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -12,6 +13,9 @@
 #include "cpumoe/q4gemm.h"
 #include "q4gemm_tester.h"
 #include "reference/reference.h"
+#if defined(CPUMOE_TEST_AVX512_EMU)
+#include "avx512emu/q4gemm_avx512_emu.h"
+#endif
 
 namespace {
 
@@ -171,8 +175,50 @@ std::string KernelName(const testing::TestParamInfo<const Q4GemmUkernel*>& info)
   return info.param->name;
 }
 
+#if defined(CPUMOE_TEST_AVX512_EMU)
+// The AVX-512 kernels' code over SIMDe (tests_cpp/avx512emu), in a binary of its own.
+INSTANTIATE_TEST_SUITE_P(Avx512Emu, Q4GemmKernelTest,
+                         testing::Values(&cpumoe_test::q4gemm_avx512_vnni_simde), KernelName);
+#else
 INSTANTIATE_TEST_SUITE_P(Registry, Q4GemmKernelTest, testing::ValuesIn(cpumoe::q4gemm_registry()),
                          KernelName);
+#endif
+
+// The registry best first by level, each name in the grammar with its tile and level; select takes
+// the best kernel this CPU runs within the cap (and CPUMOE_ISA). The selected kernel is printed
+// ("[ selected ] <name> (isa <level>)"): ci/test_all.sh's x86-haswell stage checks it is the AVX2
+// one there.
+TEST(Q4GemmRegistry, OrderedNamedAndSelectedWithinTheCap) {
+  const auto& reg = cpumoe::q4gemm_registry();
+  ASSERT_FALSE(reg.empty());
+  EXPECT_EQ(reg.back()->isa, cpumoe::Isa::portable);
+  for (size_t i = 0; i < reg.size(); ++i) {
+    const std::string name = reg[i]->name;
+    EXPECT_EQ(name.rfind("q4gemm_", 0), 0u) << name;
+    const std::string tail = std::string("_") + cpumoe::isa_name(reg[i]->isa);
+    EXPECT_EQ(name.compare(name.size() - tail.size(), tail.size(), tail), 0) << name;
+    const std::string tile = "_" + std::to_string(reg[i]->mr) + "x" + std::to_string(reg[i]->nr) + "_";
+    EXPECT_NE(name.find(tile), std::string::npos) << name << " lacks its tile " << tile;
+    EXPECT_EQ(cpumoe::q4gemm_find(reg[i]->name), reg[i]);
+    if (i + 1 < reg.size()) {
+      EXPECT_GT(int(reg[i]->isa), int(reg[i + 1]->isa)) << name;
+    }
+  }
+  const cpumoe::Isa* env = cpumoe::env_isa_cap();
+  for (cpumoe::Isa cap : cpumoe::isa_ladder()) {
+    const Q4GemmUkernel* want = nullptr;
+    for (const Q4GemmUkernel* c : reg)
+      if (int(c->isa) <= int(cap) && (env == nullptr || int(c->isa) <= int(*env)) &&
+          cpumoe::cpu_supports(c->isa)) {
+        want = c;
+        break;
+      }
+    EXPECT_EQ(cpumoe::q4gemm_select(&cap), want) << cpumoe::isa_name(cap);
+  }
+  const Q4GemmUkernel* sel = cpumoe::q4gemm_select();
+  std::cout << "[ selected ] " << sel->name << " (isa " << cpumoe::isa_name(sel->isa) << ")"
+            << std::endl;
+}
 
 // The decode tables against the formats' definitions (the oracle's own decoding).
 TEST(W4Format, DecodeTablesAndScales) {

@@ -20,7 +20,7 @@
 // int32 accumulators, the totals in registers too); 3-8 rows: 2x1, 3x1, 4x1 (one whole A block
 // per column block: the unpacking of each B register serves up to 4 row pairs; the totals in a
 // small stack array, one ld1 and st1 per pair and group).
-// Instruction counts (qemu, tests_cpp/bench/q4gemm_bench.cpp, the Qwen3 layer's GEMMs): the k
+// Instruction counts (qemu, tests_cpp/bench/q4gemm_insn_bench.cpp, the Qwen3 layer's GEMMs): the k
 // loops take 74 instructions per 32 SMMLA in decode tiles (int8: about 40: the unpacking costs
 // one instruction per SMMLA when no other row pair shares it) and 88 per 64 in the 4x1 tile.
 //

@@ -1,0 +1,211 @@
+// q4gemm_qs8rs_q4ci8x8_4x8_avx2: the W4A8 GEMM (int8 activations x int4 / mxfp4 codes with group
+// scales) on AVX2 (Haswell and later, no VNNI needed).
+//
+// As the AVX-512 VNNI kernel, the weights are decoded (vpshufb on a 16-byte table, both formats)
+// to unsigned u = v + off (off 8 for int4, 12 for mxfp4, u <= 24) and A stays signed; here the
+// product is vpmaddubsw (u8 x s8 pairs into int16, saturating), which is exact because u is small:
+// one pair is at most 2 * 24 * 128 = 6144 in magnitude, and the pairs of the two 4-k halves of an
+// 8-k slice add in int16 (<= 12288) before vpmaddwd with ones widens them into the int32 sums.
+// The offset comes back as in the VNNI kernel: each group's int32 accumulators start at
+// -off * sum_g a, from the `qs8rs` row sums of the packed A.
+//
+// Layouts:
+//   A (`qs8rs`, Q4LhsRowSums): row i at i * (kp + kp / 8): kp = round_up(k, 32) int8, then kp / 32
+//      int32 sums of 32-k slices.
+//   B (`q4ci8x8`, Q4Packing<8> + NibbleSlices8<8>): blocks of 8 columns; per group, per 8 k, 32
+//      bytes: byte 4c + t = column c's k 8s + t (low nibble) and 8s + 4 + t (high nibble); then
+//      the group's 8 scales (fp32 for int4, E8M0 bytes for mxfp4, decoded here).
+// Loop: per column step (4 blocks = 32 columns for one row, else 1 block) and row tile (up to 4
+// rows, split evenly), per group: per 8 k and block, one 32-byte load decoded into two
+// ymm (and, shift + and, two vpshufb), then per row two vpmaddubsw with the row's two 4-byte A
+// words broadcast, vpaddw, vpmaddwd, vpaddd; at the group end cvt, mul by the group scales and add
+// into the fp32 accumulators (the order of q4gemm.h: no FMA). The int32 accumulators (<= 8 ymm)
+// stay in registers; the fp32 ones, touched once per group, live in L1 (16 ymm are too few for
+// both). Epilogue: * lhs_scale, + bias, vpmaskmov at the tail (nothing past n is written).
+// Features used: AVX2 (FMA is part of the level's contract, not used here).
+#if !defined(__x86_64__) || !defined(__AVX2__)
+#error "q4gemm_qs8rs_q4ci8x8_4x8_avx2.cpp needs -mavx2 -mfma (set per file by CMake)"
+#endif
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "cpumoe/q4gemm.h"
+#include "ukernels/common/x86/avx2_common.h"
+#include "ukernels/q4gemm/q4gemm_common.h"
+
+namespace cpumoe {
+namespace {
+
+constexpr int64_t kMr = 4;
+constexpr int64_t kNr = 8;
+using Packing = Q4Packing<kNr>;
+using Arrange = NibbleSlices8<kNr>;
+constexpr int64_t kSliceBytes = 4 * kNr;  // 8 k of one block
+// One row: 4 blocks per step (4 weight streams, 4 int32 accumulators); more: one block, up to 4
+// rows. A decoded vector feeds every row of the tile, and the row's two broadcast A words every
+// block of it: with 2 blocks x 4 rows, the 8 accumulators, 8 broadcasts, 2 decoded vectors and 3
+// constants exceed the 16 ymm and GCC keeps the accumulators on the stack (measured: load, add
+// and store per multiply-add).
+constexpr int kSmallRows = 1, kSmallBlocks = 4, kRows = 4, kBlocks = 1;
+constexpr int64_t kPrefetch = 512;  // bytes ahead in each block's stream
+
+// What stays in registers over the call: the nibble mask, the unsigned decode table, int16 ones.
+struct Decode {
+  __m256i mask, table, ones;
+  int32_t offset;
+  explicit Decode(W4Format f) {
+    const int8_t* t = w4_decode_table(f);
+    offset = f == W4Format::mxfp4 ? 12 : 8;
+    alignas(16) int8_t u[16];
+    for (int c = 0; c < 16; ++c) u[c] = int8_t(t[c] + offset);
+    mask = _mm256_set1_epi8(0x0f);
+    table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(u)));
+    ones = _mm256_set1_epi16(1);
+  }
+  // 32 code bytes -> the unsigned values of k 0..3 (lo) and 4..7 (hi) of 8 columns.
+  void operator()(const uint8_t* p, __m256i& lo, __m256i& hi) const {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    lo = _mm256_shuffle_epi8(table, _mm256_and_si256(x, mask));
+    hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(x, 4), mask));
+  }
+};
+
+// The 8 fp32 scales of one group of a block (at p, after its codes).
+template <bool Mx>
+inline __m256 load_scales(const uint8_t* p) {
+  if constexpr (!Mx) {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+  } else {
+    // E8M0 e -> 2^(e - 128) as w4_mxfp4_scale: (e - 1) << 23, e = 0, 1 subnormal, 255 NaN.
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    __m256i bits = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    bits = _mm256_blendv_epi8(bits, _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e),
+                              _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e));
+    bits = _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x7fc00000),
+                              _mm256_cmpeq_epi32(e, _mm256_set1_epi32(255)));
+    return _mm256_castsi256_ps(bits);
+  }
+}
+
+inline __m256i bcast(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);  // vpbroadcastd from memory: a load, no shuffle
+}
+
+// Rows [0, MR) of A (row r at a + r * lda) x blocks [0, NB) of B (block b at b + b * bstride),
+// columns j0 .. of the call.
+// G: the group size when known at compile time (32: mxfp4's and the common int4 one, its slice
+// loop and row sums unrolled), else 0 (w.group).
+template <int MR, int NB, bool Mx, int G>
+void tile(const uint8_t* a, int64_t lda, const uint8_t* bp, int64_t bstride, int64_t k,
+          int64_t kp, const W4Layout& w, const Decode& dec, int64_t i0, int64_t j0, int64_t n,
+          float* dst, int64_t ld, const Q4GemmEpilogue& ep) {
+  const int64_t g = G > 0 ? G : w.group, groups = k / g, gbytes = Packing::group_bytes(w);
+  const int64_t cbytes = Packing::codes_bytes(w);
+  alignas(32) float acc[MR][NB][kNr] = {};
+  __m256i isum[MR][NB];
+  for (int64_t gi = 0; gi < groups; ++gi) {
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      const uint32_t sum = uint32_t(Q4LhsRowSums::group_sum(a + r * lda, kp, gi, g));
+      const __m256i init = _mm256_set1_epi32(int32_t(0u - uint32_t(dec.offset) * sum));
+#pragma GCC unroll 4
+      for (int b = 0; b < NB; ++b) isum[r][b] = init;
+    }
+    const uint8_t* grp = bp + gi * gbytes;
+    const int8_t* ag = reinterpret_cast<const int8_t*>(a) + gi * g;
+    for (int64_t s = 0; s < g / 8; ++s) {
+#pragma GCC unroll 4
+      for (int b = 0; b < NB; ++b) {
+        const uint8_t* p = grp + b * bstride + s * kSliceBytes;
+        _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch), _MM_HINT_T0);
+        __m256i lo, hi;
+        dec(p, lo, hi);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r) {
+          const __m256i pl = _mm256_maddubs_epi16(lo, bcast(ag + r * lda + 8 * s));
+          const __m256i ph = _mm256_maddubs_epi16(hi, bcast(ag + r * lda + 8 * s + 4));
+          isum[r][b] = _mm256_add_epi32(
+              isum[r][b], _mm256_madd_epi16(_mm256_add_epi16(pl, ph), dec.ones));
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int b = 0; b < NB; ++b) {
+      const __m256 sc = load_scales<Mx>(grp + b * bstride + cbytes);
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) {
+        const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(isum[r][b]), sc);
+        _mm256_store_ps(acc[r][b], _mm256_add_ps(_mm256_load_ps(acc[r][b]), f));
+      }
+    }
+  }
+  const StoreF32Acc store{dst, ld, ep.bias};
+  for (int b = 0; b < NB; ++b) {
+    const int64_t c0 = j0 + kNr * b;
+    const int64_t nc = std::min<int64_t>(kNr, n - c0);
+    for (int r = 0; r < MR; ++r)
+      store(i0 + r, c0, nc,
+            _mm256_mul_ps(_mm256_load_ps(acc[r][b]), _mm256_set1_ps(ep.lhs_scale[i0 + r])));
+  }
+}
+
+// One tile of the walk: MR rows (a compile-time count) x nb blocks.
+template <int MR, bool Mx, int G>
+void tile_blocks(int64_t nb, const uint8_t* a, int64_t lda, const uint8_t* bp, int64_t bstride,
+                 int64_t k, int64_t kp, const W4Layout& w, const Decode& dec, int64_t i0,
+                 int64_t j0, int64_t n, float* dst, int64_t ld, const Q4GemmEpilogue& ep) {
+  constexpr int kMaxNb = MR <= kSmallRows ? kSmallBlocks : kBlocks;
+  switch (nb) {
+#define CPUMOE_Q4_NB(NB)                                                              \
+  case NB:                                                                            \
+    if constexpr (NB <= kMaxNb)                                                       \
+      tile<MR, NB, Mx, G>(a, lda, bp, bstride, k, kp, w, dec, i0, j0, n, dst, ld, ep);   \
+    break;
+    CPUMOE_Q4_NB(1) CPUMOE_Q4_NB(2) CPUMOE_Q4_NB(3) CPUMOE_Q4_NB(4)
+#undef CPUMOE_Q4_NB
+    default: break;  // unreachable: nb <= the step's blocks
+  }
+}
+
+template <bool Mx, int G>
+void run(int64_t m, int64_t n, int64_t k, const W4Layout& w, const uint8_t* a,
+         const uint8_t* b, float* dst, int64_t ld, const Q4GemmEpilogue& ep) {
+  const Decode dec(w.format);
+  const int64_t kp = Q4LhsRowSums::padded_k(k), lda = Q4LhsRowSums::row_bytes(k);
+  const int64_t bstride = int64_t(Packing::block_bytes(k, w));
+  walk_q4_tiles(m, n, kNr, kSmallRows, kSmallBlocks, kRows, kBlocks,
+                [&](int64_t rows, int64_t nb, int64_t i0, int64_t jb) {
+    const uint8_t* ai = a + i0 * lda;
+    const uint8_t* bj = b + jb * bstride;
+    const int64_t j0 = jb * kNr;
+    switch (rows) {
+#define CPUMOE_Q4_ROWS(R) \
+  case R: tile_blocks<R, Mx, G>(nb, ai, lda, bj, bstride, k, kp, w, dec, i0, j0, n, dst, ld, ep); break;
+      CPUMOE_Q4_ROWS(1) CPUMOE_Q4_ROWS(2) CPUMOE_Q4_ROWS(3) CPUMOE_Q4_ROWS(4)
+#undef CPUMOE_Q4_ROWS
+      default: break;  // unreachable: rows <= kRows
+    }
+  });
+}
+
+void run_f32(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs,
+             const void* rhs, float* dst, int64_t dst_stride, const Q4GemmEpilogue& ep) {
+  const auto* a = static_cast<const uint8_t*>(lhs);
+  const auto* b = static_cast<const uint8_t*>(rhs);
+  if (w.format == W4Format::mxfp4) run<true, 32>(m, n, k, w, a, b, dst, dst_stride, ep);
+  else if (w.group == 32) run<false, 32>(m, n, k, w, a, b, dst, dst_stride, ep);
+  else run<false, 0>(m, n, k, w, a, b, dst, dst_stride, ep);
+}
+
+}  // namespace
+
+extern const Q4GemmUkernel q4gemm_qs8rs_q4ci8x8_4x8_avx2 = make_q4gemm<Q4LhsRowSums, Packing>(
+    "q4gemm_qs8rs_q4ci8x8_4x8_avx2", Isa::avx2, kMr, pack_lhs_qs8rs,
+    pack_rhs_q4<Packing, Arrange>, run_f32);
+
+}  // namespace cpumoe

@@ -1,0 +1,77 @@
+// The few AVX-512 intrinsics the kernels use that SIMDe 0.7.4 (Debian bookworm) lacks, written
+// lane by lane from their definitions in Intel's intrinsics guide, over SIMDe's types, as macros
+// in the way SIMDe's own native aliases are. Test-only (q4gemm_avx512_simde.cpp).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace cpumoe_test {
+namespace simde_shim {
+
+inline simde__m512 cvtepi32_ps(simde__m512i a) {
+  int32_t x[16];
+  float y[16];
+  std::memcpy(x, &a, 64);
+  for (int i = 0; i < 16; ++i) y[i] = float(x[i]);  // round to nearest even, as vcvtdq2ps
+  simde__m512 r;
+  std::memcpy(&r, y, 64);
+  return r;
+}
+inline simde__m512i cvtepu8_epi32(simde__m128i a) {
+  uint8_t x[16];
+  int32_t y[16];
+  std::memcpy(x, &a, 16);
+  for (int i = 0; i < 16; ++i) y[i] = x[i];
+  simde__m512i r;
+  std::memcpy(&r, y, 64);
+  return r;
+}
+inline simde__mmask16 cmplt_epu32_mask(simde__m512i a, simde__m512i b) {
+  uint32_t x[16], y[16];
+  std::memcpy(x, &a, 64);
+  std::memcpy(y, &b, 64);
+  unsigned m = 0;
+  for (int i = 0; i < 16; ++i) m |= unsigned(x[i] < y[i]) << i;
+  return simde__mmask16(m);
+}
+// Lanes not in k from src; shift counts >= 32 give 0.
+inline simde__m512i mask_sllv_epi32(simde__m512i src, simde__mmask16 k, simde__m512i a,
+                                    simde__m512i cnt) {
+  uint32_t s[16], x[16], c[16];
+  std::memcpy(s, &src, 64);
+  std::memcpy(x, &a, 64);
+  std::memcpy(c, &cnt, 64);
+  for (int i = 0; i < 16; ++i)
+    if ((k >> i) & 1) s[i] = c[i] >= 32 ? 0u : x[i] << c[i];
+  simde__m512i r;
+  std::memcpy(&r, s, 64);
+  return r;
+}
+// Masked-off lanes are neither read nor written (and load as 0).
+inline simde__m512 maskz_loadu_ps(simde__mmask16 k, const void* p) {
+  float y[16] = {};
+  for (int i = 0; i < 16; ++i)
+    if ((k >> i) & 1) std::memcpy(&y[i], static_cast<const char*>(p) + 4 * i, 4);
+  simde__m512 r;
+  std::memcpy(&r, y, 64);
+  return r;
+}
+inline void mask_storeu_ps(void* p, simde__mmask16 k, simde__m512 a) {
+  float y[16];
+  std::memcpy(y, &a, 64);
+  for (int i = 0; i < 16; ++i)
+    if ((k >> i) & 1) std::memcpy(static_cast<char*>(p) + 4 * i, &y[i], 4);
+}
+inline void stream_ps(void* p, simde__m512 a) { std::memcpy(p, &a, 64); }
+
+}  // namespace simde_shim
+}  // namespace cpumoe_test
+
+#define _mm512_cvtepi32_ps(a) cpumoe_test::simde_shim::cvtepi32_ps(a)
+#define _mm512_cvtepu8_epi32(a) cpumoe_test::simde_shim::cvtepu8_epi32(a)
+#define _mm512_cmplt_epu32_mask(a, b) cpumoe_test::simde_shim::cmplt_epu32_mask(a, b)
+#define _mm512_mask_sllv_epi32(s, k, a, c) cpumoe_test::simde_shim::mask_sllv_epi32(s, k, a, c)
+#define _mm512_maskz_loadu_ps(k, p) cpumoe_test::simde_shim::maskz_loadu_ps(k, p)
+#define _mm512_mask_storeu_ps(p, k, a) cpumoe_test::simde_shim::mask_storeu_ps(p, k, a)
+#define _mm512_stream_ps(p, a) cpumoe_test::simde_shim::stream_ps(p, a)
