@@ -278,6 +278,8 @@ TEST(MoeW4, BadWeightsAreArgumentErrors) {
     expect_bad(mw, "group_size");
     mw.group_size = 0;
     expect_bad(mw, "group_size");
+    mw.group_size = 2 * cpumoe::kW4MaxGroup;
+    expect_bad(mw, "group_size: at most");
     mw.group_size = 128;  // does not divide H = 64
     expect_bad(mw, "w13: hidden size");
   }

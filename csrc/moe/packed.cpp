@@ -196,6 +196,9 @@ const MoeWeightsW4& checked(const MoeWeightsW4& w) {
     fail("group_size: mxfp4 groups are 32 k, got " + std::to_string(g));
   if (g < kW4GroupMultiple || g % kW4GroupMultiple != 0)
     fail("group_size: must be a positive multiple of 32, got " + std::to_string(g));
+  if (g > kW4MaxGroup)
+    fail("group_size: at most " + std::to_string(kW4MaxGroup) + " (the kernels' int32 group "
+         "sums), got " + std::to_string(g));
   if (w.num_experts < 1 || w.hidden < 1 || w.intermediate < 1) return w;  // the base says why
   if (w.hidden % g != 0)
     fail("w13: hidden size H = " + std::to_string(w.hidden) + " is not a multiple of group_size " +

@@ -184,7 +184,7 @@ def prepack_int4(w13: Any, w2: Any, s13: Any, s2: Any, b13: Any = None, b2: Any 
       s13, s2: group scales [E, 2I, H / g] / [E, H, I / g], finite and > 0: weight
         ``w[n, k] = value[n, k] * s[n, k // g]``.
       b13, b2: optional biases [E, 2I] / [E, H], any float dtype (kept as float32).
-      group_size: g, a multiple of 32 dividing H and I.
+      group_size: g, a multiple of 32 dividing H and I, at most 65536.
       isa: cap the path, as in :func:`prepack`.
     The packed layer holds 4 bits per weight plus the scales. Each GEMM output is
     ``s_x * sum_g (exact int32 group sum) * s[n, g] + b[n]``, fp32 over the groups in order.

@@ -40,6 +40,9 @@ enum class W4Format : int32_t { int4 = 1, mxfp4 = 2 };
 
 /// Every group size is a multiple of this (mxfp4's group is exactly this).
 constexpr int64_t kW4GroupMultiple = 32;
+/// The largest group a packed layer takes: the kernels' int32 group sums (some hold the values
+/// times 16) stay exact up to here with room to spare (65536 * 127 * 8 * 16 < 2^31).
+constexpr int64_t kW4MaxGroup = 65536;
 
 /// "int4" / "mxfp4".
 const char* w4_format_name(W4Format f);
