@@ -119,6 +119,25 @@ def measure(model_dir: str, prefill: int, decode: int, batches: List[int],
 
 
 # ---------------------------------------------------------------------------- the driver
+def vllm_int8_kernel() -> str:
+    """The name of a CPU Int8 MoE experts class of vLLM's that runs on this CPU, or "" (then
+    vLLM cannot serve a W8A8 MoE checkpoint here: its engine fails at start-up with "No Int8 MoE
+    backend supports the deployment configuration"). Imports vLLM."""
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe as c
+    for k in (c.ZenCPUExpertsInt8, c.PowerCPUExpertsInt8, c.ArmCPUExpertsInt8, c.CPUExpertsInt8):
+        if k._supports_current_device():
+            return k.__name__
+    return ""
+
+
+def _has_vllm_int8() -> bool:
+    """vllm_int8_kernel() in a child process (the driver does not import vLLM itself)."""
+    code = "from cpumoe.vllm_plugin.bench import vllm_int8_kernel as k; print(k() or '-')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    lines = out.stdout.split()
+    return bool(lines) and lines[-1] != "-"
+
+
 def _run_child(backend: str, model_dir: Path, args, log: Path) -> Dict[str, Any]:
     out = Path(tempfile.mkstemp(suffix=".json")[1])
     env = dict(os.environ, CPUMOE_VLLM="1" if backend == "cpumoe" else "0")
@@ -213,6 +232,8 @@ def main(argv: List[str] = None) -> int:
             print(f"[bench] wrote {folder} ({models.checkpoint_bytes(folder) / 1e9:.1f} GB) in "
                   f"{time.perf_counter() - t0:.0f} s", flush=True)
         results[ck] = {b: [] for b in args.backends.split(",")}
+        if ck == "w8a8" and "vllm" in results[ck] and not _has_vllm_int8():
+            results[ck]["vllm"].append({"error": "no Int8 MoE kernel of vLLM's for this CPU"})
         for r in range(args.rounds):
             for backend in results[ck]:
                 if any("error" in x for x in results[ck][backend]):

@@ -169,10 +169,15 @@ def _w8a8_config_dict() -> dict:
 
 
 def save_qwen3_bench(folder: PathLike, w8a8: bool, num_layers: int = 8, seed: int = 0,
-                     std: float = 0.02, config=None) -> Path:
+                     std: float = 0.02, config=None, pool: int = 16) -> Path:
     """Writes a random Qwen3-MoE checkpoint (:func:`qwen3_bench_config` unless ``config``), one
     safetensors file per layer, in bf16 or (``w8a8``) with int8 experts and per-channel scales
-    in compressed-tensors' layout. Generated and written a layer at a time."""
+    in compressed-tensors' layout. Generated and written a layer at a time.
+
+    The experts of a layer are copies of ``pool`` random ones (expert e holds pool[e % pool]):
+    each has its own memory, as in a real model, and the weights' values do not change the
+    time of a dense kernel, so drawing 128 x 3 random matrices per layer would only make the
+    checkpoint slower to write."""
     from safetensors.torch import save_file
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -183,6 +188,19 @@ def save_qwen3_bench(folder: PathLike, w8a8: bool, num_layers: int = 8, seed: in
 
     def rnd(*shape) -> torch.Tensor:
         return (torch.randn(*shape, generator=g) * std).to(torch.bfloat16)
+
+    def expert_weights(shape) -> list:
+        """pool entries of (weight, scale or None) for one projection."""
+        out = []
+        for _ in range(min(pool, E)):
+            w = rnd(*shape)
+            if not w8a8:
+                out.append((w, None))
+                continue
+            scale = w.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127
+            q = torch.round(w.float() / scale).clamp(-127, 127).to(torch.int8)
+            out.append((q, scale))
+        return out
 
     weight_map: Dict[str, str] = {}
 
@@ -205,19 +223,16 @@ def save_qwen3_bench(folder: PathLike, w8a8: bool, num_layers: int = 8, seed: in
              f"{p}.self_attn.q_norm.weight": torch.ones(hd, dtype=torch.bfloat16),
              f"{p}.self_attn.k_norm.weight": torch.ones(hd, dtype=torch.bfloat16),
              f"{p}.mlp.gate.weight": rnd(E, H)}
-        for e in range(E):
-            for proj, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)),
-                                ("down_proj", (H, I))):
-                w = rnd(*shape)
+        for proj, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+            bank = expert_weights(shape)
+            for e in range(E):
+                w, scale = bank[e % len(bank)]
                 key = f"{p}.mlp.experts.{e}.{proj}"
-                if w8a8:
-                    scale = w.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127
-                    t[f"{key}.weight"] = torch.round(w.float() / scale).clamp(-127, 127).to(
-                        torch.int8)
-                    t[f"{key}.weight_scale"] = scale.to(torch.bfloat16)
-                else:
-                    t[f"{key}.weight"] = w
+                t[f"{key}.weight"] = w.clone()
+                if scale is not None:
+                    t[f"{key}.weight_scale"] = scale.clone()
         write(f"model-layer{layer:03d}.safetensors", t)
+        del t
     (folder / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
     config = cfg.to_dict()
