@@ -1,13 +1,21 @@
 """The vLLM side of the plugin (imports vLLM): the routed-experts layer that hands its experts to
 cpumoe, and cpumoe's experts classes for vLLM's modular MoE kernel.
 
-:func:`install` registers :class:`CpumoeRoutedExperts` as vLLM's out-of-tree ``RoutedExperts``.
-That layer lets vLLM build everything as usual (quantization method, parameters, backend
-selection); then, if vLLM picked its CPU experts kernel for a layer cpumoe supports, it swaps the
-method's experts class for :class:`CpumoeInt8Experts` or :class:`CpumoeBf16Experts`. The method's
-own ``process_weights_after_loading`` then builds vLLM's modular kernel around cpumoe's experts,
-whose ``process_weights_after_loading`` prepacks the layer's weights (and frees vLLM's copies),
-and whose ``apply`` calls the fused op with vLLM's top-k ids, weights and expert map.
+:func:`install` registers :class:`CpumoeRoutedExperts` as vLLM's out-of-tree ``RoutedExperts``
+(and a cpumoe twin of each in-tree subclass, e.g. gpt-oss's). That layer lets vLLM build
+everything as usual (parameters, weight loading, router), with two changes where cpumoe supports
+the layer:
+
+* a compressed-tensors W8A8 int8 layer gets vLLM's W8A8 int8 MoE method with
+  :class:`CpumoeInt8Experts` as its experts, chosen before vLLM's Int8 backend selection (which
+  finds no kernel on x86 without AMX, nor for swigluoai or an expert map);
+* an unquantized bf16 layer for which vLLM selected its CPU backend keeps vLLM's method, whose
+  experts class becomes :class:`CpumoeBf16Experts`.
+
+The method's own ``process_weights_after_loading`` then builds vLLM's modular kernel around
+cpumoe's experts, whose ``process_weights_after_loading`` prepacks the layer's weights (and frees
+vLLM's copies), and whose ``apply`` calls the fused op with vLLM's top-k ids, weights and expert
+map.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ def tiny_config(family: str, vocab_size: int = 1024, num_layers: int = 2, **over
 
 
 def save_tiny(family: str, folder: PathLike, seed: int = 0, init_std: float = 0.05,
-              lm_head_std: float = 0.4, **config_over) -> Path:
+              lm_head_std: float = 0.2, **config_over) -> Path:
     """Builds a random ``family`` model (weights ~ N(0, init_std), biases too for gpt-oss; the
     output head ~ N(0, lm_head_std), so that the next-token distribution is peaked and greedy
     choices are rarely ties of bf16 logits) and saves it in bf16 to ``folder`` (config.json +
