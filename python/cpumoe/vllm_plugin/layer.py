@@ -1,0 +1,433 @@
+"""The vLLM side of the plugin (imports vLLM): the routed-experts layer that hands its experts to
+cpumoe, and cpumoe's experts classes for vLLM's modular MoE kernel.
+
+:func:`install` registers :class:`CpumoeRoutedExperts` as vLLM's out-of-tree ``RoutedExperts``
+(and a cpumoe twin of each in-tree subclass, e.g. gpt-oss's). That layer lets vLLM build
+everything as usual (parameters, weight loading, router), with two changes where cpumoe supports
+the layer:
+
+* a compressed-tensors W8A8 int8 layer gets vLLM's W8A8 int8 MoE method with
+  :class:`CpumoeInt8Experts` as its experts, chosen before vLLM's Int8 backend selection (which
+  finds no kernel on x86 without AMX, nor for swigluoai or an expert map);
+* an unquantized bf16 layer for which vLLM selected its CPU backend keeps vLLM's method, whose
+  experts class becomes :class:`CpumoeBf16Experts`.
+
+The method's own ``process_weights_after_loading`` then builds vLLM's modular kernel around
+cpumoe's experts, whose ``process_weights_after_loading`` prepacks the layer's weights (and frees
+vLLM's copies), and whose ``apply`` calls the fused op with vLLM's top-k ids, weights and expert
+map.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+from vllm.logger import init_logger
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+from vllm.model_executor.layers.fused_moe.config import (FusedMoEConfig,
+                                                         FusedMoEParallelConfig,
+                                                         FusedMoEQuantConfig)
+from vllm.model_executor.layers.fused_moe.oracle.int8 import Int8MoeBackend
+from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceNoOP
+from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+    UnquantizedFusedMoEMethod)
+from vllm.model_executor.layers.quantization.utils.quant_utils import (QuantKey,
+                                                                       kInt8DynamicTokenSym,
+                                                                       kInt8StaticChannelSym)
+from vllm.model_executor.utils import replace_parameter
+from vllm.platforms import current_platform
+
+import cpumoe
+from cpumoe import ops as _ops
+
+# A child of vLLM's logger: vLLM's handler and format, and VLLM_LOGGING_LEVEL, apply.
+logger = init_logger("vllm.plugins.cpumoe")
+
+#: vLLM activation value -> cpumoe activation name.
+_ACTIVATIONS = {
+    MoEActivation.SILU: "silu",
+    MoEActivation.GELU: "gelu",
+    MoEActivation.GELU_TANH: "gelu_tanh",
+    MoEActivation.SWIGLUOAI: "swigluoai",  # gate/up interleaved in w13, as cpumoe expects
+}
+#: cpumoe's swigluoai constants (cpumoe.reference): clamp limit, alpha, and the 1 added to up.
+_SWIGLU = {"swiglu_limit": 7.0, "swiglu_alpha": 1.702, "swiglu_beta": 1.0}
+_ALIGN = 8  # cpumoe needs H and I to be multiples of 8
+
+_lock = threading.Lock()
+#: This process's cpumoe layers: layer name -> {"kind", "path", "kernel", "calls", "tokens"}.
+_LAYERS: Dict[str, Dict[str, Any]] = {}
+
+
+def stats() -> Dict[str, Any]:
+    """What cpumoe did in this process: its pid and, per layer it took, the op kind, path,
+    kernel and the number of calls and tokens the kernel ran (for tests, e.g. through
+    ``vllm.LLM.apply_model``)."""
+    with _lock:
+        return {"pid": os.getpid(), "layers": {k: dict(v) for k, v in _LAYERS.items()}}
+
+
+def reset_counts() -> None:
+    """Zeroes the call and token counters of every layer (e.g. after a warm-up)."""
+    with _lock:
+        for v in _LAYERS.values():
+            v["calls"] = 0
+            v["tokens"] = 0
+
+
+# ---------------------------------------------------------------------------- support checks
+def layer_problem(moe: FusedMoEConfig, layer: Any = None) -> Optional[str]:
+    """None if cpumoe's op computes this layer's experts, else the reason it does not."""
+    if not moe.is_act_and_mul:
+        return "non-gated experts (no act_and_mul): cpumoe's op is gated"
+    if moe.activation not in _ACTIVATIONS:
+        return (f"activation {moe.activation.value!r} (cpumoe has "
+                f"{', '.join(sorted(set(_ACTIVATIONS.values())))})")
+    for name, want in _SWIGLU.items():
+        got = getattr(layer, name, None) if layer is not None else getattr(moe, name, None)
+        if got is None:
+            got = getattr(moe, name, None)
+        if got is None:
+            continue
+        if moe.activation != MoEActivation.SWIGLUOAI:
+            return f"{name}={got} on a {moe.activation.value} layer (cpumoe's has no clamp)"
+        if abs(float(got) - want) > 1e-6:
+            return f"swigluoai with {name}={got} (cpumoe's is fixed at {want})"
+    if moe.hidden_dim % _ALIGN:
+        return f"hidden dim {moe.hidden_dim} is not a multiple of {_ALIGN}"
+    if moe.intermediate_size_per_partition % _ALIGN:
+        return (f"intermediate dim {moe.intermediate_size_per_partition} (per partition) is "
+                f"not a multiple of {_ALIGN}")
+    if moe.in_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"activation dtype {moe.in_dtype}"
+    if moe.is_lora_enabled:
+        return "LoRA on the experts"
+    return None
+
+
+def _plan(layer: RoutedExperts) -> Tuple[Optional[str], str]:
+    """(kind, why) for a layer vLLM built: kind "bf16" if cpumoe takes it, else None and the
+    reason. (W8A8 layers are taken earlier, in CpumoeRoutedExperts._get_quant_method.)"""
+    qm = layer.quant_method
+    moe = layer.moe_config
+    if not current_platform.is_cpu():
+        return None, f"the platform is {current_platform.device_name}, not the CPU"
+    if not isinstance(qm, UnquantizedFusedMoEMethod):
+        return None, f"quantization method {type(qm).__name__} has no cpumoe kernel"
+    backend = qm.unquantized_backend
+    if backend != UnquantizedMoeBackend.CPU:
+        return None, f"vLLM selected its {backend.value} backend, not the CPU one"
+    if moe.in_dtype != torch.bfloat16:
+        return None, (f"unquantized {moe.in_dtype} weights: cpumoe's BF16 op takes bf16 "
+                      f"weights (serve with dtype=bfloat16)")
+    problem = layer_problem(moe, layer)
+    if problem is not None:
+        return None, problem
+    return "bf16", ""
+
+
+def _w8a8_scheme(layer: RoutedExperts, prefix: str, quant_config: Any) -> Optional[Tuple]:
+    """(weight_quant, input_quant) if ``quant_config`` makes this layer compressed-tensors W8A8
+    int8 with dynamic per-token activations (what cpumoe's int8 op computes), else None."""
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsConfig)
+    if not isinstance(quant_config, CompressedTensorsConfig):
+        return None
+    # As vLLM's CompressedTensorsMoEMethod.get_moe_method: the scheme of expert 0's projections.
+    quant_config._add_fused_moe_to_target_scheme_map()
+    names = [n for n in (layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name,
+                         layer.ckpt_down_proj_name) if n is not None]
+    schemes = [quant_config.get_scheme_dict(layer, f"{prefix}.0.{n}") for n in names]
+    scheme = schemes[0]
+    if scheme is None or any(s != scheme for s in schemes):
+        return None
+    wq, iq = scheme.get("weights"), scheme.get("input_activations")
+    if wq is None or iq is None or not quant_config._is_dynamic_token_w8a8(wq, iq):
+        return None
+    return wq, iq
+
+
+# ---------------------------------------------------------------------------- experts classes
+class _CpumoeExperts(mk.FusedMoEExpertsModular):
+    """Shared part of cpumoe's experts: vLLM's modular-kernel interface around the fused op.
+
+    Standard activation format, unquantized inputs (cpumoe quantizes per token itself), the
+    top-k weighting and reduction done by the op (TopKWeightAndReduceNoOP), global ids with
+    vLLM's expert map.
+    """
+
+    kind = ""
+
+    def __init__(self, moe_config: FusedMoEConfig, quant_config: FusedMoEQuantConfig,
+                 max_num_tokens: Optional[int] = None, num_dispatchers: Optional[int] = None):
+        super().__init__(moe_config, quant_config, max_num_tokens, num_dispatchers)
+        self.packed: Any = None
+        self.layer_name = "?"
+        self._act = _ACTIVATIONS.get(moe_config.activation, "")
+        self._stats: Dict[str, Any] = {}
+        self._emap_src: Optional[torch.Tensor] = None
+        self._emap: Optional[torch.Tensor] = None
+
+    # -- capabilities (what vLLM's selection asks of an experts class)
+    @property
+    def expects_unquantized_inputs(self) -> bool:
+        return True
+
+    @staticmethod
+    def activation_format() -> mk.FusedMoEActivationFormat:
+        return mk.FusedMoEActivationFormat.Standard
+
+    @staticmethod
+    def _supports_current_device() -> bool:
+        return current_platform.is_cpu()
+
+    @staticmethod
+    def _supports_no_act_and_mul() -> bool:
+        return False
+
+    @staticmethod
+    def _supports_activation(activation: MoEActivation) -> bool:
+        return activation in _ACTIVATIONS
+
+    @staticmethod
+    def _supports_parallel_config(moe_parallel_config: FusedMoEParallelConfig) -> bool:
+        return True
+
+    def supports_expert_map(self) -> bool:
+        return True
+
+    # -- weights
+    def _prepack(self, layer: torch.nn.Module) -> Any:
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        self.layer_name = getattr(layer, "layer_name", "?")
+        w13 = layer.w13_weight
+        num_experts, _, hidden = w13.shape
+        self.packed = self._prepack(layer)
+        # vLLM's copies are no longer read: keep 3-D placeholders of the right E and H (the
+        # modular kernel and the layer's repr read their shapes; moe_problem_size below does
+        # not), and let the weights' memory go.
+        for name in ("w13_weight", "w2_weight"):
+            old = getattr(layer, name)
+            replace_parameter(layer, name, old.new_empty((num_experts, 0, hidden)))
+        del w13
+        p = self.packed
+        self._stats = {"kind": self.kind, "path": p.path, "kernel": p.kernel, "calls": 0,
+                       "tokens": 0}
+        with _lock:
+            _LAYERS[self.layer_name] = self._stats
+        logger.info("cpumoe: %s runs on cpumoe (%s, path %s, kernel %s; E=%d H=%d I=%d top-%d "
+                    "%s%s)", self.layer_name, "W8A8 int8" if self.kind == "int8" else "bf16",
+                    p.path, p.kernel, p.num_experts, p.hidden, p.intermediate,
+                    self.moe_config.experts_per_token, self._act,
+                    ", expert map" if getattr(layer, "expert_map", None) is not None else "")
+
+    # -- forward
+    def moe_problem_size(self, a1: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                         topk_ids: torch.Tensor) -> Tuple[int, int, int, int, int]:
+        p = self.packed
+        return p.num_experts, a1.size(0), 2 * p.intermediate, p.hidden, topk_ids.size(1)
+
+    def workspace_shapes(self, M: int, N: int, K: int, topk: int, global_num_experts: int,
+                         local_num_experts: int,
+                         expert_tokens_meta: Optional[mk.ExpertTokensMetadata],
+                         activation: MoEActivation):
+        # The op keeps its own per-thread scratch; only the output is vLLM's.
+        return (0,), (0,), (M, K)
+
+    def finalize_weight_and_reduce_impl(self) -> mk.TopKWeightAndReduce:
+        return TopKWeightAndReduceNoOP()
+
+    def _expert_map(self, expert_map: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if expert_map is None:
+            return None
+        if expert_map is not self._emap_src:  # converted once per map tensor
+            self._emap_src = expert_map
+            self._emap = expert_map.to(torch.int32).contiguous()
+        return self._emap
+
+    def apply(self, output: torch.Tensor, hidden_states: torch.Tensor, w1: torch.Tensor,
+              w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              activation: MoEActivation, global_num_experts: int,
+              expert_map: Optional[torch.Tensor], a1q_scale: Optional[torch.Tensor],
+              a2_scale: Optional[torch.Tensor], workspace13: torch.Tensor,
+              workspace2: torch.Tensor, expert_tokens_meta: Optional[mk.ExpertTokensMetadata],
+              apply_router_weight_on_input: bool) -> None:
+        act = _ACTIVATIONS.get(activation)
+        if act is None:
+            raise ValueError(f"cpumoe ({self.layer_name}): activation {activation.value!r}")
+        if topk_weights.dtype != torch.float32:
+            topk_weights = topk_weights.float()
+        # apply_router_weight_on_input (top-1): vLLM's prepare step already scaled x by the
+        # router weight, so the op must not weight again (its skip_weighted).
+        fn = cpumoe.fused_moe_int8 if self.kind == "int8" else cpumoe.fused_moe_bf16
+        fn(hidden_states, self.packed, topk_weights.contiguous(), topk_ids.contiguous(), act,
+           bool(apply_router_weight_on_input), out=output,
+           expert_map=self._expert_map(expert_map))
+        st = self._stats
+        st["calls"] += 1
+        st["tokens"] += hidden_states.size(0)
+
+
+class CpumoeInt8Experts(_CpumoeExperts):
+    """W8A8 int8 experts (int8 per-channel weights, dynamic per-token int8 activations) on
+    cpumoe's int8 op."""
+
+    kind = "int8"
+
+    @staticmethod
+    def _supports_quant_scheme(weight_key: Optional[QuantKey],
+                               activation_key: Optional[QuantKey]) -> bool:
+        return (weight_key, activation_key) == (kInt8StaticChannelSym, kInt8DynamicTokenSym)
+
+    def _prepack(self, layer: torch.nn.Module) -> Any:
+        b13 = getattr(layer, "w13_bias", None)
+        b2 = getattr(layer, "w2_bias", None)
+        return _ops.prepack(layer.w13_weight.data, layer.w2_weight.data,
+                            layer.w13_weight_scale.data, layer.w2_weight_scale.data,
+                            None if b13 is None else b13.data, None if b2 is None else b2.data)
+
+
+class CpumoeBf16Experts(_CpumoeExperts):
+    """Unquantized bf16 experts on cpumoe's BF16 op."""
+
+    kind = "bf16"
+
+    @staticmethod
+    def _supports_quant_scheme(weight_key: Optional[QuantKey],
+                               activation_key: Optional[QuantKey]) -> bool:
+        return (weight_key, activation_key) == (None, None)
+
+    def _prepack(self, layer: torch.nn.Module) -> Any:
+        b13 = getattr(layer, "w13_bias", None)
+        b2 = getattr(layer, "w2_bias", None)
+        return _ops.prepack_bf16(layer.w13_weight.data, layer.w2_weight.data,
+                                 None if b13 is None else b13.data,
+                                 None if b2 is None else b2.data)
+
+
+_EXPERTS = {"int8": CpumoeInt8Experts, "bf16": CpumoeBf16Experts}
+
+
+# ---------------------------------------------------------------------------- the layer
+def _w8a8_method_cls():
+    """cpumoe's W8A8 MoE method: vLLM's compressed-tensors W8A8 int8 method (its parameters,
+    weight loading, quant config and modular kernel) with cpumoe's experts, chosen without
+    vLLM's Int8 backend selection (which finds no kernel on x86 CPUs without AMX, and none for
+    swigluoai or an expert map)."""
+    global _W8A8_METHOD
+    if _W8A8_METHOD is not None:
+        return _W8A8_METHOD
+    from compressed_tensors.quantization import QuantizationStrategy
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
+        CompressedTensorsMoEMethod)
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe\
+        .compressed_tensors_moe_w8a8_int8 import CompressedTensorsW8A8Int8MoEMethod
+
+    class CpumoeW8A8Int8MoEMethod(CompressedTensorsW8A8Int8MoEMethod):
+        def __init__(self, weight_quant: Any, input_quant: Any, moe: FusedMoEConfig):
+            CompressedTensorsMoEMethod.__init__(self, moe)
+            if not (weight_quant.strategy == QuantizationStrategy.CHANNEL
+                    and input_quant.strategy == QuantizationStrategy.TOKEN
+                    and input_quant.dynamic):
+                raise ValueError(f"cpumoe W8A8 MoE: needs channel weights and dynamic per-token "
+                                 f"activations, got {weight_quant}, {input_quant}")
+            self.weight_quant = weight_quant
+            self.input_quant = input_quant
+            self.static_input_scales = False
+            self.int8_backend = Int8MoeBackend.CPU  # no layout conversion, CPU quant config
+            self.experts_cls = CpumoeInt8Experts
+
+    _W8A8_METHOD = CpumoeW8A8Int8MoEMethod
+    return _W8A8_METHOD
+
+
+_W8A8_METHOD: Any = None
+
+
+class _CpumoeLayer:
+    """Mixed in before vLLM's RoutedExperts (or a model's subclass of it): cpumoe's experts where
+    cpumoe supports the layer (see the module doc); otherwise exactly vLLM's layer."""
+
+    def _get_quant_method(self, prefix: str, quant_config: Any,
+                          moe_config: FusedMoEConfig) -> Any:
+        self._cpumoe_why = ""
+        scheme = _w8a8_scheme(self, prefix, quant_config)
+        if scheme is not None:
+            problem = (layer_problem(moe_config, self) if current_platform.is_cpu()
+                       else f"the platform is {current_platform.device_name}, not the CPU")
+            if problem is None:
+                return _w8a8_method_cls()(scheme[0], scheme[1], moe_config)
+            self._cpumoe_why = problem
+        return super()._get_quant_method(prefix, quant_config, moe_config)
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        qm = self.quant_method
+        if isinstance(qm, _w8a8_method_cls()):
+            return  # taken; logged with its path once the weights are packed
+        kind, why = _plan(self)
+        if kind is None:
+            logger.info("cpumoe: %s stays on vLLM's kernel: %s", self.layer_name,
+                        self._cpumoe_why or why)
+            return
+        vllm_cls = getattr(qm, "experts_cls", None)
+        qm.experts_cls = _EXPERTS[kind]
+        logger.debug("cpumoe: %s: experts %s -> %s", self.layer_name,
+                     getattr(vllm_cls, "__name__", vllm_cls), qm.experts_cls.__name__)
+
+
+class CpumoeRoutedExperts(_CpumoeLayer, RoutedExperts):
+    """vLLM's RoutedExperts with cpumoe's experts (registered in its place by :func:`install`)."""
+
+
+#: Models whose MoE layer is a subclass of RoutedExperts (vLLM instantiates the subclass, so it
+#: needs a replacement of its own): module, class name.
+_SUBCLASSES = (("vllm.model_executor.models.gpt_oss", "GptOssRoutedExperts"),
+               ("vllm.model_executor.models.dbrx", "DbrxExperts"),
+               ("vllm.model_executor.models.transformers.moe", "TransformersRoutedExperts"))
+
+
+def _replacements() -> Dict[str, type]:
+    """{vLLM class name: its cpumoe replacement} for RoutedExperts and the known subclasses."""
+    import importlib
+    out: Dict[str, type] = {RoutedExperts.__name__: CpumoeRoutedExperts}
+    for module, name in _SUBCLASSES:
+        try:
+            base = getattr(importlib.import_module(module), name)
+        except Exception as e:  # noqa: BLE001 - a model module vLLM cannot import here
+            logger.debug("cpumoe: %s.%s not replaced (%s)", module, name, e)
+            continue
+        out[name] = type(f"Cpumoe{name}", (_CpumoeLayer, base),
+                         {"__doc__": f"vLLM's {name} with cpumoe's experts.",
+                          "__module__": __name__})
+    return out
+
+
+def install() -> bool:
+    """Registers cpumoe's layers as vLLM's out-of-tree replacements of RoutedExperts and its
+    in-tree subclasses (once per process). False if another plugin already replaced
+    RoutedExperts (cpumoe then stays off)."""
+    from vllm.model_executor.custom_op import op_registry_oot
+    current = op_registry_oot.get(RoutedExperts.__name__)
+    if current is not None and issubclass(current, _CpumoeLayer):
+        return True
+    if current is not None:
+        logger.warning("cpumoe: RoutedExperts is already replaced by %s; cpumoe stays off",
+                       current)
+        return False
+    for name, cls in _replacements().items():
+        if name not in op_registry_oot:
+            RoutedExperts.register_oot(cls, name=name)
+    logger.info("cpumoe %s: vLLM's CPU MoE layers run on cpumoe (%s=1; int8 path %s, bf16 "
+                "path %s)", cpumoe.__version__, "CPUMOE_VLLM", _ops.selected_path(),
+                _ops.selected_path(op="bf16"))
+    return True

@@ -1,0 +1,254 @@
+"""Random MoE checkpoints for the vLLM tests and benchmark (no downloads).
+
+* :func:`save_tiny` builds a tiny random Qwen3-MoE, Mixtral or gpt-oss model with ``transformers``
+  (``from_config``) and writes it with ``save_pretrained`` in bf16: the checkpoint vLLM reads.
+* :func:`save_w8a8` turns such a bf16 checkpoint into a compressed-tensors W8A8 one (the way
+  llm-compressor saves a W8A8 MoE model): the ``compressed-tensors`` package quantizes and
+  compresses every per-expert projection (int8 weights, ``weight_scale`` [out, 1] from the
+  channel's max, ``format: int-quantized``, dynamic per-token int8 activations) and writes the
+  ``quantization_config``; attention, router, embeddings and norms stay bf16 and are listed in
+  ``ignore``.
+* :func:`save_qwen3_bench` writes the benchmark's model (Qwen3-30B-A3B width) layer by layer,
+  without building it in memory (9.7 GB of bf16 experts at 8 layers).
+
+Needs torch, transformers, safetensors and (for W8A8) compressed-tensors: the vLLM venv has them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Dict, Optional, Union
+
+import torch
+
+PathLike = Union[str, Path]
+
+#: family -> (transformers config class, kwargs of the tiny model). 2 layers, 16 experts, top-4,
+#: hidden 256 (vLLM's CPU kernels need H and I to be multiples of 32), head_dim 64.
+TINY = {
+    "qwen3_moe": ("Qwen3MoeConfig", dict(
+        hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=16,
+        num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])),
+    "mixtral": ("MixtralConfig", dict(
+        hidden_size=256, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, num_local_experts=16, num_experts_per_tok=4)),
+    "gpt_oss": ("GptOssConfig", dict(
+        hidden_size=256, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, num_local_experts=16, num_experts_per_tok=4, sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"])),
+}
+
+#: A per-expert projection weight of a saved checkpoint: prefix, expert id, projection name.
+_EXPERT_KEY = re.compile(r"^(.*\.experts)\.(\d+)\.([A-Za-z0-9_]+)\.weight$")
+
+
+def tiny_config(family: str, vocab_size: int = 1024, num_layers: int = 2, **over):
+    """The transformers config of a tiny random model of ``family`` (a key of :data:`TINY`)."""
+    import transformers
+    if family not in TINY:
+        raise ValueError(f"family: one of {', '.join(TINY)}, got {family!r}")
+    cls_name, kw = TINY[family]
+    args = dict(vocab_size=vocab_size, num_hidden_layers=num_layers,
+                max_position_embeddings=512, tie_word_embeddings=False)
+    args.update(kw)
+    args.update(over)
+    if family == "gpt_oss":
+        args["layer_types"] = [("sliding_attention", "full_attention")[i % 2]
+                               for i in range(num_layers)]
+    return getattr(transformers, cls_name)(**args)
+
+
+def save_tiny(family: str, folder: PathLike, seed: int = 0, init_std: float = 0.05,
+              lm_head_std: float = 0.2, **config_over) -> Path:
+    """Builds a random ``family`` model (weights ~ N(0, init_std), biases too for gpt-oss; the
+    output head ~ N(0, lm_head_std), so that the next-token distribution is peaked and greedy
+    choices are rarely ties of bf16 logits) and saves it in bf16 to ``folder`` (config.json +
+    model.safetensors). Returns the folder."""
+    from transformers import AutoModelForCausalLM
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = tiny_config(family, **config_over)
+    config.initializer_range = init_std
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("_bias") or name.endswith(".sinks"):
+                p.normal_(0.0, init_std)  # zero at init: give them values so they matter
+            elif name == "lm_head.weight":
+                p.normal_(0.0, lm_head_std)
+    model.to(torch.bfloat16).save_pretrained(str(folder))
+    return folder
+
+
+def _read_safetensors(folder: Path) -> Dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    tensors: Dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    if not tensors:
+        raise FileNotFoundError(f"{folder}: no *.safetensors file")
+    return tensors
+
+
+def save_w8a8(src: PathLike, dst: PathLike) -> Path:
+    """Writes ``dst``: the bf16 checkpoint ``src`` (per-expert ``experts.{e}.{proj}.weight`` keys,
+    as transformers saves Qwen3-MoE and Mixtral) with every expert projection W8A8 int8 through
+    compressed-tensors, everything else unchanged and ignored by the quantization config."""
+    import compressed_tensors.quantization as ctq
+    from compressed_tensors.compressors import ModelCompressor
+    from safetensors.torch import save_file
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    tensors = _read_safetensors(src)
+    root = torch.nn.Module()
+    expert_keys = [k for k in tensors if _EXPERT_KEY.match(k)]
+    if not expert_keys:
+        raise ValueError(f"{src}: no per-expert projection weights (experts.{{e}}.*.weight); "
+                         f"fused-expert checkpoints (gpt-oss) are not supported here")
+    for key in expert_keys:
+        w = tensors.pop(key)
+        node = root
+        *parents, leaf = key[: -len(".weight")].split(".")
+        for p in parents:
+            if not hasattr(node, p):
+                node.add_module(p, torch.nn.Module())
+            node = getattr(node, p)
+        lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=torch.float32)
+        lin.weight.data = w.float().contiguous()
+        node.add_module(leaf, lin)
+    scheme = ctq.preset_name_to_scheme("W8A8", ["Linear"])
+    # Every Linear but the expert projections stays in bf16: attention, router, lm_head.
+    ignore = ["lm_head", "re:.*self_attn.*", "re:.*mlp\\.gate$", "re:.*block_sparse_moe\\.gate$"]
+    qcfg = ctq.QuantizationConfig(config_groups={"group_0": scheme}, ignore=ignore)
+    ctq.apply_quantization_config(root, qcfg)
+    with torch.no_grad():
+        for m in root.modules():
+            if hasattr(m, "weight_scale"):  # a minmax observer's scale (what calibration sets)
+                m.weight_scale.copy_(m.weight.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
+                                     / 127)
+    compressor = ModelCompressor.from_pretrained_model(root, quantization_format="int-quantized")
+    compressor.compress_model(root)
+    out = {k: v.contiguous() for k, v in root.state_dict().items()}
+    out.update({k: v.contiguous() for k, v in tensors.items()})
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    # The compressor infers its config from the quantized modules only: give it the ignore list
+    # (what vLLM reads to leave attention and router in bf16).
+    compressor.quantization_config.ignore = ignore
+    compressor.update_config(str(dst))
+    return dst
+
+
+# ---------------------------------------------------------------------------- benchmark model
+def qwen3_bench_config(num_layers: int = 8, vocab_size: int = 2048):
+    """Qwen3-30B-A3B's width (H 2048, 128 experts of I 768, top-8, 32 heads of 128, 4 KV
+    heads) with ``num_layers`` layers and a cut vocabulary."""
+    import transformers
+    return transformers.Qwen3MoeConfig(
+        vocab_size=vocab_size, hidden_size=2048, intermediate_size=6144,
+        moe_intermediate_size=768, num_hidden_layers=num_layers, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-6)
+
+
+def _w8a8_config_dict() -> dict:
+    """The quantization_config of :func:`save_w8a8`'s checkpoints, from compressed-tensors."""
+    import compressed_tensors.quantization as ctq
+    scheme = ctq.preset_name_to_scheme("W8A8", ["Linear"])
+    qcfg = ctq.QuantizationConfig(
+        config_groups={"group_0": scheme}, format="int-quantized",
+        quantization_status="compressed",
+        ignore=["lm_head", "re:.*self_attn.*", "re:.*mlp\\.gate$"])
+    return qcfg.model_dump(exclude_none=True, mode="json")
+
+
+def save_qwen3_bench(folder: PathLike, w8a8: bool, num_layers: int = 8, seed: int = 0,
+                     std: float = 0.02, config=None, pool: int = 16) -> Path:
+    """Writes a random Qwen3-MoE checkpoint (:func:`qwen3_bench_config` unless ``config``), one
+    safetensors file per layer, in bf16 or (``w8a8``) with int8 experts and per-channel scales
+    in compressed-tensors' layout. Generated and written a layer at a time.
+
+    The experts of a layer are copies of ``pool`` random ones (expert e holds pool[e % pool]):
+    each has its own memory, as in a real model, and the weights' values do not change the
+    time of a dense kernel, so drawing 128 x 3 random matrices per layer would only make the
+    checkpoint slower to write."""
+    from safetensors.torch import save_file
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = config if config is not None else qwen3_bench_config(num_layers)
+    H, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * std).to(torch.bfloat16)
+
+    def expert_weights(shape) -> list:
+        """pool entries of (weight, scale or None) for one projection."""
+        out = []
+        for _ in range(min(pool, E)):
+            w = rnd(*shape)
+            if not w8a8:
+                out.append((w, None))
+                continue
+            scale = w.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127
+            q = torch.round(w.float() / scale).clamp(-127, 127).to(torch.int8)
+            out.append((q, scale))
+        return out
+
+    weight_map: Dict[str, str] = {}
+
+    def write(name: str, tensors: Dict[str, torch.Tensor]) -> None:
+        save_file(tensors, str(folder / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in tensors})
+
+    write("model-embed.safetensors", {
+        "model.embed_tokens.weight": rnd(cfg.vocab_size, H),
+        "model.norm.weight": torch.ones(H, dtype=torch.bfloat16),
+        "lm_head.weight": rnd(cfg.vocab_size, H)})
+    for layer in range(cfg.num_hidden_layers):
+        p = f"model.layers.{layer}"
+        t = {f"{p}.input_layernorm.weight": torch.ones(H, dtype=torch.bfloat16),
+             f"{p}.post_attention_layernorm.weight": torch.ones(H, dtype=torch.bfloat16),
+             f"{p}.self_attn.q_proj.weight": rnd(nh * hd, H),
+             f"{p}.self_attn.k_proj.weight": rnd(nkv * hd, H),
+             f"{p}.self_attn.v_proj.weight": rnd(nkv * hd, H),
+             f"{p}.self_attn.o_proj.weight": rnd(H, nh * hd),
+             f"{p}.self_attn.q_norm.weight": torch.ones(hd, dtype=torch.bfloat16),
+             f"{p}.self_attn.k_norm.weight": torch.ones(hd, dtype=torch.bfloat16),
+             f"{p}.mlp.gate.weight": rnd(E, H)}
+        for proj, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+            bank = expert_weights(shape)
+            for e in range(E):
+                w, scale = bank[e % len(bank)]
+                key = f"{p}.mlp.experts.{e}.{proj}"
+                t[f"{key}.weight"] = w.clone()
+                if scale is not None:
+                    t[f"{key}.weight_scale"] = scale.clone()
+        write(f"model-layer{layer:03d}.safetensors", t)
+        del t
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+    config = cfg.to_dict()
+    config["architectures"] = ["Qwen3MoeForCausalLM"]
+    config["torch_dtype"] = "bfloat16"
+    if w8a8:
+        config["quantization_config"] = _w8a8_config_dict()
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def checkpoint_bytes(folder: PathLike) -> int:
+    """Total size of the safetensors files of a checkpoint folder."""
+    return sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
+
+
+def quantization_of(folder: PathLike) -> Optional[dict]:
+    """The checkpoint's quantization_config (None for a float checkpoint)."""
+    return json.loads((Path(folder) / "config.json").read_text()).get("quantization_config")

@@ -1,0 +1,90 @@
+"""Fixtures of the vLLM plugin tests (run in the vLLM venv: `bash ci/test_all.sh vllm`).
+
+The session makes the tiny random checkpoints once (transformers + compressed-tensors, no
+downloads) and serves them through ``vllm.LLM`` in two subprocesses that run side by side, one
+per backend: ``CPUMOE_VLLM=0`` (vLLM's own CPU MoE kernels) and ``CPUMOE_VLLM=1`` (cpumoe's).
+Each writes JSON (tokens, logprobs, the worker's report) and a log; the tests read both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM plugin tests need vLLM (ci/setup_vllm_venv.sh)")
+
+from cpumoe.vllm_plugin import models  # noqa: E402
+
+#: name -> (family, W8A8). The W8A8 checkpoints are made from the bf16 ones of the same family.
+MODELS = {"qwen3_moe": ("qwen3_moe", False), "qwen3_moe_w8a8": ("qwen3_moe", True),
+          "mixtral": ("mixtral", False), "mixtral_w8a8": ("mixtral", True),
+          "gpt_oss": ("gpt_oss", False)}
+#: Served by each backend in this order, one engine at a time, in one process per backend (the
+#: two processes run side by side).
+ORDER = ["qwen3_moe", "mixtral", "gpt_oss", "qwen3_moe_w8a8", "mixtral_w8a8"]
+N_TOKENS = 16
+#: Seconds for one backend's whole run at most (a hung engine fails the session, not all CI).
+TIMEOUT_S = 1500
+
+
+def vllm_serves(name: str) -> bool:
+    """Whether the vLLM-backend run serves this model: every bf16 one; a W8A8 one only where
+    vLLM has a CPU Int8 MoE kernel (x86 with AMX, Arm, ...). Elsewhere its engine cannot start
+    ("No Int8 MoE backend supports the deployment configuration"), and an engine start costs
+    more than the rest of a test."""
+    from cpumoe.vllm_plugin.bench import vllm_int8_kernel
+    return not MODELS[name][1] or bool(vllm_int8_kernel())
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    out = {}
+    for name, (family, w8a8) in MODELS.items():
+        if not w8a8:
+            out[name] = models.save_tiny(family, root / name)
+    for name, (family, w8a8) in MODELS.items():
+        if w8a8:
+            out[name] = models.save_w8a8(out[family], root / name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def runs(checkpoints, tmp_path_factory):
+    """{backend: {"results": {model name: result}, "log": text}} for "vllm" and "cpumoe"."""
+    folder = tmp_path_factory.mktemp("runs")
+    by_dir = {str(v): k for k, v in checkpoints.items()}
+    t0 = time.perf_counter()
+    procs = {}
+    for backend in ("vllm", "cpumoe"):
+        env = dict(os.environ, CPUMOE_VLLM="1" if backend == "cpumoe" else "0")
+        out = folder / f"{backend}.json"
+        cmd = [sys.executable, "-m", "cpumoe.vllm_plugin.serve", "--out", str(out),
+               "--tokens", str(N_TOKENS)]
+        names = [n for n in ORDER if backend == "cpumoe" or vllm_serves(n)]
+        cmd += [str(checkpoints[n]) for n in names]
+        logf = open(folder / f"{backend}.log", "w")
+        procs[backend] = (subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT,
+                                           cwd=folder), out, logf)
+    results = {}
+    for backend, (p, out, logf) in procs.items():
+        try:
+            rc = p.wait(timeout=TIMEOUT_S)
+        finally:
+            if p.poll() is None:
+                p.kill()
+            logf.close()
+        log = Path(logf.name).read_text()
+        if rc != 0:
+            pytest.fail(f"{backend} serving failed (exit {rc}):\n{log[-6000:]}")
+        results[backend] = {"log": log, "results": {
+            by_dir[r["model"]]: r for r in json.loads(out.read_text())["results"]}}
+    print(f"\n[tests_vllm] both backends served {len(ORDER)} models in "
+          f"{time.perf_counter() - t0:.0f} s")
+    return results

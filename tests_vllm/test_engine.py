@@ -1,0 +1,133 @@
+"""End to end: tiny random Qwen3-MoE, Mixtral and gpt-oss models (bf16, and W8A8 written with
+compressed-tensors) served through ``vllm.LLM`` with vLLM's CPU MoE backend and with cpumoe's
+(``CPUMOE_VLLM=1``), greedy, 16 tokens for 4 prompts.
+
+Same tokens are expected; where a token differs, the two choices must be a near tie in both
+runs (each in the other's top-5, their logprobs within the tolerance), and the comparison of
+that prompt stops there (the contexts differ after it). On a CPU where vLLM has no Int8 MoE
+kernel (x86 without AMX: all its CPU Int8 experts classes refuse the device, and its engine
+fails to start on a W8A8 MoE checkpoint), cpumoe's W8A8 run is compared with vLLM's bf16 run of
+the model it was quantized from, within the int8 tolerance.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+from typing import Dict, List, Tuple
+
+import pytest
+
+from conftest import MODELS, N_TOKENS, ORDER, vllm_serves
+
+#: |logprob difference| of the same token, and the largest logprob gap of a divergence that
+#: still counts as a tie. bf16: the two kernels round at other points (cpumoe rounds x and the
+#: activation output to bf16, sums exact products in fp32) and the logits are bf16, so a last-bit
+#: change of a MoE output can move a logit by one bf16 step (1/16 at 8..16, 1/8 at 16..32) and,
+#: through the 2 layers, the top logprobs by several such steps: seen here up to 0.57 on an
+#: unchanged token (gpt-oss) and a 0.69 gap at a divergence (Mixtral, step 11 of 16).
+#: W8A8: per-token int8 activations, against vLLM's int8 kernel, or against the bf16 model the
+#: checkpoint was quantized from.
+TOL = {"bf16": 0.8, "w8a8_vs_int8": 0.8, "w8a8_vs_bf16": 0.8}
+BF16 = [n for n in ORDER if not MODELS[n][1]]
+W8A8 = [n for n in ORDER if MODELS[n][1]]
+
+
+def compare(a: dict, b: dict, tol: float) -> Tuple[int, int, float, List[str]]:
+    """(prompts with identical tokens, steps compared, max |logprob diff|, problems)."""
+    same, steps, worst, problems = 0, 0, 0.0, []
+    for i, (ta, tb) in enumerate(zip(a["tokens"], b["tokens"])):
+        assert len(ta) == len(tb) == N_TOKENS
+        la, lb = a["logprobs"][i], b["logprobs"][i]
+        for s, (x, y) in enumerate(zip(ta, tb)):
+            steps += 1
+            if x == y:
+                d = abs(la[s][str(x)] - lb[s][str(y)])
+                worst = max(worst, d)
+                if d > tol:
+                    problems.append(f"prompt {i} step {s}: token {x} logprob "
+                                    f"{la[s][str(x)]:.4f} vs {lb[s][str(y)]:.4f}")
+                continue
+            # A divergence: a near tie in both runs, or a real difference.
+            if str(y) not in la[s] or str(x) not in lb[s]:
+                problems.append(f"prompt {i} step {s}: {x} vs {y}, not in each other's top-5")
+            else:
+                gap = max(abs(la[s][str(x)] - la[s][str(y)]), abs(lb[s][str(x)] - lb[s][str(y)]))
+                if gap > tol:
+                    problems.append(f"prompt {i} step {s}: {x} vs {y}, logprob gap {gap:.4f}")
+            break
+        else:
+            same += 1
+    return same, steps, worst, problems
+
+
+def _ok(run: dict) -> bool:
+    return "error" not in run
+
+
+def test_entry_point_is_registered():
+    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+    ours = [ep for ep in eps if ep.name == "cpumoe"]
+    assert len(ours) == 1 and ours[0].value == "cpumoe.vllm_plugin:register"
+
+
+def test_plugin_off_leaves_vllm_unchanged(runs):
+    base = runs["vllm"]
+    assert not re.search(r"\] cpumoe[ :]", base["log"])  # none of the plugin's log lines
+    for name in BF16:
+        w = base["results"][name]["worker"][0]
+        assert w["cpumoe"] is None  # the plugin's vLLM module was never imported
+        assert w["experts"] and not any("Cpumoe" in str(c) for c in w["experts"].values())
+
+
+@pytest.mark.parametrize("name", ORDER)
+def test_cpumoe_ran_in_the_engine_worker(runs, name):
+    run = runs["cpumoe"]["results"][name]
+    assert _ok(run), run.get("error")
+    (w,) = run["worker"]
+    assert w["pid"] != run["client_pid"]  # the engine's process, not the test's client
+    kind = "int8" if MODELS[name][1] else "bf16"
+    want_cls = "CpumoeInt8Experts" if kind == "int8" else "CpumoeBf16Experts"
+    assert w["experts"] and set(w["experts"].values()) == {want_cls}, w["experts"]
+    layers = w["cpumoe"]["layers"]
+    assert set(layers) == set(w["experts"])
+    # Prefill of the 4 prompts (5 + 12 + 19 + 26 tokens) and 15 decode steps of 4 tokens, at
+    # least (vLLM's warm-up adds calls).
+    prompt_tokens = sum(len(p) for p in run["prompts"])
+    for layer, st in layers.items():
+        assert st["kind"] == kind and st["calls"] >= N_TOKENS
+        assert st["tokens"] >= prompt_tokens + (N_TOKENS - 1) * len(run["prompts"])
+        # One INFO line per layer, from that worker, with the layer name and cpumoe's path.
+        line = re.compile(rf"\(.*pid={w['pid']}\).*cpumoe: {re.escape(layer)} runs on cpumoe "
+                          rf"\(.*path {st['path']}, kernel {st['kernel']}")
+        assert len(line.findall(runs["cpumoe"]["log"])) == 1, layer
+
+
+@pytest.mark.parametrize("name", BF16)
+def test_bf16_same_tokens_as_vllm(runs, name):
+    base, ours = runs["vllm"]["results"][name], runs["cpumoe"]["results"][name]
+    assert _ok(base), base.get("error")
+    assert _ok(ours), ours.get("error")
+    same, steps, worst, problems = compare(ours, base, TOL["bf16"])
+    print(f"\n{name}: {same}/{len(ours['tokens'])} prompts identical, max |dlogprob| "
+          f"{worst:.4f} over {steps} steps")
+    assert not problems, problems
+
+
+@pytest.mark.parametrize("name", W8A8)
+def test_w8a8_against_vllm(runs, name):
+    ours = runs["cpumoe"]["results"][name]
+    assert _ok(ours), ours.get("error")
+    if vllm_serves(name):  # vLLM has a CPU Int8 MoE kernel here (AMX, Arm): compare with it
+        base = runs["vllm"]["results"][name]
+        assert _ok(base), base.get("error")
+        same, steps, worst, problems = compare(ours, base, TOL["w8a8_vs_int8"])
+        what = "vLLM's Int8 MoE backend"
+    else:
+        # The reference: vLLM's bf16 serving of the model this checkpoint was quantized from.
+        ref = runs["vllm"]["results"][MODELS[name][0]]
+        same, steps, worst, problems = compare(ours, ref, TOL["w8a8_vs_bf16"])
+        what = "vLLM's bf16 serving of the unquantized model (vLLM has no Int8 kernel here)"
+    print(f"\n{name} vs {what}: {same}/{len(ours['tokens'])} prompts identical, max "
+          f"|dlogprob| {worst:.4f} over {steps} steps")
+    assert not problems, problems

@@ -1,0 +1,157 @@
+"""The plugin in this process, without an engine: the switch, the support checks and their
+reasons, and cpumoe's experts classes through vLLM's modular-kernel ``apply`` interface, with an
+expert map (vLLM's expert parallelism) and with the router weight applied on the input."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+import cpumoe
+from cpumoe import vllm_plugin
+from cpumoe.reference import quantize_per_channel, ref_fused_moe_bf16, ref_fused_moe_int8
+from cpumoe.vllm_plugin import layer as L
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+
+@pytest.mark.parametrize("value,want", [("", False), ("0", False), ("off", False), ("1", True),
+                                        ("true", True), ("ON", True)])
+def test_switch(monkeypatch, value, want):
+    monkeypatch.setenv("CPUMOE_VLLM", value)
+    assert vllm_plugin.enabled() is want
+
+
+def test_switch_rejects_other_values(monkeypatch):
+    monkeypatch.setenv("CPUMOE_VLLM", "maybe")
+    with pytest.raises(ValueError, match="CPUMOE_VLLM='maybe': expected 1 or 0"):
+        vllm_plugin.enabled()
+
+
+def test_register_off_registers_nothing(monkeypatch):
+    from vllm.model_executor.custom_op import op_registry_oot
+    monkeypatch.setenv("CPUMOE_VLLM", "0")
+    before = dict(op_registry_oot)
+    vllm_plugin.register()
+    assert op_registry_oot == before
+
+
+def test_install_replaces_routed_experts_and_model_subclasses():
+    from vllm.model_executor.custom_op import op_registry_oot
+    assert L.install() and L.install()  # idempotent: vLLM loads plugins in every process
+    assert op_registry_oot["RoutedExperts"] is L.CpumoeRoutedExperts
+    gpt = op_registry_oot["GptOssRoutedExperts"]
+    from vllm.model_executor.models.gpt_oss import GptOssRoutedExperts
+    assert issubclass(gpt, GptOssRoutedExperts) and issubclass(gpt, L._CpumoeLayer)
+
+
+def _moe(**over):
+    cfg = dict(is_act_and_mul=True, activation=MoEActivation.SILU, hidden_dim=256,
+               intermediate_size_per_partition=128, in_dtype=torch.bfloat16,
+               is_lora_enabled=False, swiglu_limit=None, swiglu_alpha=None, swiglu_beta=None)
+    cfg.update(over)
+    return types.SimpleNamespace(**cfg)
+
+
+@pytest.mark.parametrize("over,reason", [
+    ({}, None),
+    ({"activation": MoEActivation.SWIGLUOAI, "swiglu_limit": 7.0, "swiglu_alpha": 1.702}, None),
+    ({"is_act_and_mul": False, "activation": MoEActivation.RELU2_NO_MUL}, "non-gated"),
+    ({"activation": MoEActivation.RELU2}, "activation 'relu2'"),
+    ({"swiglu_limit": 10.0}, "swiglu_limit=10.0 on a silu layer"),
+    ({"activation": MoEActivation.SWIGLUOAI, "swiglu_limit": 10.0},
+     "swigluoai with swiglu_limit=10.0"),
+    ({"hidden_dim": 260}, "hidden dim 260 is not a multiple of 8"),
+    ({"intermediate_size_per_partition": 100}, "intermediate dim 100"),
+    ({"is_lora_enabled": True}, "LoRA"),
+])
+def test_layer_problem_names_the_reason(over, reason):
+    got = L.layer_problem(_moe(**over))
+    if reason is None:
+        assert got is None
+    else:
+        assert got is not None and reason in got, got
+
+
+def _experts(cls, E, H, I, k):
+    """A cpumoe experts object as vLLM's kernel builder makes it (without a FusedMoEConfig)."""
+    ex = object.__new__(cls)
+    ex.packed, ex.layer_name, ex._act, ex._stats = None, "?", "silu", {}
+    ex._emap_src = ex._emap = None
+    ex.moe_config = types.SimpleNamespace(experts_per_token=k)
+    return ex
+
+
+def _layer(**params):
+    layer = torch.nn.Module()
+    layer.layer_name = "model.layers.3.mlp.experts"
+    for name, t in params.items():
+        layer.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
+    return layer
+
+
+def _call(ex, x, tw, ids, emap=None, on_input=False):
+    out = torch.empty_like(x)
+    ex.apply(out, x, None, None, tw, ids, MoEActivation.SILU, 0, emap, None, None, None, None,
+             None, on_input)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["int8", "bf16"])
+def test_experts_with_expert_map_match_the_reference(kind):
+    g = torch.Generator().manual_seed(0)
+    E_global, E, H, I, k, T = 8, 4, 64, 32, 2, 12
+    held = torch.tensor([1, 4, 6, 7])  # this rank's experts (global ids), local 0..3
+    w13 = torch.randn(E, 2 * I, H, generator=g)
+    w2 = torch.randn(E, H, I, generator=g) / 4
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, E_global, (T, k), generator=g, dtype=torch.int32)
+    tw = torch.rand(T, k, generator=g)
+    emap = torch.full((E_global,), -1, dtype=torch.int32)
+    emap[held] = torch.arange(E, dtype=torch.int32)
+    # Reference: slots of experts held elsewhere contribute nothing (weight 0).
+    local = emap[ids.long()]
+    tw_ref = torch.where(local >= 0, tw, torch.zeros_like(tw))
+    ids_ref = local.clamp_min(0)
+    if kind == "int8":
+        q13, s13 = quantize_per_channel(w13)
+        q2, s2 = quantize_per_channel(w2)
+        layer = _layer(w13_weight=q13, w2_weight=q2, w13_weight_scale=s13.unsqueeze(-1),
+                       w2_weight_scale=s2.unsqueeze(-1))
+        ex = _experts(L.CpumoeInt8Experts, E, H, I, k)
+        want = ref_fused_moe_int8(x, q13, q2, s13, s2, tw_ref, ids_ref)
+    else:
+        b13, b2 = w13.to(torch.bfloat16), w2.to(torch.bfloat16)
+        layer = _layer(w13_weight=b13, w2_weight=b2)
+        ex = _experts(L.CpumoeBf16Experts, E, H, I, k)
+        want = ref_fused_moe_bf16(x, b13, b2, tw_ref, ids_ref)
+    ex.process_weights_after_loading(layer)
+    # vLLM's copies are replaced by empty placeholders of E and H; the packed layer holds them.
+    assert tuple(layer.w13_weight.shape) == (E, 0, H) and layer.w13_weight.numel() == 0
+    assert ex.packed.path == (cpumoe.selected_path() if kind == "int8"
+                              else cpumoe.selected_path(op="bf16"))
+    assert ex.moe_problem_size(x, layer.w13_weight, layer.w2_weight, ids) == (E, T, 2 * I, H, k)
+    got = _call(ex, x, tw, ids, emap)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2,
+                               atol=2e-2 * float(want.float().abs().max()))
+    assert L.stats()["layers"][layer.layer_name]["calls"] == 1
+    assert L.stats()["layers"][layer.layer_name]["tokens"] == T
+
+
+def test_router_weight_on_input_is_not_applied_twice():
+    # vLLM's prepare step multiplies x by the (top-1) router weight before the experts run.
+    g = torch.Generator().manual_seed(1)
+    E, H, I, T = 4, 64, 32, 6
+    w13 = torch.randn(E, 2 * I, H, generator=g).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I, generator=g) / 4).to(torch.bfloat16)
+    ex = _experts(L.CpumoeBf16Experts, E, H, I, 1)
+    ex.process_weights_after_loading(_layer(w13_weight=w13.clone(), w2_weight=w2.clone()))
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    tw = torch.rand(T, 1, generator=g) + 0.5
+    ids = torch.randint(0, E, (T, 1), generator=g, dtype=torch.int32)
+    xs = x * tw.to(x.dtype)
+    got = _call(ex, xs, tw, ids, on_input=True)
+    want = ref_fused_moe_bf16(xs, w13, w2, None, ids, skip_weighted=True)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2,
+                               atol=2e-2 * float(want.float().abs().max()))
