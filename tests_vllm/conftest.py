@@ -26,8 +26,11 @@ MODELS = {"qwen3_moe": ("qwen3_moe", False), "qwen3_moe_w8a8": ("qwen3_moe", Tru
           "mixtral": ("mixtral", False), "mixtral_w8a8": ("mixtral", True),
           "gpt_oss": ("gpt_oss", False)}
 #: Served by each backend in this order, one engine at a time, in one process per backend (the
-#: two processes run side by side).
-ORDER = ["qwen3_moe", "mixtral", "gpt_oss", "qwen3_moe_w8a8", "mixtral_w8a8"]
+#: two processes run side by side). mixtral_w8a8 is left out of the CI run: it takes the same
+#: kernel path as qwen3_moe_w8a8 and an engine start costs the whole suite's time budget
+#: (CPUMOE_VLLM_ALL_MODELS=1 serves it too).
+ORDER = ["qwen3_moe", "mixtral", "gpt_oss", "qwen3_moe_w8a8"] + (
+    ["mixtral_w8a8"] if os.environ.get("CPUMOE_VLLM_ALL_MODELS") == "1" else [])
 N_TOKENS = 16
 #: Seconds for one backend's whole run at most (a hung engine fails the session, not all CI).
 TIMEOUT_S = 1500
