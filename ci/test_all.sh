@@ -212,7 +212,7 @@ stage_cross() {
   for isa in neon_bf16 neon_dotprod; do
     log "cross: ctest with QEMU_CPU=max CPUMOE_ISA=$isa"
     QEMU_CPU=max CPUMOE_ISA=$isa ctest --test-dir "$BUILD/aarch64" --output-on-failure -j "$JOBS" \
-      -E 'QGemmKernelTest|BGemmKernelTest|MoeGridTest|MoeBf16GridTest|Fuzz\.'
+      -E 'QGemmKernelTest|BGemmKernelTest|Q4GemmKernelTest|MoeGridTest|MoeBf16GridTest|MoeW4\.Grid|Fuzz\.'
   done
 }
 
