@@ -14,7 +14,11 @@ import cpumoe
 from cpumoe import reference as R
 from cpumoe.checkpoint import UnsupportedCheckpoint
 from cpumoe.checkpoint_w4 import load_int4_moe_layer, load_mxfp4_moe_layer
-from conftest import assert_moe_close, random_topk_ids, random_topk_weights
+from conftest import BACKEND_NAME, assert_moe_close, random_topk_ids, random_topk_weights
+
+# The compressed-tensors writer and transformers' decoder are torch code: the numpy backend's run
+# must not import torch (test_features checks), so those tests need the torch backend.
+needs_torch = pytest.mark.skipif(BACKEND_NAME != "torch", reason="needs the torch backend")
 
 
 def _routing(T, E, k, H, seed=0):
@@ -65,6 +69,7 @@ def _write_int4_checkpoint(folder, E=4, H=128, I=64, g=32, preset="W4A16", layer
     return {p: torch.stack(v).numpy() for p, v in floats.items()}
 
 
+@needs_torch
 @pytest.mark.parametrize("preset,g", [("W4A16", 32), ("W4A8", 64)])
 def test_compressed_tensors_int4_checkpoint(tmp_path, preset, g):
     torch = pytest.importorskip("torch")
@@ -104,6 +109,7 @@ def cpumoe_backend_numpy():
     return Backend("numpy")
 
 
+@needs_torch
 def test_int4_checkpoint_errors(tmp_path):
     pytest.importorskip("torch")
     _write_int4_checkpoint(tmp_path, 2, 64, 32, 32)
@@ -166,6 +172,7 @@ def test_gpt_oss_mxfp4_layer(tmp_path):
         load_mxfp4_moe_layer(tmp_path, 1)
 
 
+@needs_torch
 def test_mxfp4_decoding_matches_transformers_gpt_oss():
     """Our reading of gpt-oss's blocks (low nibble = even k, E8M0 2^(e - 127)) against
     transformers' own gpt-oss dequantization, bit for bit."""
