@@ -244,9 +244,8 @@ struct W4Packer final : RhsPacker {
   // Matrix e of [E, n, depth]: codes, then the kernel's packing.
   void pack_one(const void* src, const void* scales, int64_t e, int64_t n, int64_t depth,
                 void* dst) const {
-    thread_local std::vector<uint8_t> codes;
     const size_t count = size_t(n) * size_t(depth);
-    codes.resize(count);
+    std::vector<uint8_t> codes(count);  // one matrix (a few MB), freed with the call
     if (layout.format == W4Format::mxfp4) {
       const uint8_t* b = static_cast<const uint8_t*>(src) + size_t(e) * count / 2;
       for (size_t x = 0; x < count / 2; ++x) {  // low nibble: the even k
