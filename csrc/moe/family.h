@@ -40,15 +40,15 @@ struct Family<QGemmUkernel> {
   // The output-channel scales of expert e's w13 / w2.
   static const float* scale13(const Packed& pk, int64_t e) { return pk.s13(e); }
   static const float* scale2(const Packed& pk, int64_t e) { return pk.s2(e); }
-  // One task's GEMM with its epilogue; row_scale at the task's first row, col_scale and bias
-  // (nullable) at the expert's column 0.
-  // stream: dst is large and read only later (QGemmEpilogue::stream_dst).
   // Byte offset of output column n0 in an expert's packed weights of depth `depth`.
   static size_t rhs_offset(const QGemmUkernel& kern, const Packed&, int64_t n0, int64_t depth) {
     return kern.rhs_packed_offset(n0, depth);
   }
-  static void run(const QGemmUkernel& kern, const Packed&, const Task& tk, int64_t depth, const void* lhs,
-                  const void* rhs, float* dst, int64_t dst_stride, const float* row_scale,
+  // One task's GEMM with its epilogue; row_scale at the task's first row, col_scale and bias
+  // (nullable) at the expert's column 0.
+  // stream: dst is large and read only later (QGemmEpilogue::stream_dst).
+  static void run(const QGemmUkernel& kern, const Packed&, const Task& tk, int64_t depth,
+                  const void* lhs, const void* rhs, float* dst, int64_t dst_stride, const float* row_scale,
                   const float* col_scale, const float* bias, bool stream = false) {
     const QGemmEpilogue ep{row_scale, col_scale + tk.n0, bias ? bias + tk.n0 : nullptr, stream};
     kern.run_f32(tk.m, tk.n, depth, lhs, rhs, dst, dst_stride, ep);
@@ -74,8 +74,8 @@ struct Family<BGemmUkernel> {
   static size_t rhs_offset(const BGemmUkernel& kern, const Packed&, int64_t n0, int64_t depth) {
     return kern.rhs_packed_offset(n0, depth);
   }
-  static void run(const BGemmUkernel& kern, const Packed&, const Task& tk, int64_t depth, const void* lhs,
-                  const void* rhs, float* dst, int64_t dst_stride, const float*, const float*,
+  static void run(const BGemmUkernel& kern, const Packed&, const Task& tk, int64_t depth,
+                  const void* lhs, const void* rhs, float* dst, int64_t dst_stride, const float*, const float*,
                   const float* bias, bool = false) {
     kern.run_f32(tk.m, tk.n, depth, lhs, rhs, dst, dst_stride, bias ? bias + tk.n0 : nullptr);
   }
