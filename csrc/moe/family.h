@@ -48,8 +48,9 @@ struct Family<QGemmUkernel> {
   // (nullable) at the expert's column 0.
   // stream: dst is large and read only later (QGemmEpilogue::stream_dst).
   static void run(const QGemmUkernel& kern, const Packed&, const Task& tk, int64_t depth,
-                  const void* lhs, const void* rhs, float* dst, int64_t dst_stride, const float* row_scale,
-                  const float* col_scale, const float* bias, bool stream = false) {
+                  const void* lhs, const void* rhs, float* dst, int64_t dst_stride,
+                  const float* row_scale, const float* col_scale, const float* bias,
+                  bool stream = false) {
     const QGemmEpilogue ep{row_scale, col_scale + tk.n0, bias ? bias + tk.n0 : nullptr, stream};
     kern.run_f32(tk.m, tk.n, depth, lhs, rhs, dst, dst_stride, ep);
   }
