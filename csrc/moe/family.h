@@ -76,7 +76,8 @@ struct Family<BGemmUkernel> {
     return kern.rhs_packed_offset(n0, depth);
   }
   static void run(const BGemmUkernel& kern, const Packed&, const Task& tk, int64_t depth,
-                  const void* lhs, const void* rhs, float* dst, int64_t dst_stride, const float*, const float*,
+                  const void* lhs, const void* rhs, float* dst, int64_t dst_stride, const float*,
+                  const float*,
                   const float* bias, bool = false) {
     kern.run_f32(tk.m, tk.n, depth, lhs, rhs, dst, dst_stride, bias ? bias + tk.n0 : nullptr);
   }

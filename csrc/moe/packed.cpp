@@ -89,9 +89,9 @@ PackedExperts<Kernel>::PackedExperts(int64_t e, int64_t h, int64_t i,
   check_dim(i_, "w2: intermediate size I");
   // The element counts of w13 [E, 2I, H] and w2 [E, H, I] (and so every smaller product below)
   // fit int64_t: absurd sizes from a malformed checkpoint are an error, not a wrapped size.
-  moe_detail::checked_mul(moe_detail::checked_mul(e_, moe_detail::checked_mul(2, i_, "w13"), "w13"), h_,
-                          "w13");
-  moe_detail::checked_mul(moe_detail::checked_mul(e_, h_, "w2"), i_, "w2");
+  using moe_detail::checked_mul;
+  checked_mul(checked_mul(e_, checked_mul(2, i_, "w13"), "w13"), h_, "w13");
+  checked_mul(checked_mul(e_, h_, "w2"), i_, "w2");
   packer.check();
   const Kernel& k = *config_.gemm;
   if (!cpu_supports(k.isa))

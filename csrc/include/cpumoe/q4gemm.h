@@ -14,8 +14,8 @@
 /// A kernel computes, for row i (quantized activations, rows gathered per expert) and output
 /// column j of B (one expert's weight matrix [N][K]):
 ///   isum_g = sum_{k in group g} A[i][k] * v[j][k]            (exact int32)
-///   acc    = ((0 + float(isum_0) * s[j][0]) + float(isum_1) * s[j][1]) + ...   (fp32, g increasing,
-///            each product and sum rounded: no FMA)
+///   acc    = ((0 + float(isum_0) * s[j][0]) + float(isum_1) * s[j][1]) + ...
+///            (fp32, g increasing, each product and sum rounded: no FMA)
 ///   dst    = acc * lhs_scale[i] + bias[j]                     (fp32, in that order)
 /// so every kernel gives the same bits as the naive oracle.
 ///

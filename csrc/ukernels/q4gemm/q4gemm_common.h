@@ -70,8 +70,8 @@ void pack_rhs_q4(int64_t n, int64_t k, const W4Layout& w, const uint8_t* codes,
 
 /// The nibble arrangement of the x86 kernels (`q4ci<Nr>x8`): per 8 k (slice s of the group), 4 * Nr
 /// bytes, byte 4c + t holding column c's k = 8s + t (t < 4) in its low nibble and k = 8s + 4 + t in
-/// its high one. One vector of 4 * Nr bytes thus splits (mask, shift + mask) into two vectors of the
-/// qgemm `qs8ci<Nr>x4` shape: one int32 lane per column, 4 consecutive k in its bytes.
+/// its high one. One vector of 4 * Nr bytes thus splits (mask, shift + mask) into two vectors of
+/// the qgemm `qs8ci<Nr>x4` shape: one int32 lane per column, 4 consecutive k in its bytes.
 template <int64_t Nr>
 struct NibbleSlices8 {
   static int64_t index(int64_t c, int64_t kk, int64_t /*g*/) {
