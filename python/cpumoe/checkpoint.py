@@ -479,9 +479,7 @@ class MoeLayerWeights:
 
     def expert_map(self) -> np.ndarray:
         """int32 [num_global_experts]: global id -> local id, -1 for experts not loaded."""
-        m = np.full(self.num_global_experts, -1, np.int32)
-        m[np.asarray(self.expert_ids, dtype=np.int64)] = np.arange(len(self.expert_ids))
-        return m
+        return expert_map_of(self.expert_ids, self.num_global_experts)
 
     def prepack(self, isa: Optional[str] = None,
                 num_threads: Optional[int] = None) -> _ops.PackedMoe:
@@ -503,6 +501,21 @@ class MoeLayerWeights:
         return types.SimpleNamespace(
             w13_weight=conv(self.w13), w2_weight=conv(self.w2), w13_weight_scale=conv(self.s13),
             w2_weight_scale=conv(self.s2), w13_bias=conv(self.b13), w2_bias=conv(self.b2))
+
+
+def expert_ids_of(experts: Optional[Sequence[int]], n_global: int) -> List[int]:
+    """The global ids to load (default all), checked: distinct, in [0, n_global)."""
+    ids = list(range(n_global)) if experts is None else [int(e) for e in experts]
+    if not ids or any(e < 0 or e >= n_global for e in ids) or len(set(ids)) != len(ids):
+        raise ValueError(f"experts: distinct ids in [0, {n_global}) expected, got {experts!r}")
+    return ids
+
+
+def expert_map_of(expert_ids: Sequence[int], n_global: int) -> np.ndarray:
+    """int32 [n_global]: global id -> its index in expert_ids, -1 for the others."""
+    m = np.full(n_global, -1, np.int32)
+    m[np.asarray(expert_ids, dtype=np.int64)] = np.arange(len(expert_ids))
+    return m
 
 
 def _open(path: Union[PathLike, Checkpoint]) -> Checkpoint:
@@ -577,9 +590,7 @@ def load_moe_layer(path: Union[PathLike, Checkpoint], layer: int, *,
     n_global = ck.num_experts(layer, layout)
     if n_global == 0:
         raise UnsupportedCheckpoint(f"layer {layer}: no experts of layout {layout!r}")
-    ids = list(range(n_global)) if experts is None else [int(e) for e in experts]
-    if not ids or any(e < 0 or e >= n_global for e in ids) or len(set(ids)) != len(ids):
-        raise ValueError(f"experts: distinct ids in [0, {n_global}) expected, got {experts!r}")
+    ids = expert_ids_of(experts, n_global)
 
     def mod(e: int, proj: str) -> str:
         return template.format(layer=layer, expert=e, proj=proj)

@@ -30,7 +30,7 @@ import numpy as np
 
 from . import ops as _ops
 from .checkpoint import (LAYOUTS, Checkpoint, PathLike, UnsupportedCheckpoint, _open,
-                         _targets_module)
+                         _targets_module, expert_ids_of, expert_map_of)
 
 __all__ = ["W4LayerWeights", "int4_scheme_problem", "load_int4_moe_layer",
            "load_mxfp4_moe_layer", "unpack_int4"]
@@ -66,9 +66,7 @@ class W4LayerWeights:
 
     def expert_map(self) -> np.ndarray:
         """int32 [num_global_experts]: global id -> local id, -1 for experts not loaded."""
-        m = np.full(self.num_global_experts, -1, np.int32)
-        m[np.asarray(self.expert_ids, dtype=np.int64)] = np.arange(len(self.expert_ids))
-        return m
+        return expert_map_of(self.expert_ids, self.num_global_experts)
 
     def prepack(self, isa: Optional[str] = None,
                 num_threads: Optional[int] = None) -> _ops.PackedMoeW4:
@@ -77,13 +75,6 @@ class W4LayerWeights:
                                       isa=isa, num_threads=num_threads)
         return _ops.prepack_int4(self.w13, self.w2, self.s13, self.s2, self.b13, self.b2,
                                  group_size=self.group_size, isa=isa, num_threads=num_threads)
-
-
-def _expert_ids(experts: Optional[Sequence[int]], n_global: int) -> List[int]:
-    ids = list(range(n_global)) if experts is None else [int(e) for e in experts]
-    if not ids or any(e < 0 or e >= n_global for e in ids) or len(set(ids)) != len(ids):
-        raise ValueError(f"experts: distinct ids in [0, {n_global}) expected, got {experts!r}")
-    return ids
 
 
 def _need(ck: Checkpoint, name: str, dtypes, shape) -> None:
@@ -193,7 +184,7 @@ def load_int4_moe_layer(path: Union[PathLike, Checkpoint], layer: int, *,
         n_global += 1
     if n_global == 0:
         raise UnsupportedCheckpoint(f"layer {layer}: no experts of layout {layout!r}")
-    ids = _expert_ids(experts, n_global)
+    ids = expert_ids_of(experts, n_global)
     g = group_size
     if check_config:
         for proj in (gate, up, down):
@@ -278,7 +269,7 @@ def load_mxfp4_moe_layer(path: Union[PathLike, Checkpoint], layer: int, *,
     if has_bias:
         _need(ck, gu + "_bias", _FLOAT, (n_global, I2))
         _need(ck, dn + "_bias", _FLOAT, (n_global, H))
-    ids = _expert_ids(experts, n_global)
+    ids = expert_ids_of(experts, n_global)
     sel = np.asarray(ids, dtype=np.int64)
 
     def take(name):
