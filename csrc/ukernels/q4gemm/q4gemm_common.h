@@ -1,7 +1,8 @@
 // What every q4gemm (int8 x 4-bit -> fp32, group scales) microkernel shares, in plain C++: the
 // packed B layout's sizes and offsets (Q4Packing), its packer over a kernel's nibble arrangement,
 // the scalar group-scale and store steps, and make_q4gemm (the interface table). A's layouts are
-// the qgemm family's (qgemm/qgemm_common.h).
+// the qgemm family's (qgemm/qgemm_common.h); what only the x86 kernels share is in
+// x86/q4gemm_x86_common.h, the AArch64 ones' in arm/q4gemm_arm_common.h.
 // Internal linkage on purpose (see qgemm/qgemm_common.h): every kernel file has its own ISA flags.
 #pragma once
 
@@ -64,83 +65,6 @@ void pack_rhs_q4(int64_t n, int64_t k, const W4Layout& w, const uint8_t* codes,
         std::memcpy(grp + P::codes_bytes(w) + c * sb, sc + ((j0 + c) * scale_stride + gi) * sb,
                     size_t(sb));
       }
-    }
-  }
-}
-
-/// The nibble arrangement of the x86 kernels (`q4ci<Nr>x8`): per 8 k (slice s of the group), 4 * Nr
-/// bytes, byte 4c + t holding column c's k = 8s + t (t < 4) in its low nibble and k = 8s + 4 + t in
-/// its high one. One vector of 4 * Nr bytes thus splits (mask, shift + mask) into two vectors of
-/// the qgemm `qs8ci<Nr>x4` shape: one int32 lane per column, 4 consecutive k in its bytes.
-template <int64_t Nr>
-struct NibbleSlices8 {
-  static int64_t index(int64_t c, int64_t kk, int64_t /*g*/) {
-    const int64_t r = kk % 8;
-    return 2 * ((kk / 8) * 4 * Nr + 4 * c + r % 4) + r / 4;
-  }
-};
-
-/// The `qs8rs` lhs layout: row i at i * row_bytes(k): its k int8 values zero-padded to kp =
-/// round_up(k, 32), then kp / 32 int32 sums of the row over 32-k slices. A kernel that decodes
-/// the weights to unsigned values v + off (vpdpbusd / vpmaddubsw take u8 x s8) takes the offset
-/// back per row and group as off * (sum of the group's slice sums): computed once per row here,
-/// so the weights stay 4 bits and the kernel needs no extra dot product per weight vector.
-struct Q4LhsRowSums {
-  static constexpr int64_t kKr = 8;  // the kernels read A 8 k at a time
-  static int64_t padded_k(int64_t k) { return round_up(k, kW4GroupMultiple); }
-  static int64_t row_bytes(int64_t k) { return padded_k(k) + padded_k(k) / 8; }
-  static size_t lhs_size(int64_t m, int64_t k) { return size_t(m) * size_t(row_bytes(k)); }
-  static size_t lhs_offset(int64_t m_idx, int64_t k) {
-    return size_t(m_idx) * size_t(row_bytes(k));
-  }
-  /// The sum of A over group gi (of g k) of the packed row at @p row.
-  static int32_t group_sum(const uint8_t* row, int64_t kp, int64_t gi, int64_t g) {
-    const uint8_t* s = row + kp + 4 * (gi * g / kW4GroupMultiple);
-    uint32_t t = 0;
-    for (int64_t x = 0; x < g / kW4GroupMultiple; ++x) {
-      int32_t v;
-      std::memcpy(&v, s + 4 * x, 4);
-      t += uint32_t(v);
-    }
-    return int32_t(t);
-  }
-};
-
-/// Q4GemmUkernel::pack_lhs for the `qs8rs` layout.
-inline void pack_lhs_qs8rs(int64_t m, int64_t k, const int8_t* const* rows, void* packed) {
-  const int64_t kp = Q4LhsRowSums::padded_k(k), rb = Q4LhsRowSums::row_bytes(k);
-  auto* dst = static_cast<uint8_t*>(packed);
-  for (int64_t i = 0; i < m; ++i) {
-    uint8_t* d = dst + i * rb;
-    std::memcpy(d, rows[i], size_t(k));
-    std::memset(d + k, 0, size_t(kp - k));
-    for (int64_t x = 0; x < kp; x += kW4GroupMultiple) {
-      int32_t s = 0;
-      for (int64_t t = 0; t < kW4GroupMultiple; ++t) s += int8_t(d[x + t]);
-      std::memcpy(d + kp + 4 * (x / kW4GroupMultiple), &s, 4);
-    }
-  }
-}
-
-/// The register-tile walk of the x86 kernels (as gemm_tile.h's run): column steps of
-/// @p step_blocks blocks of nr columns (@p small_blocks when m <= @p small_rows), each over row
-/// tiles of at most @p max_rows rows (@p small_rows), rows split evenly over the fewest tiles (7
-/// rows: 4 + 3, not 6 + 1: a tile of one or two rows has too few accumulator chains). The
-/// weights of a step stay in L1/L2 while its row tiles pass. Calls tile(rows, nb, i0, jb): rows
-/// [i0, i0 + rows) x blocks [jb, jb + nb).
-template <class Tile>
-inline void walk_q4_tiles(int64_t m, int64_t n, int64_t nr, int64_t small_rows,
-                          int64_t small_blocks, int64_t max_rows, int64_t step_blocks,
-                          const Tile& tile) {
-  if (m <= 0 || n <= 0) return;
-  if (m <= small_rows) max_rows = small_rows, step_blocks = small_blocks;
-  const int64_t blocks = (n + nr - 1) / nr, tiles = (m + max_rows - 1) / max_rows;
-  for (int64_t jb = 0; jb < blocks; jb += step_blocks) {
-    const int64_t nb = std::min(step_blocks, blocks - jb);
-    for (int64_t t = 0, i0 = 0; t < tiles; ++t) {
-      const int64_t rows = (m - i0 + (tiles - t) - 1) / (tiles - t);
-      tile(rows, nb, i0, jb);
-      i0 += rows;
     }
   }
 }

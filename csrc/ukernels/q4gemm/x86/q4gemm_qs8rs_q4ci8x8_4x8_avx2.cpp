@@ -34,7 +34,7 @@
 
 #include "cpumoe/q4gemm.h"
 #include "ukernels/common/x86/avx2_common.h"
-#include "ukernels/q4gemm/q4gemm_common.h"
+#include "ukernels/q4gemm/x86/q4gemm_x86_common.h"
 
 namespace cpumoe {
 namespace {
@@ -96,23 +96,27 @@ inline __m256i bcast(const int8_t* p) {
   return _mm256_set1_epi32(v);  // vpbroadcastd from memory: a load, no shuffle
 }
 
-// Rows [0, MR) of A (row r at a + r * lda) x blocks [0, NB) of B (block b at b + b * bstride),
-// columns j0 .. of the call.
+// The kernel as run_q4_f32 (q4gemm_x86_common.h) takes it: the walk's steps and the tile.
+struct Kernel : Q4X86Steps<kNr, kSmallRows, kSmallBlocks, kRows, kBlocks, Decode> {
+  template <int MR, int NB, bool Mx, int G>
+  static void tile(const Q4Call<Decode>& c, int64_t i0, int64_t jb);
+};
+
+// Rows [i0, i0 + MR) of A x blocks [jb, jb + NB) of B (block b at bp + b * bstride).
 // G: the group size when known at compile time (32: mxfp4's and the common int4 one, its slice
 // loop and row sums unrolled), else 0 (w.group).
 template <int MR, int NB, bool Mx, int G>
-void tile(const uint8_t* a, int64_t lda, const uint8_t* bp, int64_t bstride, int64_t k,
-          int64_t kp, const W4Layout& w, const Decode& dec, int64_t i0, int64_t j0, int64_t n,
-          float* dst, int64_t ld, const Q4GemmEpilogue& ep) {
-  const int64_t g = G > 0 ? G : w.group, groups = k / g, gbytes = Packing::group_bytes(w);
-  const int64_t cbytes = Packing::codes_bytes(w);
+void Kernel::tile(const Q4Call<Decode>& c, int64_t i0, int64_t jb) {
+  const uint8_t *a = c.a + i0 * c.lda, *bp = c.b + jb * c.bstride;
+  const int64_t lda = c.lda, bstride = c.bstride, g = G > 0 ? G : c.w.group;
+  const int64_t gbytes = Packing::group_bytes(c.w), cbytes = Packing::codes_bytes(c.w);
   alignas(32) float acc[MR][NB][kNr] = {};
   __m256i isum[MR][NB];
-  for (int64_t gi = 0; gi < groups; ++gi) {
+  for (int64_t gi = 0; gi < c.k / g; ++gi) {
 #pragma GCC unroll 4
     for (int r = 0; r < MR; ++r) {
-      const uint32_t sum = uint32_t(Q4LhsRowSums::group_sum(a + r * lda, kp, gi, g));
-      const __m256i init = _mm256_set1_epi32(int32_t(0u - uint32_t(dec.offset) * sum));
+      const uint32_t sum = uint32_t(Q4LhsRowSums::group_sum(a + r * lda, c.kp, gi, g));
+      const __m256i init = _mm256_set1_epi32(int32_t(0u - uint32_t(c.dec.offset) * sum));
 #pragma GCC unroll 4
       for (int b = 0; b < NB; ++b) isum[r][b] = init;
     }
@@ -124,13 +128,13 @@ void tile(const uint8_t* a, int64_t lda, const uint8_t* bp, int64_t bstride, int
         const uint8_t* p = grp + b * bstride + s * kSliceBytes;
         _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch), _MM_HINT_T0);
         __m256i lo, hi;
-        dec(p, lo, hi);
+        c.dec(p, lo, hi);
 #pragma GCC unroll 4
         for (int r = 0; r < MR; ++r) {
           const __m256i pl = _mm256_maddubs_epi16(lo, bcast(ag + r * lda + 8 * s));
           const __m256i ph = _mm256_maddubs_epi16(hi, bcast(ag + r * lda + 8 * s + 4));
           isum[r][b] = _mm256_add_epi32(
-              isum[r][b], _mm256_madd_epi16(_mm256_add_epi16(pl, ph), dec.ones));
+              isum[r][b], _mm256_madd_epi16(_mm256_add_epi16(pl, ph), c.dec.ones));
         }
       }
     }
@@ -144,68 +148,20 @@ void tile(const uint8_t* a, int64_t lda, const uint8_t* bp, int64_t bstride, int
       }
     }
   }
-  const StoreF32Acc store{dst, ld, ep.bias};
+  const StoreF32Acc store{c.dst, c.ld, c.ep.bias};
   for (int b = 0; b < NB; ++b) {
-    const int64_t c0 = j0 + kNr * b;
-    const int64_t nc = std::min<int64_t>(kNr, n - c0);
+    const int64_t c0 = jb * kNr + kNr * b;
+    const int64_t nc = std::min<int64_t>(kNr, c.n - c0);
     for (int r = 0; r < MR; ++r)
       store(i0 + r, c0, nc,
-            _mm256_mul_ps(_mm256_load_ps(acc[r][b]), _mm256_set1_ps(ep.lhs_scale[i0 + r])));
+            _mm256_mul_ps(_mm256_load_ps(acc[r][b]), _mm256_set1_ps(c.ep.lhs_scale[i0 + r])));
   }
-}
-
-// One tile of the walk: MR rows (a compile-time count) x nb blocks.
-template <int MR, bool Mx, int G>
-void tile_blocks(int64_t nb, const uint8_t* a, int64_t lda, const uint8_t* bp, int64_t bstride,
-                 int64_t k, int64_t kp, const W4Layout& w, const Decode& dec, int64_t i0,
-                 int64_t j0, int64_t n, float* dst, int64_t ld, const Q4GemmEpilogue& ep) {
-  constexpr int kMaxNb = MR <= kSmallRows ? kSmallBlocks : kBlocks;
-  switch (nb) {
-#define CPUMOE_Q4_NB(NB)                                                              \
-  case NB:                                                                            \
-    if constexpr (NB <= kMaxNb)                                                       \
-      tile<MR, NB, Mx, G>(a, lda, bp, bstride, k, kp, w, dec, i0, j0, n, dst, ld, ep);   \
-    break;
-    CPUMOE_Q4_NB(1) CPUMOE_Q4_NB(2) CPUMOE_Q4_NB(3) CPUMOE_Q4_NB(4)
-#undef CPUMOE_Q4_NB
-    default: break;  // unreachable: nb <= the step's blocks
-  }
-}
-
-template <bool Mx, int G>
-void run(int64_t m, int64_t n, int64_t k, const W4Layout& w, const uint8_t* a,
-         const uint8_t* b, float* dst, int64_t ld, const Q4GemmEpilogue& ep) {
-  const Decode dec(w.format);
-  const int64_t kp = Q4LhsRowSums::padded_k(k), lda = Q4LhsRowSums::row_bytes(k);
-  const int64_t bstride = int64_t(Packing::block_bytes(k, w));
-  walk_q4_tiles(m, n, kNr, kSmallRows, kSmallBlocks, kRows, kBlocks,
-                [&](int64_t rows, int64_t nb, int64_t i0, int64_t jb) {
-    const uint8_t* ai = a + i0 * lda;
-    const uint8_t* bj = b + jb * bstride;
-    const int64_t j0 = jb * kNr;
-    switch (rows) {
-#define CPUMOE_Q4_ROWS(R) \
-  case R: tile_blocks<R, Mx, G>(nb, ai, lda, bj, bstride, k, kp, w, dec, i0, j0, n, dst, ld, ep); break;
-      CPUMOE_Q4_ROWS(1) CPUMOE_Q4_ROWS(2) CPUMOE_Q4_ROWS(3) CPUMOE_Q4_ROWS(4)
-#undef CPUMOE_Q4_ROWS
-      default: break;  // unreachable: rows <= kRows
-    }
-  });
-}
-
-void run_f32(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs,
-             const void* rhs, float* dst, int64_t dst_stride, const Q4GemmEpilogue& ep) {
-  const auto* a = static_cast<const uint8_t*>(lhs);
-  const auto* b = static_cast<const uint8_t*>(rhs);
-  if (w.format == W4Format::mxfp4) run<true, 32>(m, n, k, w, a, b, dst, dst_stride, ep);
-  else if (w.group == 32) run<false, 32>(m, n, k, w, a, b, dst, dst_stride, ep);
-  else run<false, 0>(m, n, k, w, a, b, dst, dst_stride, ep);
 }
 
 }  // namespace
 
 extern const Q4GemmUkernel q4gemm_qs8rs_q4ci8x8_4x8_avx2 = make_q4gemm<Q4LhsRowSums, Packing>(
     "q4gemm_qs8rs_q4ci8x8_4x8_avx2", Isa::avx2, kMr, pack_lhs_qs8rs,
-    pack_rhs_q4<Packing, Arrange>, run_f32);
+    pack_rhs_q4<Packing, Arrange>, run_q4_f32<Kernel>);
 
 }  // namespace cpumoe

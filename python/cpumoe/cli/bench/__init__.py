@@ -179,9 +179,10 @@ def run(args: argparse.Namespace) -> int:
                      and any(n in BF16_CONTENDERS for n in names) else None)
         read = (f"read {probe.gbs([probe() for _ in range(5)]):.1f} GB/s ({probe.how})"
                 if probe is not None else "read - (--probe-mib 0)")
-        gemm = ", ".join(f"{name} {v:.0f} G{unit}/s" for name, v, unit in
-                         (("int8", gemm_int8, "OP"), ("bf16", gemm_bf16, "FLOP")) if v)
-        gemm = f"; GEMM (torch 512x2048x2048, best of 5): {gemm}" if gemm else ""
+        gemm = ", ".join(f"{name} {v:.0f} G{unit}/s" if v >= 100 else f"{name} {v:.3g} G{unit}/s"
+                         for name, v, unit in (("int8", gemm_int8, "OP"),
+                                               ("bf16", gemm_bf16, "FLOP")) if v)
+        gemm = f"; GEMM (torch, up to 512x2048x2048, best of 5): {gemm}" if gemm else ""
         print(f"probe    {read}{gemm}", file=out)
         peak = amx_peak(layers[0].threads)
         print(f"probe    {fmt_peak(peak, layers[0].threads)}", file=out)

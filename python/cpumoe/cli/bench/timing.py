@@ -37,28 +37,40 @@ class ReadProbe:
 
 
 def gemm_probe(torch, dtype: str, M: int = 512, K: int = 2048, N: int = 2048,
-               reps: int = 5) -> Optional[float]:
+               reps: int = 5, budget_s: float = 0.05) -> Optional[float]:
     """GOP/s of one big GEMM in torch (oneDNN), best of ``reps``: int8 ``torch._int_mm`` or bf16
     ``mm``; what this CPU reaches on compute-bound work (the best call: the least disturbed on a
-    shared machine), the yardstick for prefill. None if unsupported."""
+    shared machine), the yardstick for prefill. None if unsupported.
+
+    The row count starts at 16 and doubles up to ``M`` while one call takes under ``budget_s``:
+    a CPU without native bf16 runs torch's bf16 ``mm`` in a slow fallback (16 s for 512x2048x2048
+    on an AVX2 EPYC), and the probe must not cost more than the benchmark it frames."""
     try:
+        b_shape = (K, N)
         if dtype == "int8":
-            a = torch.randint(-127, 128, (M, K), dtype=torch.int8)
-            b = torch.randint(-127, 128, (K, N), dtype=torch.int8)
-            f = lambda: torch._int_mm(a, b)  # noqa: E731
+            b = torch.randint(-127, 128, b_shape, dtype=torch.int8)
+            make = lambda m: torch.randint(-127, 128, (m, K), dtype=torch.int8)  # noqa: E731
+            mm = torch._int_mm
         else:
-            a = torch.randn(M, K, dtype=torch.bfloat16)
-            b = torch.randn(K, N, dtype=torch.bfloat16)
-            f = lambda: torch.mm(a, b)  # noqa: E731
-        f()
+            b = torch.randn(*b_shape, dtype=torch.bfloat16)
+            make = lambda m: torch.randn(m, K, dtype=torch.bfloat16)  # noqa: E731
+            mm = torch.mm
+        m = min(16, M)
+        while True:
+            a = make(m)
+            t = time.perf_counter()
+            mm(a, b)  # the first call of a shape also warms it up
+            if m >= M or time.perf_counter() - t >= budget_s:
+                break
+            m = min(2 * m, M)
         ts = []
         for _ in range(reps):
             t = time.perf_counter()
-            f()
+            mm(a, b)
             ts.append(time.perf_counter() - t)
     except (RuntimeError, AttributeError):
         return None
-    return 2 * M * K * N / min(ts) / 1e9
+    return 2 * m * K * N / min(ts) / 1e9
 
 
 def amx_peak(threads: int) -> Optional[Dict[str, float]]:

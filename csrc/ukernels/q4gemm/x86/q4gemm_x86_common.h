@@ -1,0 +1,172 @@
+// What the x86 q4gemm (W4A8) kernels share, in plain C++ (each kernel file instantiates it with
+// its own ISA flags): their nibble arrangement (`q4ci<nr>x8`), the `qs8rs` lhs layout with its row
+// sums, the register-tile walk, and run_q4_f32, the whole run_f32 over a kernel's tile template.
+// Internal linkage on purpose (see qgemm/qgemm_common.h).
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+
+#include "cpumoe/q4gemm.h"
+#include "ukernels/q4gemm/q4gemm_common.h"
+
+namespace cpumoe {
+namespace {
+
+/// The nibble arrangement of the x86 kernels (`q4ci<Nr>x8`): per 8 k (slice s of the group), 4 * Nr
+/// bytes, byte 4c + t holding column c's k = 8s + t (t < 4) in its low nibble and k = 8s + 4 + t in
+/// its high one. One vector of 4 * Nr bytes thus splits (mask, shift + mask) into two vectors of
+/// the qgemm `qs8ci<Nr>x4` shape: one int32 lane per column, 4 consecutive k in its bytes.
+template <int64_t Nr>
+struct NibbleSlices8 {
+  static int64_t index(int64_t c, int64_t kk, int64_t /*g*/) {
+    const int64_t r = kk % 8;
+    return 2 * ((kk / 8) * 4 * Nr + 4 * c + r % 4) + r / 4;
+  }
+};
+
+/// The `qs8rs` lhs layout: row i at i * row_bytes(k): its k int8 values zero-padded to kp =
+/// round_up(k, 32), then kp / 32 int32 sums of the row over 32-k slices. A kernel that decodes
+/// the weights to unsigned values v + off (vpdpbusd / vpmaddubsw take u8 x s8) takes the offset
+/// back per row and group as off * (sum of the group's slice sums): computed once per row here,
+/// so the weights stay 4 bits and the kernel needs no extra dot product per weight vector.
+struct Q4LhsRowSums {
+  static constexpr int64_t kKr = 8;  // the kernels read A 8 k at a time
+  static int64_t padded_k(int64_t k) { return round_up(k, kW4GroupMultiple); }
+  static int64_t row_bytes(int64_t k) { return padded_k(k) + padded_k(k) / 8; }
+  static size_t lhs_size(int64_t m, int64_t k) { return size_t(m) * size_t(row_bytes(k)); }
+  static size_t lhs_offset(int64_t m_idx, int64_t k) {
+    return size_t(m_idx) * size_t(row_bytes(k));
+  }
+  /// The sum of A over group gi (of g k) of the packed row at @p row.
+  static int32_t group_sum(const uint8_t* row, int64_t kp, int64_t gi, int64_t g) {
+    const uint8_t* s = row + kp + 4 * (gi * g / kW4GroupMultiple);
+    uint32_t t = 0;
+    for (int64_t x = 0; x < g / kW4GroupMultiple; ++x) {
+      int32_t v;
+      std::memcpy(&v, s + 4 * x, 4);
+      t += uint32_t(v);
+    }
+    return int32_t(t);
+  }
+};
+
+/// Q4GemmUkernel::pack_lhs for the `qs8rs` layout.
+inline void pack_lhs_qs8rs(int64_t m, int64_t k, const int8_t* const* rows, void* packed) {
+  const int64_t kp = Q4LhsRowSums::padded_k(k), rb = Q4LhsRowSums::row_bytes(k);
+  auto* dst = static_cast<uint8_t*>(packed);
+  for (int64_t i = 0; i < m; ++i) {
+    uint8_t* d = dst + i * rb;
+    std::memcpy(d, rows[i], size_t(k));
+    std::memset(d + k, 0, size_t(kp - k));
+    for (int64_t x = 0; x < kp; x += kW4GroupMultiple) {
+      int32_t s = 0;
+      for (int64_t t = 0; t < kW4GroupMultiple; ++t) s += int8_t(d[x + t]);
+      std::memcpy(d + kp + 4 * (x / kW4GroupMultiple), &s, 4);
+    }
+  }
+}
+
+/// The register-tile walk of the x86 kernels (as gemm_tile.h's run): column steps of
+/// @p step_blocks blocks of nr columns (@p small_blocks when m <= @p small_rows), each over row
+/// tiles of at most @p max_rows rows (@p small_rows), rows split evenly over the fewest tiles (7
+/// rows: 4 + 3, not 6 + 1: a tile of one or two rows has too few accumulator chains). The
+/// weights of a step stay in L1/L2 while its row tiles pass. Calls tile(rows, nb, i0, jb): rows
+/// [i0, i0 + rows) x blocks [jb, jb + nb).
+template <class Tile>
+inline void walk_q4_tiles(int64_t m, int64_t n, int64_t nr, int64_t small_rows,
+                          int64_t small_blocks, int64_t max_rows, int64_t step_blocks,
+                          const Tile& tile) {
+  if (m <= 0 || n <= 0) return;
+  if (m <= small_rows) max_rows = small_rows, step_blocks = small_blocks;
+  const int64_t blocks = (n + nr - 1) / nr, tiles = (m + max_rows - 1) / max_rows;
+  for (int64_t jb = 0; jb < blocks; jb += step_blocks) {
+    const int64_t nb = std::min(step_blocks, blocks - jb);
+    for (int64_t t = 0, i0 = 0; t < tiles; ++t) {
+      const int64_t rows = (m - i0 + (tiles - t) - 1) / (tiles - t);
+      tile(rows, nb, i0, jb);
+      i0 += rows;
+    }
+  }
+}
+
+/// What a tile of an x86 q4gemm kernel reads besides its position: the call's operands and the
+/// decode state (built once per call; Decode holds the kernel's vector constants).
+template <class Decode>
+struct Q4Call {
+  const uint8_t* a;  // packed A (`qs8rs`)
+  const uint8_t* b;  // packed B
+  int64_t lda, bstride, n, k, kp;  // A's row bytes, B's block bytes, the call's n and k, padded k
+  const W4Layout& w;
+  Decode dec;
+  float* dst;
+  int64_t ld;
+  const Q4GemmEpilogue& ep;
+};
+
+/// The constants of an x86 kernel K as run_q4_f32 reads them (K derives from this and adds its
+/// tile): the columns per block and walk_q4_tiles' steps, and the decode state's type.
+template <int64_t Nr, int SmallRows, int SmallBlocks, int Rows, int Blocks, class D>
+struct Q4X86Steps {
+  static constexpr int64_t kNr = Nr;
+  static constexpr int kSmallRows = SmallRows, kSmallBlocks = SmallBlocks;
+  static constexpr int kRows = Rows, kBlocks = Blocks;
+  using Decode = D;
+};
+
+/// The tile functions of kernel K for one (format, group) instantiation, [rows - 1][blocks - 1]:
+/// K::tile<MR, NB, Mx, G> where the walk can ask for MR rows x NB blocks, else null.
+template <class K, bool Mx, int G>
+struct Q4TileTable {
+  using Fn = void (*)(const Q4Call<typename K::Decode>&, int64_t, int64_t);
+  static constexpr int kMaxBlocks = std::max(K::kSmallBlocks, K::kBlocks);
+  template <int MR, int NB>
+  static constexpr Fn fn() {
+    constexpr int max_nb = MR <= K::kSmallRows ? K::kSmallBlocks : K::kBlocks;
+    if constexpr (NB <= max_nb) return &K::template tile<MR, NB, Mx, G>;
+    else return nullptr;
+  }
+  template <int MR, int... NB>
+  static constexpr std::array<Fn, kMaxBlocks> row(std::integer_sequence<int, NB...>) {
+    return {fn<MR, NB + 1>()...};
+  }
+  template <int... MR>
+  static constexpr auto make(std::integer_sequence<int, MR...>) {
+    return std::array<std::array<Fn, kMaxBlocks>, sizeof...(MR)>{
+        row<MR + 1>(std::make_integer_sequence<int, kMaxBlocks>{})...};
+  }
+  static constexpr auto table = make(std::make_integer_sequence<int, K::kRows>{});
+};
+
+/// Q4GemmUkernel::run_f32 of an x86 kernel K over the `qs8rs` A and Q4Packing<K::kNr> B, on
+/// walk_q4_tiles. K gives kNr, the walk's steps (kSmallRows, kSmallBlocks, kRows, kBlocks), a
+/// Decode type constructed from the W4Format, and
+///   template <int MR, int NB, bool Mx, int G>
+///   static void tile(const Q4Call<Decode>& c, int64_t i0, int64_t jb);
+/// (rows [i0, i0 + MR) x blocks [jb, jb + NB); Mx: mxfp4; G: the group size when fixed at
+/// compile time, 32 for mxfp4 and the common int4 group, else 0 for w.group).
+template <class K>
+void run_q4_f32(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs,
+                const void* rhs, float* dst, int64_t ld, const Q4GemmEpilogue& ep) {
+  const Q4Call<typename K::Decode> c{static_cast<const uint8_t*>(lhs),
+                                     static_cast<const uint8_t*>(rhs),
+                                     Q4LhsRowSums::row_bytes(k),
+                                     int64_t(Q4Packing<K::kNr>::block_bytes(k, w)),
+                                     n, k, Q4LhsRowSums::padded_k(k), w,
+                                     typename K::Decode(w.format), dst, ld, ep};
+  const auto walk = [&](const auto& table) {
+    walk_q4_tiles(m, n, K::kNr, K::kSmallRows, K::kSmallBlocks, K::kRows, K::kBlocks,
+                  [&](int64_t rows, int64_t nb, int64_t i0, int64_t jb) {
+                    table[size_t(rows - 1)][size_t(nb - 1)](c, i0, jb);
+                  });
+  };
+  if (w.format == W4Format::mxfp4) walk(Q4TileTable<K, true, 32>::table);
+  else if (w.group == 32) walk(Q4TileTable<K, false, 32>::table);
+  else walk(Q4TileTable<K, false, 0>::table);
+}
+
+}  // namespace
+}  // namespace cpumoe
