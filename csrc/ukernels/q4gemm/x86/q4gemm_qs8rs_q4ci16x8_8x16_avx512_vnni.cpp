@@ -112,11 +112,11 @@ struct Kernel : Q4X86Steps<kNr, kSmallRows, kSmallBlocks, kRows, kBlocks, Decode
 template <int MR, int NB, bool Mx, int G>
 void Kernel::tile(const Q4Call<Decode>& c, int64_t i0, int64_t jb) {
   const uint8_t *a = c.a + i0 * c.lda, *bp = c.b + jb * c.bstride;
-  const int64_t lda = c.lda, bstride = c.bstride, g = G > 0 ? G : c.w.group;
+  const int64_t lda = c.lda, bstride = c.bstride, g = G > 0 ? G : c.w.group, groups = c.k / g;
   const int64_t gbytes = Packing::group_bytes(c.w), cbytes = Packing::codes_bytes(c.w);
   alignas(64) float acc[MR][NB][kNr] = {};
   __m512i isum[MR][NB];
-  for (int64_t gi = 0; gi < c.k / g; ++gi) {
+  for (int64_t gi = 0; gi < groups; ++gi) {
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       const uint32_t sum = uint32_t(Q4LhsRowSums::group_sum(a + r * lda, c.kp, gi, g));
