@@ -63,6 +63,16 @@ inline void mask_storeu_ps(void* p, simde__mmask16 k, simde__m512 a) {
   for (int i = 0; i < 16; ++i)
     if ((k >> i) & 1) std::memcpy(static_cast<char*>(p) + 4 * i, &y[i], 4);
 }
+// Arithmetic right shift of each int32 lane (counts > 31 fill with the sign).
+inline simde__m512i srai_epi32(simde__m512i a, unsigned cnt) {
+  int32_t x[16];
+  std::memcpy(x, &a, 64);
+  const unsigned c = cnt > 31 ? 31 : cnt;
+  for (int i = 0; i < 16; ++i) x[i] = x[i] >> c;  // arithmetic on int32 (C++20, and GCC before)
+  simde__m512i r;
+  std::memcpy(&r, x, 64);
+  return r;
+}
 inline void stream_ps(void* p, simde__m512 a) { std::memcpy(p, &a, 64); }
 
 }  // namespace simde_shim
@@ -75,3 +85,4 @@ inline void stream_ps(void* p, simde__m512 a) { std::memcpy(p, &a, 64); }
 #define _mm512_maskz_loadu_ps(k, p) cpumoe_test::simde_shim::maskz_loadu_ps(k, p)
 #define _mm512_mask_storeu_ps(p, k, a) cpumoe_test::simde_shim::mask_storeu_ps(p, k, a)
 #define _mm512_stream_ps(p, a) cpumoe_test::simde_shim::stream_ps(p, a)
+#define _mm512_srai_epi32(a, c) cpumoe_test::simde_shim::srai_epi32(a, c)

@@ -24,16 +24,16 @@
 #define __AVX512BW__ 1
 #define __AVX512VL__ 1
 #define __AVX512VNNI__ 1
-#define q4gemm_qs8rs_q4ci16x8_8x16_avx512_vnni q4gemm_avx512_vnni_simde_table
-#include "ukernels/q4gemm/x86/q4gemm_qs8rs_q4ci16x8_8x16_avx512_vnni.cpp"
-#undef q4gemm_qs8rs_q4ci16x8_8x16_avx512_vnni
+#define q4gemm_qs8rs_q4cio32x4_8x32_avx512_vnni q4gemm_avx512_vnni_simde_table
+#include "ukernels/q4gemm/x86/q4gemm_qs8rs_q4cio32x4_8x32_avx512_vnni.cpp"
+#undef q4gemm_qs8rs_q4cio32x4_8x32_avx512_vnni
 
 namespace cpumoe_test {
 
 // The same table, runnable on any CPU (isa portable) and named apart.
 extern const cpumoe::Q4GemmUkernel q4gemm_avx512_vnni_simde = [] {
   cpumoe::Q4GemmUkernel k = cpumoe::q4gemm_avx512_vnni_simde_table;
-  k.name = "q4gemm_qs8rs_q4ci16x8_8x16_avx512_vnni_simde";
+  k.name = "q4gemm_qs8rs_q4cio32x4_8x32_avx512_vnni_simde";
   k.isa = cpumoe::Isa::portable;
   return k;
 }();

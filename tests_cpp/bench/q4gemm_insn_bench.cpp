@@ -29,7 +29,7 @@ namespace {
 struct Args {
   int64_t H = 2048, I = 768, E = 128, topk = 8, T = 1, iters = 2, group = 128;
   std::string qgemm = "qgemm_qs8p8x8_qs8cp8x8_8x8_neon_i8mm";
-  std::string q4gemm = "q4gemm_qs8p8x8_q4cp8x8_8x8_neon_i8mm";
+  std::string q4gemm = "q4gemm_qs8p8x8_q4cpo8x8_8x8_neon_i8mm";
   std::string format = "int4";
 };
 

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "cpumoe/q4gemm.h"
 #include "ukernels/qgemm/qgemm_common.h"
@@ -39,13 +40,20 @@ struct Q4Packing {
   }
 };
 
+/// The codes as given (the usual Recode of pack_rhs_q4).
+struct KeepCodes {
+  static uint8_t code(uint8_t c, int64_t /*idx*/, W4Format /*f*/) { return c; }
+};
+
 /// Q4GemmUkernel::pack_rhs for packing P whose nibble arrangement is Arrange::index(c, kk, g):
 /// the position (0 .. Nr * g) of column c's code kk (0 <= kk < g) in its group's code bytes (byte
-/// index / 2, low nibble when even).
-template <class P, class Arrange>
+/// index / 2, low nibble when even). Recode::code(code, position, format) is the nibble stored
+/// there (a kernel may store some codes offset); padding columns store the recoded code 0.
+template <class P, class Arrange, class Recode = KeepCodes>
 void pack_rhs_q4(int64_t n, int64_t k, const W4Layout& w, const uint8_t* codes,
                  int64_t code_stride, const void* scales, int64_t scale_stride, void* packed) {
   constexpr int64_t Nr = P::kNr;
+  constexpr bool kKeep = std::is_same<Recode, KeepCodes>::value;
   const int64_t g = w.group, groups = k / g, sb = w.scale_bytes();
   const auto* sc = static_cast<const uint8_t*>(scales);
   auto* dst = static_cast<uint8_t*>(packed);
@@ -53,17 +61,21 @@ void pack_rhs_q4(int64_t n, int64_t k, const W4Layout& w, const uint8_t* codes,
     uint8_t* blk = dst + size_t(j0 / Nr) * P::block_bytes(k, w);
     const size_t used = size_t(groups * P::group_bytes(w));
     std::memset(blk + used, 0, P::block_bytes(k, w) - used);
+    const int64_t valid = std::min(Nr, n - j0);
     for (int64_t gi = 0; gi < groups; ++gi) {
       uint8_t* grp = blk + size_t(gi * P::group_bytes(w));
       std::memset(grp, 0, size_t(P::group_bytes(w)));
-      for (int64_t c = 0; c < Nr && j0 + c < n; ++c) {
-        const uint8_t* col = codes + (j0 + c) * code_stride + gi * g;
+      // Padding columns hold code 0; only a recoding makes that more than the memset.
+      for (int64_t c = 0; c < (kKeep ? valid : Nr); ++c) {
+        const uint8_t* col = c < valid ? codes + (j0 + c) * code_stride + gi * g : nullptr;
         for (int64_t kk = 0; kk < g; ++kk) {
           const int64_t idx = Arrange::index(c, kk, g);
-          grp[idx / 2] |= uint8_t((col[kk] & 15) << (4 * (idx & 1)));
+          const uint8_t v = Recode::code(col != nullptr ? uint8_t(col[kk] & 15) : 0, idx, w.format);
+          grp[idx / 2] |= uint8_t((v & 15) << (4 * (idx & 1)));
         }
-        std::memcpy(grp + P::codes_bytes(w) + c * sb, sc + ((j0 + c) * scale_stride + gi) * sb,
-                    size_t(sb));
+        if (c < valid)
+          std::memcpy(grp + P::codes_bytes(w) + c * sb, sc + ((j0 + c) * scale_stride + gi) * sb,
+                      size_t(sb));
       }
     }
   }

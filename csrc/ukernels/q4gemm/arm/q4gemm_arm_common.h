@@ -17,16 +17,27 @@ namespace cpumoe {
 namespace {
 
 // The kernels' inner loops are asm; they share these facts (each file says how it uses them):
-//   - int4 codes unpack with one instruction per 16 values and no sign extension: r << 4 and
-//     r & 0xf0 are the two's-complement values of the low and high nibbles times 16; the int32
-//     sums (|16 * sum| <= 16 * 128 * 8 * g < 2^31 for g < 131072) go back to float(sum) exactly
-//     through the fixed-point convert scvtf #4.
+//   - int4 codes unpack with one instruction per 32 values where a byte's two nibbles meet the
+//     same activations (the I8MM and SDOT kernels): with the low nibble stored offset (v + 8,
+//     OffsetLowInt4) the raw byte read as int8 is exactly 16 hi + lo + 8, itself an operand, and
+//     r & 0x0f is lo + 8. Y = dot(a, r & 0x0f) and X = dot(a, r) give X - Y = 16 dot(a, hi) (the
+//     fixed-point convert scvtf #4 makes float(sum) of it exactly) and Y - 8 sum a = dot(a, lo):
+//     the group's int32 accumulators start at -8 sum a. |X| <= 136 * 128 * g < 2^31 up to
+//     kW4MaxGroup. Elsewhere r << 4 and r & 0xf0 are the values times 16 (one instruction per 16).
 //   - mxfp4 codes (values 2 * E2M1 up to 12 do not fit times 16) go through a tbl lookup of the
 //     format's table on r & 0xf and r >> 4.
 //   - An E8M0 scale byte e becomes w4_mxfp4_scale(e) with plain NEON: x = e << 23 (ushll #7 then
 //     shll #16) is 2^(e - 127) for 1 <= e <= 254 and +inf for 255; umax with 2^-127 covers e = 0;
 //     x - x * 0.5 is 2^(e - 128) exactly (subnormals included: Linux runs with FZ off), and
 //     inf - inf is the NaN of e = 255.
+
+/// pack_rhs_q4's Recode of the one-`and` kernels (above): int4 low nibbles hold v + 8 (bit 3 of
+/// the two's-complement code flipped), high nibbles and mxfp4 codes as they are.
+struct OffsetLowInt4 {
+  static uint8_t code(uint8_t c, int64_t idx, W4Format f) {
+    return f == W4Format::int4 && idx % 2 == 0 ? uint8_t(c ^ 8) : c;
+  }
+};
 
 /// Q4GemmUkernel::run_f32 of a kernel whose loops are one function per format (the unpacking and
 /// the scale decode differ): empty calls return at once, the rest go to the format's loops.

@@ -6,21 +6,25 @@
 // then the 8 scales); the codes of a group are the int8 dotprod kernel's `qs8ci8x4` operands
 // (one output column per int32 lane: column c's 4 k at 4 c) two to a byte: for 16 k (chunk t, 64
 // bytes at t * 64), register q (16 bytes at 16 q) holds the 4-k group q of columns 0-3 in its low
-// nibbles and of columns 4-7 in its high nibbles. So one 16-byte load gives both SDOT operands of
-// a 4-k group with one instruction each (q4gemm_arm_common.h's unpacking: int4 `shl #4` /
-// `and #0xf0`, values times 16, undone by scvtf #4; mxfp4 `and` / `ushr` + `tbl`).
+// nibbles and of columns 4-7 in its high nibbles. The int4 low nibbles are stored offset (v + 8),
+// the high ones as two's complement, so the raw byte read as int8 is 16 hi + lo + 8 and one
+// `and #0x0f` makes the other operand (as in the I8MM kernel, whose file comment has the algebra):
+// per 4-k group and row, Y = SDOT(r & 0x0f) = sum a lo + 8 sum a and X = SDOT(r) = 16 sum a hi + Y;
+// each group's accumulators start at -8 sum a over the group (init_sums: per call, from A), and
+// at the group end X - Y is 16 times columns 4-7's sums (scvtf #4), Y columns 0-3's. mxfp4 codes
+// go through `and` / `ushr` + `tbl` (q4gemm_arm_common.h) and start from zero.
 //
 // Register tiles of R = 1..4 rows x 1 block, everything in one asm over all groups: per row two
 // int32 accumulators (columns 0-3, 4-7) in v16.. and two fp32 ones in v24..; per 16 k, R loads
-// of A (one q register: 4 lanes of 4 k), one ld1 of 4 code registers, 8 (int4) or 16 (mxfp4)
+// of A (one q register: 4 lanes of 4 k), one ld1 of 4 code registers, 4 (int4) or 16 (mxfp4)
 // unpacking instructions and 8 R SDOT by element (lane q of the A register). At a group end,
-// per accumulator scvtf, fmul by the group's scales (the lanes are the columns: the 8 scales as
-// stored, no shuffle), fadd: the oracle's acc + float(isum) * s in g order, no FMA; then the
-// int32 accumulators are zeroed. Walk: blocks outer, row tiles of 4 inner (a block's packed B,
+// (int4: X - Y), per accumulator scvtf, fmul by the group's scales (the lanes are the columns: the
+// 8 scales as stored, no shuffle), fadd: the oracle's acc + float(isum) * s in g order, no FMA;
+// then the int32 accumulators get the next group's start values (one ld1 per row). Walk: blocks outer, row tiles of 4 inner (a block's packed B,
 // 4 k + 32 bytes per group, stays in L1 across the row tiles); decode (m <= 4) reads each weight
 // byte once per call.
-// @pre m, n >= 0, k % group == 0, group % 32 == 0, int4 groups below 131072 k (the sums times
-//      16 fit int32); packed buffers from this kernel's packers.
+// @pre m, n >= 0, k % group == 0, group % 32 == 0, group <= kW4MaxGroup (|X| <= g * 128 * 136
+//      fits int32); packed buffers from this kernel's packers.
 // Features used: NEON, DotProd (SDOT).
 #if !defined(__aarch64__) || !defined(__ARM_FEATURE_DOTPROD)
 #error "q4gemm_qs8r_q4ci8x4_4x8_neon_dotprod.cpp needs -march=armv8.2-a+dotprod (set per file by CMake)"
@@ -31,6 +35,7 @@
 #include <algorithm>
 
 #include "cpumoe/q4gemm.h"
+#include "ukernels/common/kernel_scratch.h"
 #include "ukernels/q4gemm/arm/q4gemm_arm_common.h"
 #include "ukernels/q4gemm/q4gemm_common.h"
 
@@ -50,21 +55,44 @@ struct Interleaved4 {
   }
 };
 
+// The int4 accumulators' start values of the m rows of A (row-major, k apart): row i's group gi
+// at int32 (i * groups + gi) * 8: -8 S eight times (one ld1 fills both accumulators of the row),
+// S the row's sum over the group; then one group of slack (the asm loads the next group's values
+// after the last).
+const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a) {
+  const int64_t groups = k / g;
+  int32_t* const buf = kernel_scratch_i32(size_t((m * groups + 1) * 8));
+  int32_t* d = buf;
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t gi = 0; gi < groups; ++gi, d += 8) {
+      const int8_t* r = a + i * k + gi * g;
+      int32x4_t acc = vdupq_n_s32(0);
+      for (int64_t x = 0; x < g; x += 16) acc = vpadalq_s16(acc, vpaddlq_s8(vld1q_s8(r + x)));
+      const int32x4_t v = vdupq_n_s32(-8 * vaddvq_s32(acc));
+      vst1q_s32(d, v);
+      vst1q_s32(d + 4, v);
+    }
+  return buf;
+}
+
 // --- The tile asm ------------------------------------------------------------------------------
 // Scratch: A rows in v0-v3, the 4 code registers in v4-v7, the two unpacked operands in v8
 // (columns 0-3) and v9 (columns 4-7), mxfp4's scale constants in v10 (2^-127) and v11 (0.5), the
 // group's scales in v12, v13; mask and table are operands (v14, v15). Row i: int32 accumulators
 // v(16 + 2i), v(17 + 2i); fp32 ones v(24 + 2i), v(25 + 2i).
-#define Q4D_UNP_I4(r) "shl v8.16b, " r ".16b, #4\n\tand v9.16b, " r ".16b, %[mask].16b\n\t"
+#define Q4D_UNP_I4(r) "and v8.16b, " r ".16b, %[mask].16b\n\t"
+#define Q4D_UNP_I4_HI(r) r
 #define Q4D_UNP_MX(r)                                                              \
   "and v8.16b, " r ".16b, %[mask].16b\n\tushr v9.16b, " r ".16b, #4\n\t"           \
   "tbl v8.16b, {%[tab].16b}, v8.16b\n\ttbl v9.16b, {%[tab].16b}, v9.16b\n\t"
-#define Q4D_DOT(lo, hi, a, q) \
-  "sdot " lo ".4s, v8.16b, " a ".4b[" #q "]\n\tsdot " hi ".4s, v9.16b, " a ".4b[" #q "]\n\t"
-#define Q4D_Q1(U, r, q) U(r) Q4D_DOT("v16", "v17", "v0", q)
-#define Q4D_Q2(U, r, q) Q4D_Q1(U, r, q) Q4D_DOT("v18", "v19", "v1", q)
-#define Q4D_Q3(U, r, q) Q4D_Q2(U, r, q) Q4D_DOT("v20", "v21", "v2", q)
-#define Q4D_Q4(U, r, q) Q4D_Q3(U, r, q) Q4D_DOT("v22", "v23", "v3", q)
+#define Q4D_UNP_MX_HI(r) "v9"
+#define Q4D_DOT(U, r, lo, hi, a, q)                                   \
+  "sdot " lo ".4s, v8.16b, " a ".4b[" #q "]\n\tsdot " hi ".4s, " U##_HI(r) \
+  ".16b, " a ".4b[" #q "]\n\t"
+#define Q4D_Q1(U, r, q) U(r) Q4D_DOT(U, r, "v16", "v17", "v0", q)
+#define Q4D_Q2(U, r, q) Q4D_Q1(U, r, q) Q4D_DOT(U, r, "v18", "v19", "v1", q)
+#define Q4D_Q3(U, r, q) Q4D_Q2(U, r, q) Q4D_DOT(U, r, "v20", "v21", "v2", q)
+#define Q4D_Q4(U, r, q) Q4D_Q3(U, r, q) Q4D_DOT(U, r, "v22", "v23", "v3", q)
 #define Q4D_LDA1 "ldr q0, [%[a0]], #16\n\t"
 #define Q4D_LDA2 Q4D_LDA1 "ldr q1, [%[a1]], #16\n\t"
 #define Q4D_LDA3 Q4D_LDA2 "ldr q2, [%[a2]], #16\n\t"
@@ -80,48 +108,62 @@ struct Interleaved4 {
   "shll v12.4s, v12.4h, #16\n\tumax v12.4s, v12.4s, v10.4s\n\tumax v13.4s, v13.4s, v10.4s\n\t" \
   "fmul v0.4s, v12.4s, v11.4s\n\tfmul v1.4s, v13.4s, v11.4s\n\t"                         \
   "fsub v12.4s, v12.4s, v0.4s\n\tfsub v13.4s, v13.4s, v1.4s\n\t"
-#define Q4D_CVT_I4(r) "scvtf " r ".4s, " r ".4s, #4\n\t"
-#define Q4D_CVT_MX(r) "scvtf " r ".4s, " r ".4s\n\t"
-#define Q4D_ROW_END(CVT, lo, hi, flo, fhi)                                               \
-  CVT(lo) CVT(hi) "fmul " lo ".4s, " lo ".4s, v12.4s\n\tfmul " hi ".4s, " hi ".4s, v13.4s\n\t" \
+#define Q4D_SUB_I4(x, y) "sub " x ".4s, " x ".4s, " y ".4s\n\t"
+#define Q4D_SUB_MX(x, y) ""
+#define Q4D_CVL(r) "scvtf " r ".4s, " r ".4s\n\t"
+#define Q4D_CVH_I4(r) "scvtf " r ".4s, " r ".4s, #4\n\t"
+#define Q4D_CVH_MX(r) Q4D_CVL(r)
+#define Q4D_ROW_END(F, lo, hi, flo, fhi)                                                 \
+  Q4D_SUB_##F(hi, lo) Q4D_CVL(lo) Q4D_CVH_##F(hi)                                        \
+  "fmul " lo ".4s, " lo ".4s, v12.4s\n\tfmul " hi ".4s, " hi ".4s, v13.4s\n\t"             \
   "fadd " flo ".4s, " flo ".4s, " lo ".4s\n\tfadd " fhi ".4s, " fhi ".4s, " hi ".4s\n\t"
-#define Q4D_END1(CVT) Q4D_ROW_END(CVT, "v16", "v17", "v24", "v25")
-#define Q4D_END2(CVT) Q4D_END1(CVT) Q4D_ROW_END(CVT, "v18", "v19", "v26", "v27")
-#define Q4D_END3(CVT) Q4D_END2(CVT) Q4D_ROW_END(CVT, "v20", "v21", "v28", "v29")
-#define Q4D_END4(CVT) Q4D_END3(CVT) Q4D_ROW_END(CVT, "v22", "v23", "v30", "v31")
+#define Q4D_END1(F) Q4D_ROW_END(F, "v16", "v17", "v24", "v25")
+#define Q4D_END2(F) Q4D_END1(F) Q4D_ROW_END(F, "v18", "v19", "v26", "v27")
+#define Q4D_END3(F) Q4D_END2(F) Q4D_ROW_END(F, "v20", "v21", "v28", "v29")
+#define Q4D_END4(F) Q4D_END3(F) Q4D_ROW_END(F, "v22", "v23", "v30", "v31")
 #define Q4D_INIT_I4 ""
 #define Q4D_INIT_MX "movi v10.4s, #0x40, lsl #16\n\tfmov v11.4s, #0.5\n\t"
-#define Q4D_Z "ld1 {v16.4s-v19.4s}, [%[z]]\n\tld1 {v20.4s-v23.4s}, [%[z]]\n\t"
-#define Q4D_ASM(R, U, SC, CVT, INIT)                                                      \
+// The next group's start values of rows 0..R-1 (pointers c0.., stepping cs bytes).
+#define Q4D_C1 "ld1 {v16.4s-v17.4s}, [%[c0]], %[cs]\n\t"
+#define Q4D_C2 Q4D_C1 "ld1 {v18.4s-v19.4s}, [%[c1]], %[cs]\n\t"
+#define Q4D_C3 Q4D_C2 "ld1 {v20.4s-v21.4s}, [%[c2]], %[cs]\n\t"
+#define Q4D_C4 Q4D_C3 "ld1 {v22.4s-v23.4s}, [%[c3]], %[cs]\n\t"
+#define Q4D_ASM(R, F)                                                                     \
   __asm__ volatile(                                                                       \
-      Q4D_Z "ld1 {v24.4s-v27.4s}, [%[z]]\n\tld1 {v28.4s-v31.4s}, [%[z]]\n\t" INIT         \
+      Q4D_C##R "ld1 {v24.4s-v27.4s}, [%[z]]\n\tld1 {v28.4s-v31.4s}, [%[z]]\n\t" Q4D_INIT_##F \
       "2:\n\tmov %[n], %[nc2]\n\t"                                                        \
-      "1:\n\t" Q4D_CHUNK(R, U) Q4D_CHUNK(R, U) "subs %[n], %[n], #1\n\tb.ne 1b\n\t"       \
-      SC Q4D_END##R(CVT) Q4D_Z "subs %[gn], %[gn], #1\n\tb.ne 2b\n\t"                      \
+      "1:\n\t" Q4D_CHUNK(R, Q4D_UNP_##F) Q4D_CHUNK(R, Q4D_UNP_##F)                         \
+      "subs %[n], %[n], #1\n\tb.ne 1b\n\t"                                                 \
+      Q4D_SC_##F Q4D_END##R(F) Q4D_C##R "subs %[gn], %[gn], #1\n\tb.ne 2b\n\t"             \
       "st1 {v24.4s-v27.4s}, [%[o]], #64\n\tst1 {v28.4s-v31.4s}, [%[o]]\n\t"               \
       : [a0] "+r"(a0), [a1] "+r"(a1), [a2] "+r"(a2), [a3] "+r"(a3), [b] "+r"(b),          \
-        [gn] "+r"(gn), [n] "=&r"(n), [o] "+r"(o)                                          \
-      : [nc2] "r"(nc2), [mask] "w"(mask), [tab] "w"(tab), [z] "r"(kZeros)                 \
+        [gn] "+r"(gn), [n] "=&r"(n), [o] "+r"(o), [c0] "+r"(c0), [c1] "+r"(c1),           \
+        [c2] "+r"(c2), [c3] "+r"(c3)                                                      \
+      : [nc2] "r"(nc2), [cs] "r"(cs), [mask] "w"(mask), [tab] "w"(tab), [z] "r"(kZeros)   \
       : "v0", "v1", "v2", "v3", "v4", "v5", "v6", "v7", "v8", "v9", "v10", "v11", "v12",  \
         "v13", "v16", "v17", "v18", "v19", "v20", "v21", "v22", "v23", "v24", "v25", "v26", \
         "v27", "v28", "v29", "v30", "v31", "cc", "memory")
-#define Q4D_FMT(R)                                                          \
-  if constexpr (F == W4Format::int4) Q4D_ASM(R, Q4D_UNP_I4, Q4D_SC_I4, Q4D_CVT_I4, Q4D_INIT_I4); \
-  else Q4D_ASM(R, Q4D_UNP_MX, Q4D_SC_MX, Q4D_CVT_MX, Q4D_INIT_MX);
+#define Q4D_FMT(R)                                     \
+  if constexpr (F == W4Format::int4) Q4D_ASM(R, I4);   \
+  else Q4D_ASM(R, MX);
 
 alignas(64) constexpr int32_t kZeros[16] = {};
 
-// The fp32 sums of R rows (A row 0 at a, rows k apart) x one block (b) over all groups g:
-// row i's 8 columns at o + 8 i.
+// The fp32 sums of R rows (A row 0 at a, rows k apart; c: row 0's start values, init_sums or
+// kZeros for mxfp4) x one block (b) over all groups g: row i's 8 columns at o + 8 i.
 template <int R, W4Format F>
-void tile_sums(const int8_t* a, int64_t k, int64_t g, const uint8_t* b, const int8_t* table,
-               float* o) {
+void tile_sums(const int8_t* a, const int32_t* c, int64_t k, int64_t g, const uint8_t* b,
+               const int8_t* table, float* o) {
   // Rows past R are never read: their pointers stay at row 0 (inside the buffer).
   const int8_t *a0 = a, *a1 = R > 1 ? a + k : a, *a2 = R > 2 ? a + 2 * k : a;
   const int8_t* a3 = R > 3 ? a + 3 * k : a;
   uint64_t gn = uint64_t(k / g), n;
+  constexpr bool kInt4 = F == W4Format::int4;
+  const int64_t cs = kInt4 ? 32 : 0, crow = kInt4 ? (k / g) * 8 : 0;
+  const int32_t *c0 = c, *c1 = R > 1 ? c + crow : c, *c2 = R > 2 ? c + 2 * crow : c;
+  const int32_t* c3 = R > 3 ? c + 3 * crow : c;
   const uint64_t nc2 = uint64_t(g) / 32;  // two 16-k chunks per iteration
-  const uint8x16_t mask = vdupq_n_u8(F == W4Format::int4 ? 0xf0 : 0x0f);
+  const uint8x16_t mask = vdupq_n_u8(0x0f);
   const int8x16_t tab = vld1q_s8(table);
   if constexpr (R == 1) { Q4D_FMT(1) }
   else if constexpr (R == 2) { Q4D_FMT(2) }
@@ -131,10 +173,10 @@ void tile_sums(const int8_t* a, int64_t k, int64_t g, const uint8_t* b, const in
 }
 
 template <int R, W4Format F>
-void tile(const int8_t* a, int64_t k, const W4Layout& w, const uint8_t* b, float* d,
-          int64_t stride, int64_t nc, const float* ls, const float* bias) {
+void tile(const int8_t* a, const int32_t* c, int64_t k, const W4Layout& w, const uint8_t* b,
+          float* d, int64_t stride, int64_t nc, const float* ls, const float* bias) {
   alignas(16) float sums[32];
-  tile_sums<R, F>(a, k, w.group, b, w4_decode_table(w.format), sums);
+  tile_sums<R, F>(a, c, k, w.group, b, w4_decode_table(w.format), sums);
   for (int i = 0; i < R; ++i)
     store_q4_row8(d + i * stride, vld1q_f32(sums + 8 * i), vld1q_f32(sums + 8 * i + 4), nc, ls[i],
                   bias);
@@ -145,19 +187,22 @@ void run(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs, co
          float* dst, int64_t stride, const Q4GemmEpilogue& ep) {
   const auto* a = static_cast<const int8_t*>(lhs);
   const auto* b = static_cast<const uint8_t*>(rhs);
+  constexpr bool kInt4 = F == W4Format::int4;
+  const int32_t* init = kInt4 ? init_sums(m, k, w.group, a) : kZeros;
   for (int64_t j0 = 0; j0 < n; j0 += kNr) {
     const int64_t nc = std::min(kNr, n - j0);
     const uint8_t* blk = b + Packing::rhs_offset(j0, k, w);
     const float* bias = ep.bias != nullptr ? ep.bias + j0 : nullptr;
     for (int64_t i0 = 0; i0 < m; i0 += kMr) {
       const int8_t* ai = a + i0 * k;
+      const int32_t* ci = kInt4 ? init + i0 * (k / w.group) * 8 : init;
       float* d = dst + i0 * stride + j0;
       const float* ls = ep.lhs_scale + i0;
       switch (std::min(kMr, m - i0)) {
-        case 4: tile<4, F>(ai, k, w, blk, d, stride, nc, ls, bias); break;
-        case 3: tile<3, F>(ai, k, w, blk, d, stride, nc, ls, bias); break;
-        case 2: tile<2, F>(ai, k, w, blk, d, stride, nc, ls, bias); break;
-        default: tile<1, F>(ai, k, w, blk, d, stride, nc, ls, bias); break;
+        case 4: tile<4, F>(ai, ci, k, w, blk, d, stride, nc, ls, bias); break;
+        case 3: tile<3, F>(ai, ci, k, w, blk, d, stride, nc, ls, bias); break;
+        case 2: tile<2, F>(ai, ci, k, w, blk, d, stride, nc, ls, bias); break;
+        default: tile<1, F>(ai, ci, k, w, blk, d, stride, nc, ls, bias); break;
       }
     }
   }
@@ -167,7 +212,7 @@ void run(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs, co
 
 extern const Q4GemmUkernel q4gemm_qs8r_q4ci8x4_4x8_neon_dotprod = make_q4gemm<LhsPacking, Packing>(
     "q4gemm_qs8r_q4ci8x4_4x8_neon_dotprod", Isa::neon_dotprod, kMr, pack_lhs_qs8r<LhsPacking>,
-    pack_rhs_q4<Packing, Interleaved4>,
+    pack_rhs_q4<Packing, Interleaved4, OffsetLowInt4>,
     q4_run_f32<run<W4Format::int4>, run<W4Format::mxfp4>>);
 
 }  // namespace cpumoe

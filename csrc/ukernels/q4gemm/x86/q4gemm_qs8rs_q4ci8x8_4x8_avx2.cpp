@@ -107,9 +107,7 @@ struct Kernel : Q4X86Steps<kNr, kSmallRows, kSmallBlocks, kRows, kBlocks, Decode
 // loop and row sums unrolled), else 0 (w.group).
 template <int MR, int NB, bool Mx, int G>
 void Kernel::tile(const Q4Call<Decode>& c, int64_t i0, int64_t jb) {
-  const uint8_t *a = c.a + i0 * c.lda, *bp = c.b + jb * c.bstride;
-  const int64_t lda = c.lda, bstride = c.bstride, g = G > 0 ? G : c.w.group, groups = c.k / g;
-  const int64_t gbytes = Packing::group_bytes(c.w), cbytes = Packing::codes_bytes(c.w);
+  const auto [a, bp, lda, bstride, g, groups, gbytes, cbytes] = q4_tile_span<kNr, G>(c, i0, jb);
   alignas(32) float acc[MR][NB][kNr] = {};
   __m256i isum[MR][NB];
   for (int64_t gi = 0; gi < groups; ++gi) {

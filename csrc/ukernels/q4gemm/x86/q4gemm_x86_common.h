@@ -107,6 +107,20 @@ struct Q4Call {
   const Q4GemmEpilogue& ep;
 };
 
+/// Where a tile of rows [i0, ...) x blocks [jb, ...) reads (q4_tile_span): its A rows (lda bytes
+/// apart) and B blocks (bstride apart), the group size (G when fixed at compile time, else
+/// w.group) and count, and a packed group's bytes and code bytes.
+struct Q4TileSpan {
+  const uint8_t *a, *bp;
+  int64_t lda, bstride, g, groups, gbytes, cbytes;
+};
+template <int64_t Nr, int G, class Decode>
+Q4TileSpan q4_tile_span(const Q4Call<Decode>& c, int64_t i0, int64_t jb) {
+  const int64_t g = G > 0 ? G : c.w.group;
+  return {c.a + i0 * c.lda,  c.b + jb * c.bstride, c.lda, c.bstride, g, c.k / g,
+          Q4Packing<Nr>::group_bytes(c.w), Q4Packing<Nr>::codes_bytes(c.w)};
+}
+
 /// The constants of an x86 kernel K as run_q4_f32 reads them (K derives from this and adds its
 /// tile): the columns per block and walk_q4_tiles' steps, and the decode state's type.
 template <int64_t Nr, int SmallRows, int SmallBlocks, int Rows, int Blocks, class D>
