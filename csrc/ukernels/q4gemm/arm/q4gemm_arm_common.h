@@ -23,7 +23,7 @@ namespace {
 //     r & 0x0f is lo + 8. Y = dot(a, r & 0x0f) and X = dot(a, r) give X - Y = 16 dot(a, hi) (the
 //     fixed-point convert scvtf #4 makes float(sum) of it exactly) and Y - 8 sum a = dot(a, lo):
 //     the group's int32 accumulators start at -8 sum a. |X| <= 136 * 128 * g < 2^31 up to
-//     kW4MaxGroup. Elsewhere r << 4 and r & 0xf0 are the values times 16 (one instruction per 16).
+//     kW4MaxGroup.
 //   - mxfp4 codes (values 2 * E2M1 up to 12 do not fit times 16) go through a tbl lookup of the
 //     format's table on r & 0xf and r >> 4.
 //   - An E8M0 scale byte e becomes w4_mxfp4_scale(e) with plain NEON: x = e << 23 (ushll #7 then
