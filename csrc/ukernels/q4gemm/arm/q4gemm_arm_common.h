@@ -31,6 +31,9 @@ namespace {
 //     x - x * 0.5 is 2^(e - 128) exactly (subnormals included: Linux runs with FZ off), and
 //     inf - inf is the NaN of e = 255.
 
+/// 64 zero bytes: the asm loops zero (or, for mxfp4, start) four accumulators with one ld1 of it.
+alignas(64) constexpr int32_t kZeros[16] = {};
+
 /// pack_rhs_q4's Recode of the one-`and` kernels (above): int4 low nibbles hold v + 8 (bit 3 of
 /// the two's-complement code flipped), high nibbles and mxfp4 codes as they are.
 struct OffsetLowInt4 {

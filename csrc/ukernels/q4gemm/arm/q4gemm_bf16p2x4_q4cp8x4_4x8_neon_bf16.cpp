@@ -149,8 +149,6 @@ struct Bf16Table {
       : Q4B_CLOB, "v16", "v17", "v18", "v19", "v20", "v21", "v22", "v23", "v24", "v25",     \
         "v26", "v27", "v28", "v29", "v30", "v31")
 
-alignas(64) constexpr int32_t kZeros[16] = {};
-
 // What a tile needs of the call.
 struct Call {
   int64_t k, g;

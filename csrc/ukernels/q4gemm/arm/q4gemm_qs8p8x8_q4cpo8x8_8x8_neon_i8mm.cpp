@@ -298,8 +298,6 @@ const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a) {
   if constexpr (F == W4Format::int4) Q4_M_ASM(NP_, I4);        \
   else Q4_M_ASM(NP_, MX);
 
-alignas(64) constexpr int32_t kZeros[16] = {};
-
 // The fp32 totals of an NP x NB tile (NP == 1: NB <= 2; NP > 1: NB == 1) over all groups: a at
 // the A block, b at block 0, c at the tile's start values (init_sums, or kZeros for mxfp4).
 // o: kOneRow: the 8 NB sums of row 0 (block j's columns at 8 j);

@@ -147,8 +147,6 @@ const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a) {
   if constexpr (F == W4Format::int4) Q4D_ASM(R, I4);   \
   else Q4D_ASM(R, MX);
 
-alignas(64) constexpr int32_t kZeros[16] = {};
-
 // The fp32 sums of R rows (A row 0 at a, rows k apart; c: row 0's start values, init_sums or
 // kZeros for mxfp4) x one block (b) over all groups g: row i's 8 columns at o + 8 i.
 template <int R, W4Format F>
