@@ -16,6 +16,9 @@
 #if defined(CPUMOE_TEST_AVX512_EMU)
 #include "avx512emu/q4gemm_avx512_emu.h"
 #endif
+#if defined(CPUMOE_TEST_AMX_TILE_MODEL)
+#include "amx/amx_model_kernels.h"
+#endif
 
 namespace {
 
@@ -179,6 +182,10 @@ std::string KernelName(const testing::TestParamInfo<const Q4GemmUkernel*>& info)
 // The AVX-512 kernels' code over SIMDe (tests_cpp/avx512emu), in a binary of its own.
 INSTANTIATE_TEST_SUITE_P(Avx512Emu, Q4GemmKernelTest,
                          testing::Values(&cpumoe_test::q4gemm_avx512_vnni_simde), KernelName);
+#elif defined(CPUMOE_TEST_AMX_TILE_MODEL)
+// The AMX kernel's code over the tile model (tests_cpp/amx), in a binary of its own.
+INSTANTIATE_TEST_SUITE_P(AmxTileModel, Q4GemmKernelTest,
+                         testing::Values(&cpumoe_test::q4gemm_amx_tilemodel), KernelName);
 #else
 INSTANTIATE_TEST_SUITE_P(Registry, Q4GemmKernelTest, testing::ValuesIn(cpumoe::q4gemm_registry()),
                          KernelName);

@@ -12,6 +12,7 @@
 
 #include "amx/amx_tile_model.h"
 #include "ukernels/bgemm/x86/bgemm_amx.h"
+#include "ukernels/q4gemm/x86/q4gemm_amx.h"
 #include "ukernels/qgemm/x86/qgemm_amx.h"
 
 namespace cpumoe_test {
@@ -27,6 +28,14 @@ extern const cpumoe::BGemmUkernel bgemm_amx_tilemodel =
         cpumoe::bgemm_amx::kMr, cpumoe::pack_lhs_bf16r<cpumoe::bgemm_amx::Packing>,
         cpumoe::pack_rhs_bf16c<cpumoe::bgemm_amx::Packing, 2>,
         cpumoe::bgemm_amx::run_f32<AmxTileModel>);
+
+extern const cpumoe::Q4GemmUkernel q4gemm_amx_tilemodel =
+    cpumoe::make_q4gemm<cpumoe::q4_amx::LhsPacking, cpumoe::q4_amx::Packing>(
+        "q4gemm_qs8rs_q4cio32x4_16x32_amx_tilemodel", cpumoe::Isa::avx512_vnni,
+        cpumoe::q4_amx::kMr, cpumoe::q4_amx::pack_lhs,
+        cpumoe::pack_rhs_q4<cpumoe::q4_amx::Packing, cpumoe::q4_vnni::HalvesInNibbles,
+                            cpumoe::q4_vnni::OffsetInt4>,
+        cpumoe::q4_amx::run_f32<AmxTileModel>);
 
 float amx_model_run_int8_once() {
   constexpr int64_t m = 32, n = 32, k = 64;

@@ -9,7 +9,7 @@
 ///  - tileloadd / tilestored: `rows` rows of `colsb` bytes at p + r * stride; rows past the
 ///    configured ones read as zero.
 ///  - tdpbusd: C.s32[m][n] += sum over k groups of 4 of u8(A[m][4k+i]) * s8(B[k][4n+i]), in
-///    wrapping 32-bit arithmetic, exact.
+///    wrapping 32-bit arithmetic, exact; tdpbssd the same with s8(A[m][4k+i]).
 ///  - tdpbf16ps: for each k pair, C.f32[m][n] += fp32(a0 b0 + a1 b1) with the pair's two exact
 ///    products summed in one rounding (round to nearest even), bf16 subnormal inputs and fp32
 ///    subnormal results flushed to zero. Measured on Sapphire Rapids: bit-identical to the
@@ -96,9 +96,8 @@ struct AmxTileModel {
   }
 
   // --- amx_gemm.h's Tiles interface ------------------------------------------------------------
-  static void begin(Saved& saved) {
+  static void begin(Saved& saved, const cpumoe::amx::TileConfig& cfg) {
     storeconfig(saved.cfg);
-    const cpumoe::amx::TileConfig cfg = cpumoe::amx::kernel_tile_config();
     loadconfig(&cfg);
   }
   static void end(const Saved& saved) {
@@ -123,19 +122,9 @@ struct AmxTileModel {
       std::memcpy(static_cast<uint8_t*>(p) + r * stride, d.data[r], size_t(d.colsb));
   }
   template <int C, int A, int B>
-  static void dpbusd() {
-    Tile &c = tile(C), &a = tile(A), &b = tile(B);
-    check_shapes(c, a, b);
-    for (int m = 0; m < c.rows; ++m)
-      for (int n = 0; n < c.colsb / 4; ++n) {
-        uint32_t acc;
-        std::memcpy(&acc, c.data[m] + 4 * n, 4);
-        for (int k = 0; k < a.colsb / 4; ++k)
-          for (int i = 0; i < 4; ++i)
-            acc += uint32_t(int32_t(a.data[m][4 * k + i]) * int32_t(int8_t(b.data[k][4 * n + i])));
-        std::memcpy(c.data[m] + 4 * n, &acc, 4);
-      }
-  }
+  static void dpbusd() { dot_i8<C, A, B, false>(); }
+  template <int C, int A, int B>
+  static void dpbssd() { dot_i8<C, A, B, true>(); }
   template <int C, int A, int B>
   static void dpbf16ps() {
     Tile &c = tile(C), &a = tile(A), &b = tile(B);
@@ -154,6 +143,24 @@ struct AmxTileModel {
   }
 
  private:
+  // tdpbusd (A unsigned) or tdpbssd (A signed); B signed in both.
+  template <int C, int A, int B, bool SignedA>
+  static void dot_i8() {
+    Tile &c = tile(C), &a = tile(A), &b = tile(B);
+    check_shapes(c, a, b);
+    for (int m = 0; m < c.rows; ++m)
+      for (int n = 0; n < c.colsb / 4; ++n) {
+        uint32_t acc;
+        std::memcpy(&acc, c.data[m] + 4 * n, 4);
+        for (int k = 0; k < a.colsb / 4; ++k)
+          for (int i = 0; i < 4; ++i) {
+            const uint8_t x = a.data[m][4 * k + i];
+            const int32_t av = SignedA ? int32_t(int8_t(x)) : int32_t(x);
+            acc += uint32_t(av * int32_t(int8_t(b.data[k][4 * n + i])));
+          }
+        std::memcpy(c.data[m] + 4 * n, &acc, 4);
+      }
+  }
   static void check_shapes(const Tile& c, const Tile& a, const Tile& b) {
     if (a.rows != c.rows || b.colsb != c.colsb || a.colsb != 4 * b.rows)
       fault("tile dot product with mismatched shapes");

@@ -5,12 +5,13 @@
 //
 //   struct Tiles {
 //     struct Saved;                             // the thread's previous tile configuration
-//     static void begin(Saved&);                // saves it, loads kTileConfig (below)
+//     static void begin(Saved&, const TileConfig&);  // saves it, loads the kernel's (below)
 //     static void end(const Saved&);            // restores it (or releases the tiles)
 //     template <int T> static void zero();
 //     template <int T> static void load(const void* p, int64_t stride);   // 16 rows x 64 bytes
 //     template <int T> static void store(void* p, int64_t stride);
 //     template <int C, int A, int B> static void dpbusd();    // C.s32 += u8(A) . s8(B), groups of 4
+//     template <int C, int A, int B> static void dpbssd();    // C.s32 += s8(A) . s8(B), groups of 4
 //     template <int C, int A, int B> static void dpbf16ps();  // C.f32 += bf16(A) . bf16(B), pairs
 //   };
 //   struct Ops {                                // the kernel's arithmetic
@@ -74,12 +75,12 @@ constexpr int64_t kTileRows = 16;     // rows of an A tile and of an accumulator
 constexpr int64_t kStepBytes = 64;    // bytes of an A row per k step
 constexpr int64_t kBTileBytes = 1024; // one B tile: 16 groups x 64 bytes
 
-/// The thread's tiles configured for the kernel for the scope's lifetime; the configuration the
-/// thread had before (a caller that uses AMX itself, e.g. oneDNN inside torch) is put back.
+/// The thread's tiles configured as @p cfg for the scope's lifetime; the configuration the thread
+/// had before (a caller that uses AMX itself, e.g. oneDNN inside torch) is put back.
 template <class Tiles>
 class TileScope {
  public:
-  TileScope() { Tiles::begin(saved_); }
+  explicit TileScope(const TileConfig& cfg = kernel_tile_config()) { Tiles::begin(saved_, cfg); }
   ~TileScope() { Tiles::end(saved_); }
   TileScope(const TileScope&) = delete;
   TileScope& operator=(const TileScope&) = delete;

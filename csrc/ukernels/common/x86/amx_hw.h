@@ -29,9 +29,8 @@ struct AmxHwTiles {
   // sttilecfg stores zeros when the thread has no configuration; ldtilecfg zeroes the tile data
   // either way, so what is kept is the caller's configuration (its palette and shapes), which
   // code that keeps AMX configured between its own calls relies on.
-  static void begin(Saved& s) {
+  static void begin(Saved& s, const amx::TileConfig& cfg) {
     _tile_storeconfig(&s.cfg);
-    const amx::TileConfig cfg = amx::kernel_tile_config();
     _tile_loadconfig(&cfg);
   }
   static void end(const Saved& s) {
@@ -62,6 +61,13 @@ struct AmxHwTiles {
   template <int C, int A, int B>
   static void dpbusd() {
 #define CPUMOE_AMX_CASE(c, a, b) if constexpr (C == c && A == a && B == b) _tile_dpbusd(c, a, b);
+    CPUMOE_AMX_EACH_PRODUCT
+#undef CPUMOE_AMX_CASE
+    static_assert(is_product<C, A, B>(), "a tile product amx_gemm.h does not issue");
+  }
+  template <int C, int A, int B>
+  static void dpbssd() {
+#define CPUMOE_AMX_CASE(c, a, b) if constexpr (C == c && A == a && B == b) _tile_dpbssd(c, a, b);
     CPUMOE_AMX_EACH_PRODUCT
 #undef CPUMOE_AMX_CASE
     static_assert(is_product<C, A, B>(), "a tile product amx_gemm.h does not issue");

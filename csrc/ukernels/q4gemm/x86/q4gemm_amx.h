@@ -1,0 +1,230 @@
+// The logic of q4gemm_qs8rs_q4cio32x4_16x32_amx, the W4A8 GEMM on AMX-INT8 tiles, over amx_gemm.h's
+// Tiles class: the kernel file instantiates it with the hardware tiles (amx_hw.h), the tests with
+// the tile model (tests_cpp/amx/amx_tile_model.h), so both run exactly this code.
+//
+// Packing: the AVX-512 VNNI W4A8 kernel's (q4gemm_avx512_vnni.h), with A's rows padded to a
+// multiple of 16 (zero rows, zero row sums), so calls of fewer than kAmxMinRows rows (decode) run
+// through that kernel, which streams the weights at memory bandwidth where a mostly empty 16-row
+// tile gains nothing.
+//
+// Tiles: tdpbssd (s8 x s8), so A is used as packed and the weights are decoded to their signed
+// int8 values: no offset to take back. Per 32-column block of B and group of g k:
+//   1. unpack the group's codes (g / 4 quads of 64 bytes, q4cio32x4) into a panel of two B tiles
+//      per k step: columns 0-15 from the low nibbles, 16-31 from the high ones, each through one
+//      vpshufb on the format's signed table (int4 is stored offset, u = v + 8: t[u] = u - 8;
+//      mxfp4: t[c] = 2 * E2M1(c)). The panel (32 g bytes) stays in L1 while the row tiles pass;
+//      the next group is unpacked into a second panel before this one's tiles run (a tile load
+//      of what vector stores have just written waits for them).
+//   2. per pair of 16-row tiles: the 2 x 2 accumulators zeroed, then per k step of ks bytes (64,
+//      or 32 for groups that are an odd multiple of 32: the tiles are configured so) an A tile,
+//      the two B tiles and 4 tdpbssd, so each accumulator holds the group's exact int32 sums;
+//      stored, converted and multiplied by the group's scales into the rows' fp32 accumulators
+//      (acc += float(isum) * s, in q4gemm.h's order: no FMA). A call of at most 16 rows (most
+//      experts' at prefill) configures only its rows and alternates two accumulator sets.
+// After the last group each row gets * lhs_scale, + bias, and masked stores (nothing past n).
+// The int32 sums are exact (|sum| <= 128 * 12 * kW4MaxGroup < 2^31); the padding rows' results
+// are dropped. fp32 accumulators: one block's 32 columns for every row of the call, in the
+// thread's kernel scratch with the panels.
+// Measured (Sapphire Rapids, one thread, n = 1536, k = 2048, cpumoe_q4gemm_bench): at m = 16,
+// int4 g = 128 in 0.7x the VNNI kernel's time, mxfp4 and g = 32 in about 0.6x; at g = 32 the
+// tiles take a store and an fp32 epilogue per 32 k, so they stay slower than the W8A8 tiles.
+// Features used: AMX-TILE, AMX-INT8 (through Tiles), AVX-512 F/BW/VL/VNNI.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+
+#include "cpumoe/q4gemm.h"
+#include "ukernels/common/kernel_scratch.h"
+#include "ukernels/common/x86/amx_gemm.h"
+#include "ukernels/common/x86/avx512_common.h"
+#include "ukernels/q4gemm/x86/q4gemm_avx512_vnni.h"
+
+namespace cpumoe {
+namespace {
+namespace q4_amx {
+
+constexpr int64_t kMr = 16;          // rows of one A tile; lhs offsets are taken at multiples of it
+constexpr int64_t kNr = q4_vnni::kNr;  // 32: one block gives the two B tiles of a k step
+using Packing = q4_vnni::Packing;
+// Below this many rows a call goes to the VNNI kernel.
+constexpr int64_t kAmxMinRows = 8;
+
+/// `qs8rs` with the rows padded to whole 16-row tiles (what the tiles read; their results dropped).
+struct LhsPacking : Q4LhsRowSums {
+  static size_t lhs_size(int64_t m, int64_t k) {
+    return size_t(round_up(m, kMr)) * size_t(row_bytes(k));
+  }
+};
+
+inline void pack_lhs(int64_t m, int64_t k, const int8_t* const* rows, void* packed) {
+  pack_lhs_qs8rs(m, k, rows, packed);
+  const size_t rb = size_t(Q4LhsRowSums::row_bytes(k));
+  std::memset(static_cast<uint8_t*>(packed) + size_t(m) * rb, 0, size_t(round_up(m, kMr) - m) * rb);
+}
+
+/// Palette 1 with A tiles (4, 5) of @p rows rows x ks bytes, B tiles (6, 7) of ks / 4 rows x 64
+/// bytes and the accumulators (0-3) of @p rows x 64 bytes. A call of at most 16 rows configures
+/// just its rows: the tile loads, stores and dot products take time by the row.
+inline amx::TileConfig tile_config(int64_t ks, int64_t rows) {
+  amx::TileConfig cfg = amx::kernel_tile_config();
+  for (int t : {0, 1, 2, 3, 4, 5}) cfg.rows[t] = uint8_t(rows);
+  for (int t : {4, 5}) cfg.colsb[t] = uint16_t(ks);
+  for (int t : {6, 7}) cfg.rows[t] = uint8_t(ks / 4);
+  return cfg;
+}
+
+/// The codes' signed int8 values through one vpshufb (the stored codes, see the file comment).
+struct Unpack {
+  __m512i mask, table;
+  explicit Unpack(W4Format f) {
+    const int8_t* t = w4_decode_table(f);
+    alignas(16) int8_t v[16];
+    for (int c = 0; c < 16; ++c) v[c] = f == W4Format::int4 ? int8_t(c - 8) : t[c];
+    mask = _mm512_set1_epi8(0x0f);
+    table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(v)));
+  }
+  // One quad (4 k of 32 columns) into its row of the low and the high B tile panels; the line
+  // @p ahead bytes on (the next block's, as blocks are consecutive) is prefetched to L2, so the
+  // weight stream does not wait for memory group by group.
+  void quad(const uint8_t* p, uint8_t* lo, uint8_t* hi, int64_t ahead) const {
+    _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T1);
+    const __m512i x = _mm512_loadu_si512(p);
+    _mm512_store_si512(lo, _mm512_shuffle_epi8(table, _mm512_and_si512(x, mask)));
+    const __m512i xh = _mm512_srli_epi16(x, 4);
+    _mm512_store_si512(hi, _mm512_shuffle_epi8(table, _mm512_and_si512(xh, mask)));
+  }
+};
+
+/// Rows [i0, i0 + 16 RT) (those < m kept) x the block's 32 columns, one group: the exact int32
+/// sums on the tiles, then acc[i][0..32) += float(sum) * scale. RT = 2 takes accumulators 0-3 and
+/// A tiles 4, 5; RT = 1 takes accumulators 2 S, 2 S + 1 and A tile 4 + S, so that consecutive
+/// groups alternate S: the tiles are not renamed, and one set's tile dot products then overlap
+/// the other's stores and fp32 epilogue instead of waiting for them.
+template <class Tiles, int RT, int S, bool Mx>
+inline void group_tiles(int64_t i0, int64_t m, const uint8_t* a, int64_t lda, const uint8_t* panel,
+                        int64_t g, int64_t ks, const uint8_t* scales, int64_t hbytes, float* acc,
+                        int32_t (*buf)[16][16]) {
+  static_assert(RT == 2 ? S == 0 : (S == 0 || S == 1), "RT = 2 uses every accumulator");
+  constexpr int C0 = 2 * S, C1 = 2 * S + 1, A0 = 4 + S;
+  Tiles::template zero<C0>();
+  Tiles::template zero<C1>();
+  if constexpr (RT > 1) {
+    Tiles::template zero<2>();
+    Tiles::template zero<3>();
+  }
+  const int64_t half = 16 * g;  // bytes of one half's panel
+  for (int64_t k0 = 0; k0 < g; k0 += ks) {
+    const uint8_t* b = panel + 16 * k0;  // ks / 4 rows of 64 bytes per step
+    Tiles::template load<A0>(a + k0, lda);
+    Tiles::template load<6>(b, 64);
+    Tiles::template load<7>(b + half, 64);
+    Tiles::template dpbssd<C0, A0, 6>();
+    Tiles::template dpbssd<C1, A0, 7>();
+    if constexpr (RT > 1) {
+      Tiles::template load<5>(a + kMr * lda + k0, lda);
+      Tiles::template dpbssd<2, 5, 6>();
+      Tiles::template dpbssd<3, 5, 7>();
+    }
+  }
+  Tiles::template store<C0>(buf[C0], 64);
+  Tiles::template store<C1>(buf[C1], 64);
+  if constexpr (RT > 1) {
+    Tiles::template store<2>(buf[2], 64);
+    Tiles::template store<3>(buf[3], 64);
+  }
+  const __m512 slo = q4_vnni::load_scales<Mx>(scales);
+  const __m512 shi = q4_vnni::load_scales<Mx>(scales + hbytes);
+  const int64_t rows = std::min<int64_t>(kMr * RT, m - i0);
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t t = C0 + 2 * (i / kMr), r = i % kMr;
+    float* ar = acc + (i0 + i) * kNr;
+    const __m512 fl = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(buf[t][r])), slo);
+    const __m512 fh = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(buf[t + 1][r])), shi);
+    _mm512_store_ps(ar, _mm512_add_ps(_mm512_load_ps(ar), fl));
+    _mm512_store_ps(ar + 16, _mm512_add_ps(_mm512_load_ps(ar + 16), fh));
+  }
+}
+
+template <class Tiles, bool Mx>
+void run_tiles(int64_t m, int64_t n, int64_t k, const W4Layout& w, const uint8_t* a,
+               const uint8_t* rhs, float* dst, int64_t ld, const Q4GemmEpilogue& ep) {
+  const int64_t g = w.group, groups = k / g, ks = g % 64 == 0 ? 64 : 32;
+  const int64_t lda = Q4LhsRowSums::row_bytes(k), bstride = int64_t(Packing::block_bytes(k, w));
+  const int64_t gbytes = Packing::group_bytes(w), cbytes = Packing::codes_bytes(w);
+  const int64_t hbytes = 16 * w.scale_bytes();  // the high half's scales after the low's
+  // Scratch: two group panels (each 2 halves x g / 4 rows x 64 bytes), then m x 32 fp32
+  // accumulators. The next group is unpacked into the other panel before this group's tiles
+  // run: a tile load of data the vector stores have just written waits for them to complete.
+  const size_t panel_i32 = size_t(8 * g);
+  int32_t* scratch = kernel_scratch_i32(2 * panel_i32 + size_t(m) * kNr);
+  uint8_t* panels[2] = {reinterpret_cast<uint8_t*>(scratch),
+                        reinterpret_cast<uint8_t*>(scratch + panel_i32)};
+  float* acc = reinterpret_cast<float*>(scratch + 2 * panel_i32);
+  const Unpack up(w.format);
+  const amx::TileScope<Tiles> scope(tile_config(ks, std::min(m, kMr)));
+  const StoreF32Acc store{dst, ld, ep.bias, ep.stream_dst};
+  alignas(64) int32_t buf[4][16][16];  // the accumulators on their way to the fp32 epilogue
+  const auto unpack = [&](const uint8_t* grp, uint8_t* panel) {
+    for (int64_t q = 0; q < g / 4; ++q)
+      up.quad(grp + 64 * q, panel + 64 * q, panel + 16 * g + 64 * q, bstride);
+  };
+  for (int64_t j0 = 0; j0 < n; j0 += kNr) {
+    const uint8_t* blk = rhs + (j0 / kNr) * bstride;
+    std::memset(acc, 0, size_t(m) * kNr * sizeof(float));
+    unpack(blk, panels[0]);
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      const uint8_t* grp = blk + gi * gbytes;
+      if (gi + 1 < groups) unpack(grp + gbytes, panels[(gi + 1) % 2]);
+      const uint8_t* panel = panels[gi % 2];
+      const uint8_t* ag = a + gi * g;
+      const uint8_t* sc = grp + cbytes;
+      const auto tiles = [&](auto rt, auto set, int64_t i0) {
+        group_tiles<Tiles, decltype(rt)::value, decltype(set)::value, Mx>(
+            i0, m, ag + i0 * lda, lda, panel, g, ks, sc, hbytes, acc, buf);
+      };
+      using One = std::integral_constant<int, 1>;
+      using Two = std::integral_constant<int, 2>;
+      using Set0 = std::integral_constant<int, 0>;
+      if (m <= kMr) {  // one row tile (most experts at prefill): the groups alternate tile sets
+        if (gi % 2 == 0) tiles(One{}, Set0{}, 0);
+        else tiles(One{}, One{}, 0);
+        continue;
+      }
+      for (int64_t i0 = 0; i0 < m; i0 += 2 * kMr) {
+        if (m - i0 > kMr) tiles(Two{}, Set0{}, i0);
+        else tiles(One{}, Set0{}, i0);
+      }
+    }
+    for (int64_t hf = 0; hf < 2; ++hf) {
+      const int64_t c0 = j0 + 16 * hf;
+      if (c0 >= n) break;
+      const int64_t nc = std::min<int64_t>(16, n - c0);
+      for (int64_t i = 0; i < m; ++i)
+        store(i, c0, nc, _mm512_mul_ps(_mm512_load_ps(acc + i * kNr + 16 * hf),
+                                       _mm512_set1_ps(ep.lhs_scale[i])));
+    }
+  }
+}
+
+template <class Tiles>
+void run_f32(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs, const void* rhs,
+             float* dst, int64_t dst_stride, const Q4GemmEpilogue& ep) {
+  if (m <= 0 || n <= 0) return;
+  if (m < kAmxMinRows) {
+    q4_vnni::run_f32(m, n, k, w, lhs, rhs, dst, dst_stride, ep);
+    return;
+  }
+  const auto* a = static_cast<const uint8_t*>(lhs);
+  const auto* b = static_cast<const uint8_t*>(rhs);
+  if (w.format == W4Format::mxfp4) run_tiles<Tiles, true>(m, n, k, w, a, b, dst, dst_stride, ep);
+  else run_tiles<Tiles, false>(m, n, k, w, a, b, dst, dst_stride, ep);
+  if (ep.stream_dst) _mm_sfence();  // the non-temporal stores visible before the call returns
+}
+
+}  // namespace q4_amx
+}  // namespace
+}  // namespace cpumoe
