@@ -23,13 +23,13 @@
 //   B (`q4cio32x4`, Q4Packing<32> + HalvesInNibbles): blocks of 32 columns; per group, per 4 k, 64
 //      bytes as above; then the group's 32 scales (fp32 for int4, E8M0 bytes for mxfp4, decoded
 //      here: the bytes read are what the format is for).
-// Loop: per column step (2 blocks = 64 columns for up to 3 rows, else 1 block) and row tile (up
-// to 3 / 8 rows, rows split evenly), per group: per 4 k, each block's 64 bytes loaded and decoded
+// Loop: per column step (4 blocks = 128 columns for up to 2 rows, 2 blocks for 3, else 1 block)
+// and row tile (up to 2 / 3 / 8 rows, rows split evenly), per group: per 4 k, each block's 64 bytes loaded and decoded
 // into two zmm, then per row its 4-byte A word broadcast and two vpdpbusd per block; at the group
 // end, per row and block, (int4: sub, shift) cvt + mul by the group scales + add into the fp32
 // accumulators (the exact order of q4gemm.h: no FMA). The int32 accumulators stay in registers
 // over the group; the fp32 ones, touched once per group, in L1 (so the register tile can be 8
-// rows). Decode (one row per expert) thus runs 2 independent weight streams with 1 (int4) or 5
+// rows). Decode (one row per expert) thus runs 4 independent weight streams with 1 (int4) or 5
 // (mxfp4) vector ops per 64 weight bytes besides the 2 vpdpbusd; software prefetch runs kPrefetch
 // bytes ahead in each stream.
 // Epilogue: * lhs_scale, + bias, masked tail stores (nothing past n is written).
@@ -59,11 +59,13 @@ constexpr int64_t kNr = 32;
 constexpr int64_t kHalf = 16;  // columns of one zmm of int32 sums
 using Packing = Q4Packing<kNr>;
 constexpr int64_t kQuadBytes = 64;  // 4 k of one block
-// Up to 3 rows: 2 blocks per step (2 weight streams, 12 int32 accumulators); more: 1 block, up to
-// 8 rows (16 accumulators), so each decoded vector feeds up to 8 vpdpbusd. Besides them: 2 x NB
-// decoded vectors, a broadcast, the mask and the table.
+// Up to 2 rows (decode): 4 blocks per step (4 weight streams, 16 int32 accumulators: with 2 the
+// memory stream ran 0.61x the W8A8 kernel's time at m = 1, with 4 0.52x); 3 rows: 2 blocks (12);
+// more: 1 block, up to 8 rows (16 accumulators), so each decoded vector feeds up to 8 vpdpbusd.
+// Besides them: 2 x NB decoded vectors, a broadcast, the mask and the table.
 constexpr int64_t kMr = 8;
-constexpr int kSmallRows = 3, kSmallBlocks = 2, kRows = 8, kBlocks = 1;
+constexpr int kSmallRows = 2, kSmallBlocks = 4, kMidRows = 3, kMidBlocks = 2, kRows = 8,
+              kBlocks = 1;
 constexpr int64_t kPrefetch = 1024;  // bytes ahead in each block's stream
 
 // Nibble position of column c's code kk of a group (the file comment's `q4cio32x4`).
@@ -138,7 +140,8 @@ inline void dpbusd(__m512i& acc, __m512i u, __m512i s) {
 }
 
 // The kernel as run_q4_f32 (q4gemm_x86_common.h) takes it: the walk's steps and the tile.
-struct Kernel : Q4X86Steps<kNr, kSmallRows, kSmallBlocks, kRows, kBlocks, Decode> {
+struct Kernel : Q4X86Steps<kNr, kSmallRows, kSmallBlocks, kMidRows, kMidBlocks, kRows, kBlocks,
+                           Decode> {
   template <int MR, int NB, bool Mx, int G>
   static void tile(const Q4Call<Decode>& c, int64_t i0, int64_t jb);
 };

@@ -71,17 +71,21 @@ inline void pack_lhs_qs8rs(int64_t m, int64_t k, const int8_t* const* rows, void
 }
 
 /// The register-tile walk of the x86 kernels (as gemm_tile.h's run): column steps of
-/// @p step_blocks blocks of nr columns (@p small_blocks when m <= @p small_rows), each over row
-/// tiles of at most @p max_rows rows (@p small_rows), rows split evenly over the fewest tiles (7
-/// rows: 4 + 3, not 6 + 1: a tile of one or two rows has too few accumulator chains). The
-/// weights of a step stay in L1/L2 while its row tiles pass. Calls tile(rows, nb, i0, jb): rows
-/// [i0, i0 + rows) x blocks [jb, jb + nb).
+/// @p step_blocks blocks of nr columns, each over row tiles of at most @p max_rows rows, rows
+/// split evenly over the fewest tiles (7 rows: 4 + 3, not 6 + 1: a tile of one or two rows has
+/// too few accumulator chains). Calls of at most @p small.rows rows take small's steps instead,
+/// and of at most @p mid.rows mid's (more weight streams where there are fewer rows to feed).
+/// The weights of a step stay in L1/L2 while its row tiles pass. Calls tile(rows, nb, i0, jb):
+/// rows [i0, i0 + rows) x blocks [jb, jb + nb).
+struct Q4Steps {
+  int64_t rows, blocks;
+};
 template <class Tile>
-inline void walk_q4_tiles(int64_t m, int64_t n, int64_t nr, int64_t small_rows,
-                          int64_t small_blocks, int64_t max_rows, int64_t step_blocks,
-                          const Tile& tile) {
+inline void walk_q4_tiles(int64_t m, int64_t n, int64_t nr, Q4Steps small, Q4Steps mid,
+                          int64_t max_rows, int64_t step_blocks, const Tile& tile) {
   if (m <= 0 || n <= 0) return;
-  if (m <= small_rows) max_rows = small_rows, step_blocks = small_blocks;
+  if (m <= small.rows) max_rows = small.rows, step_blocks = small.blocks;
+  else if (m <= mid.rows) max_rows = mid.rows, step_blocks = mid.blocks;
   const int64_t blocks = (n + nr - 1) / nr, tiles = (m + max_rows - 1) / max_rows;
   for (int64_t jb = 0; jb < blocks; jb += step_blocks) {
     const int64_t nb = std::min(step_blocks, blocks - jb);
@@ -122,11 +126,15 @@ Q4TileSpan q4_tile_span(const Q4Call<Decode>& c, int64_t i0, int64_t jb) {
 }
 
 /// The constants of an x86 kernel K as run_q4_f32 reads them (K derives from this and adds its
-/// tile): the columns per block and walk_q4_tiles' steps, and the decode state's type.
-template <int64_t Nr, int SmallRows, int SmallBlocks, int Rows, int Blocks, class D>
+/// tile): the columns per block and walk_q4_tiles' steps (small, mid, then the main ones; mid
+/// equal to small for none), and the decode state's type.
+template <int64_t Nr, int SmallRows, int SmallBlocks, int MidRows, int MidBlocks, int Rows,
+          int Blocks, class D>
 struct Q4X86Steps {
+  static_assert(SmallRows <= MidRows && MidRows < Rows, "regimes by increasing rows");
   static constexpr int64_t kNr = Nr;
   static constexpr int kSmallRows = SmallRows, kSmallBlocks = SmallBlocks;
+  static constexpr int kMidRows = MidRows, kMidBlocks = MidBlocks;
   static constexpr int kRows = Rows, kBlocks = Blocks;
   using Decode = D;
 };
@@ -136,10 +144,12 @@ struct Q4X86Steps {
 template <class K, bool Mx, int G>
 struct Q4TileTable {
   using Fn = void (*)(const Q4Call<typename K::Decode>&, int64_t, int64_t);
-  static constexpr int kMaxBlocks = std::max(K::kSmallBlocks, K::kBlocks);
+  static constexpr int kMaxBlocks = std::max({K::kSmallBlocks, K::kMidBlocks, K::kBlocks});
   template <int MR, int NB>
   static constexpr Fn fn() {
-    constexpr int max_nb = MR <= K::kSmallRows ? K::kSmallBlocks : K::kBlocks;
+    constexpr int max_nb = MR <= K::kSmallRows ? std::max(K::kSmallBlocks, K::kBlocks)
+                           : MR <= K::kMidRows ? std::max(K::kMidBlocks, K::kBlocks)
+                                               : K::kBlocks;
     if constexpr (NB <= max_nb) return &K::template tile<MR, NB, Mx, G>;
     else return nullptr;
   }
@@ -156,7 +166,7 @@ struct Q4TileTable {
 };
 
 /// Q4GemmUkernel::run_f32 of an x86 kernel K over the `qs8rs` A and Q4Packing<K::kNr> B, on
-/// walk_q4_tiles. K gives kNr, the walk's steps (kSmallRows, kSmallBlocks, kRows, kBlocks), a
+/// walk_q4_tiles. K gives kNr, the walk's steps (Q4X86Steps), a
 /// Decode type constructed from the W4Format, and
 ///   template <int MR, int NB, bool Mx, int G>
 ///   static void tile(const Q4Call<Decode>& c, int64_t i0, int64_t jb);
@@ -172,7 +182,8 @@ void run_q4_f32(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* 
                                      n, k, Q4LhsRowSums::padded_k(k), w,
                                      typename K::Decode(w.format), dst, ld, ep};
   const auto walk = [&](const auto& table) {
-    walk_q4_tiles(m, n, K::kNr, K::kSmallRows, K::kSmallBlocks, K::kRows, K::kBlocks,
+    walk_q4_tiles(m, n, K::kNr, {K::kSmallRows, K::kSmallBlocks}, {K::kMidRows, K::kMidBlocks},
+                  K::kRows, K::kBlocks,
                   [&](int64_t rows, int64_t nb, int64_t i0, int64_t jb) {
                     table[size_t(rows - 1)][size_t(nb - 1)](c, i0, jb);
                   });
