@@ -23,8 +23,9 @@
 //      experts' at prefill) configures only its rows and alternates two accumulator sets.
 // After the last group each row gets * lhs_scale, + bias, and masked stores (nothing past n).
 // The int32 sums are exact (|sum| <= 128 * 12 * kW4MaxGroup < 2^31); the padding rows' results
-// are dropped. fp32 accumulators: one block's 32 columns for every row of the call, in the
-// thread's kernel scratch with the panels.
+// are dropped. fp32 accumulators: one block's 32 columns for every row of the call, in registers
+// for calls of at most 8 rows (most experts' at T = 128), else in the thread's kernel scratch
+// with the panels.
 // Measured (Sapphire Rapids, one thread, n = 1536, k = 2048, cpumoe_q4gemm_bench): at m = 16,
 // int4 g = 128 in 0.7x the VNNI kernel's time, mxfp4 and g = 32 in about 0.6x; at g = 32 the
 // tiles take a store and an fp32 epilogue per 32 k, so they stay slower than the W8A8 tiles.
@@ -98,17 +99,21 @@ struct Unpack {
     const __m512i xh = _mm512_srli_epi16(x, 4);
     _mm512_store_si512(hi, _mm512_shuffle_epi8(table, _mm512_and_si512(xh, mask)));
   }
+  // A group of g k (g / 4 quads at @p grp) into @p panel (the low half, then the high one).
+  void unpack(const uint8_t* grp, uint8_t* panel, int64_t g, int64_t ahead) const {
+    for (int64_t q = 0; q < g / 4; ++q)
+      quad(grp + 64 * q, panel + 64 * q, panel + 16 * g + 64 * q, ahead);
+  }
 };
 
-/// Rows [i0, i0 + 16 RT) (those < m kept) x the block's 32 columns, one group: the exact int32
-/// sums on the tiles, then acc[i][0..32) += float(sum) * scale. RT = 2 takes accumulators 0-3 and
-/// A tiles 4, 5; RT = 1 takes accumulators 2 S, 2 S + 1 and A tile 4 + S, so that consecutive
-/// groups alternate S: the tiles are not renamed, and one set's tile dot products then overlap
-/// the other's stores and fp32 epilogue instead of waiting for them.
-template <class Tiles, int RT, int S, bool Mx>
-inline void group_tiles(int64_t i0, int64_t m, const uint8_t* a, int64_t lda, const uint8_t* panel,
-                        int64_t g, int64_t ks, const uint8_t* scales, int64_t hbytes, float* acc,
-                        int32_t (*buf)[16][16]) {
+/// Rows [i0, i0 + 16 RT) of A (at @p a) x the block's 32 columns, one group: the exact int32 sums
+/// on the tiles, stored to buf[accumulator]. RT = 2 takes accumulators 0-3 and A tiles 4, 5;
+/// RT = 1 takes accumulators 2 S, 2 S + 1 and A tile 4 + S, so that consecutive groups alternate
+/// S: the tiles are not renamed, and one set's tile dot products then overlap the other's stores
+/// and fp32 epilogue instead of waiting for them.
+template <class Tiles, int RT, int S>
+inline void group_dots(const uint8_t* a, int64_t lda, const uint8_t* panel, int64_t g, int64_t ks,
+                       int32_t (*buf)[16][16]) {
   static_assert(RT == 2 ? S == 0 : (S == 0 || S == 1), "RT = 2 uses every accumulator");
   constexpr int C0 = 2 * S, C1 = 2 * S + 1, A0 = 4 + S;
   Tiles::template zero<C0>();
@@ -137,6 +142,15 @@ inline void group_tiles(int64_t i0, int64_t m, const uint8_t* a, int64_t lda, co
     Tiles::template store<2>(buf[2], 64);
     Tiles::template store<3>(buf[3], 64);
   }
+}
+
+/// group_dots, then acc[i][0..32) += float(sum) * scale for the rows < m.
+template <class Tiles, int RT, int S, bool Mx>
+inline void group_tiles(int64_t i0, int64_t m, const uint8_t* a, int64_t lda, const uint8_t* panel,
+                        int64_t g, int64_t ks, const uint8_t* scales, int64_t hbytes, float* acc,
+                        int32_t (*buf)[16][16]) {
+  constexpr int C0 = 2 * S;
+  group_dots<Tiles, RT, S>(a, lda, panel, g, ks, buf);
   const __m512 slo = q4_vnni::load_scales<Mx>(scales);
   const __m512 shi = q4_vnni::load_scales<Mx>(scales + hbytes);
   const int64_t rows = std::min<int64_t>(kMr * RT, m - i0);
@@ -147,6 +161,49 @@ inline void group_tiles(int64_t i0, int64_t m, const uint8_t* a, int64_t lda, co
     const __m512 fh = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(buf[t + 1][r])), shi);
     _mm512_store_ps(ar, _mm512_add_ps(_mm512_load_ps(ar), fl));
     _mm512_store_ps(ar + 16, _mm512_add_ps(_mm512_load_ps(ar + 16), fh));
+  }
+}
+
+/// One block (32 columns at @p blk) of a call of at most 8 rows (@p m): as run_tiles' loop, with
+/// the fp32 accumulators in registers over the groups (16 zmm) instead of in memory.
+template <class Tiles, bool Mx>
+inline void block_in_registers(int64_t m, int64_t j0, int64_t n, const uint8_t* a, int64_t lda,
+                               const uint8_t* blk, int64_t g, int64_t groups, int64_t ks,
+                               int64_t gbytes, int64_t cbytes, int64_t hbytes,
+                               uint8_t* const* panels,
+                               const Unpack& up, int64_t bstride, int32_t (*buf)[16][16],
+                               const StoreF32Acc& store, const float* lhs_scale) {
+  constexpr int kRegRows = 8;
+  __m512 lo[kRegRows], hi[kRegRows];
+#pragma GCC unroll 8
+  for (int r = 0; r < kRegRows; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+  up.unpack(blk, panels[0], g, bstride);
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    const uint8_t* grp = blk + gi * gbytes;
+    if (gi + 1 < groups) up.unpack(grp + gbytes, panels[(gi + 1) % 2], g, bstride);
+    const uint8_t* ag = a + gi * g;
+    const uint8_t* panel = panels[gi % 2];
+    int c0 = 0;
+    if (gi % 2 == 0) group_dots<Tiles, 1, 0>(ag, lda, panel, g, ks, buf);
+    else group_dots<Tiles, 1, 1>(ag, lda, panel, g, ks, buf), c0 = 2;
+    const __m512 slo = q4_vnni::load_scales<Mx>(grp + cbytes);
+    const __m512 shi = q4_vnni::load_scales<Mx>(grp + cbytes + hbytes);
+#pragma GCC unroll 8
+    for (int r = 0; r < kRegRows; ++r) {
+      if (r >= m) break;
+      const __m512 fl = _mm512_cvtepi32_ps(_mm512_load_si512(buf[c0][r]));
+      const __m512 fh = _mm512_cvtepi32_ps(_mm512_load_si512(buf[c0 + 1][r]));
+      lo[r] = _mm512_add_ps(lo[r], _mm512_mul_ps(fl, slo));
+      hi[r] = _mm512_add_ps(hi[r], _mm512_mul_ps(fh, shi));
+    }
+  }
+  const int64_t nlo = std::min<int64_t>(16, n - j0), nhi = std::min<int64_t>(16, n - j0 - 16);
+#pragma GCC unroll 8
+  for (int r = 0; r < kRegRows; ++r) {
+    if (r >= m) break;
+    const __m512 ls = _mm512_set1_ps(lhs_scale[r]);
+    store(r, j0, nlo, _mm512_mul_ps(lo[r], ls));
+    if (nhi > 0) store(r, j0 + 16, nhi, _mm512_mul_ps(hi[r], ls));
   }
 }
 
@@ -169,17 +226,18 @@ void run_tiles(int64_t m, int64_t n, int64_t k, const W4Layout& w, const uint8_t
   const amx::TileScope<Tiles> scope(tile_config(ks, std::min(m, kMr)));
   const StoreF32Acc store{dst, ld, ep.bias, ep.stream_dst};
   alignas(64) int32_t buf[4][16][16];  // the accumulators on their way to the fp32 epilogue
-  const auto unpack = [&](const uint8_t* grp, uint8_t* panel) {
-    for (int64_t q = 0; q < g / 4; ++q)
-      up.quad(grp + 64 * q, panel + 64 * q, panel + 16 * g + 64 * q, bstride);
-  };
   for (int64_t j0 = 0; j0 < n; j0 += kNr) {
     const uint8_t* blk = rhs + (j0 / kNr) * bstride;
+    if (m <= 8) {
+      block_in_registers<Tiles, Mx>(m, j0, n, a, lda, blk, g, groups, ks, gbytes, cbytes, hbytes,
+                                    panels, up, bstride, buf, store, ep.lhs_scale);
+      continue;
+    }
     std::memset(acc, 0, size_t(m) * kNr * sizeof(float));
-    unpack(blk, panels[0]);
+    up.unpack(blk, panels[0], g, bstride);
     for (int64_t gi = 0; gi < groups; ++gi) {
       const uint8_t* grp = blk + gi * gbytes;
-      if (gi + 1 < groups) unpack(grp + gbytes, panels[(gi + 1) % 2]);
+      if (gi + 1 < groups) up.unpack(grp + gbytes, panels[(gi + 1) % 2], g, bstride);
       const uint8_t* panel = panels[gi % 2];
       const uint8_t* ag = a + gi * g;
       const uint8_t* sc = grp + cbytes;
