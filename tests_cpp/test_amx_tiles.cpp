@@ -98,8 +98,9 @@ TEST(AmxTileModel, Bf16DotPairsFlushSubnormals) {
   EXPECT_EQ(got, 0.0f) << "a subnormal bf16 input counts as zero";
 }
 
-// The model is what the hardware does: int8 bit for bit; bf16 bit for bit for one k pair, and
-// within the fp32 summation bound for a whole tile (the hardware's own grouping of roundings).
+// The model is what the hardware does: int8 (tdpbusd, tdpbssd) bit for bit; bf16 bit for bit
+// for one k pair, and within the fp32 summation bound for a whole tile (the hardware's own
+// grouping of roundings).
 TEST(AmxTileModel, MatchesTheHardware) {
 #if !defined(CPUMOE_TEST_AMX_HW)
   GTEST_SKIP() << "this build has no AMX kernels";
@@ -116,6 +117,11 @@ TEST(AmxTileModel, MatchesTheHardware) {
     cpumoe_test::amx_hw_dpbusd(a.b, b.b, hw.b);
     cpumoe_test::amx_model_dpbusd(a.b, b.b, model.b);
     ASSERT_EQ(std::memcmp(&hw, &model, sizeof(hw)), 0) << "tdpbusd, trial " << trial;
+    std::memcpy(&hw, &c, sizeof(c));
+    std::memcpy(&model, &c, sizeof(c));
+    cpumoe_test::amx_hw_dpbssd(a.b, b.b, hw.b);
+    cpumoe_test::amx_model_dpbssd(a.b, b.b, model.b);
+    ASSERT_EQ(std::memcmp(&hw, &model, sizeof(hw)), 0) << "tdpbssd, trial " << trial;
   }
   for (int pairs : {1, 16}) {
     for (int trial = 0; trial < 50; ++trial) {

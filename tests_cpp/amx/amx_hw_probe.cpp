@@ -34,6 +34,16 @@ void amx_hw_dpbusd(const void* a, const void* b, void* c) {
   _tile_release();
 }
 
+void amx_hw_dpbssd(const void* a, const void* b, void* c) {
+  configure(64);
+  _tile_loadd(0, c, 64);
+  _tile_loadd(1, a, 64);
+  _tile_loadd(2, b, 64);
+  _tile_dpbssd(0, 1, 2);
+  _tile_stored(0, c, 64);
+  _tile_release();
+}
+
 void amx_hw_dpbf16ps(const void* a, const void* b, void* c, int pairs) {
   configure(4 * pairs);
   _tile_loadd(0, c, 64);

@@ -79,6 +79,16 @@ void amx_model_dpbusd(const void* a, const void* b, void* c) {
   AmxTileModel::release();
 }
 
+void amx_model_dpbssd(const void* a, const void* b, void* c) {
+  model_configure(64);
+  AmxTileModel::load<0>(c, 64);
+  AmxTileModel::load<1>(a, 64);
+  AmxTileModel::load<2>(b, 64);
+  AmxTileModel::dpbssd<0, 1, 2>();
+  AmxTileModel::store<0>(c, 64);
+  AmxTileModel::release();
+}
+
 void amx_model_dpbf16ps(const void* a, const void* b, void* c, int pairs) {
   model_configure(4 * pairs);
   AmxTileModel::load<0>(c, 64);
