@@ -76,7 +76,10 @@ const QGemmUkernel* qgemm_select(const Isa* cap = nullptr);
 /// The variant named @p name (nullptr if not compiled in).
 const QGemmUkernel* qgemm_find(const char* name);
 
-/// Rounds @p v up to a multiple of @p m (m > 0).
-inline constexpr int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+/// Rounds @p v up to a multiple of @p m (m > 0). Always inlined: ISA-flagged objects call it, and
+/// an unoptimized (sanitizer) build would otherwise emit a weak copy the linker might keep.
+[[gnu::always_inline]] inline constexpr int64_t round_up(int64_t v, int64_t m) {
+  return (v + m - 1) / m * m;
+}
 
 }  // namespace cpumoe
