@@ -54,6 +54,8 @@ using Packing = q4_vnni::Packing;
 // Below this many rows a call goes to the VNNI kernel (measured, one thread, n = 1536, k = 2048,
 // int4 g = 128: at m = 2 both take 153 us; at m = 4 and 6 the tiles 155 us, VNNI 200 and 220).
 constexpr int64_t kAmxMinRows = 4;
+// Calls of at most this many rows keep their fp32 accumulators in registers (2 x 8 zmm).
+constexpr int kRegRows = 8;
 
 /// `qs8rs` with the rows padded to whole 16-row tiles (what the tiles read; their results dropped).
 struct LhsPacking : Q4LhsRowSums {
@@ -105,6 +107,21 @@ struct Unpack {
       quad(grp + 64 * q, panel + 64 * q, panel + 16 * g + 64 * q, ahead);
   }
 };
+
+/// The groups of the block at @p blk in order: body(gi, group bytes, its unpacked panel). The
+/// next group is unpacked into the other panel before this group's body runs (a tile load of
+/// data the vector stores have just written waits for them to complete).
+template <class Body>
+[[gnu::always_inline]] inline void each_group(const Unpack& up, const uint8_t* blk, int64_t g,
+                                              int64_t groups, int64_t gbytes, int64_t bstride,
+                                              uint8_t* const* panels, const Body& body) {
+  up.unpack(blk, panels[0], g, bstride);
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    const uint8_t* grp = blk + gi * gbytes;
+    if (gi + 1 < groups) up.unpack(grp + gbytes, panels[(gi + 1) % 2], g, bstride);
+    body(gi, grp, panels[gi % 2]);
+  }
+}
 
 /// Rows [i0, i0 + 16 RT) of A (at @p a) x the block's 32 columns, one group: the exact int32 sums
 /// on the tiles, stored to buf[accumulator]. RT = 2 takes accumulators 0-3 and A tiles 4, 5;
@@ -173,16 +190,13 @@ inline void block_in_registers(int64_t m, int64_t j0, int64_t n, const uint8_t* 
                                uint8_t* const* panels,
                                const Unpack& up, int64_t bstride, int32_t (*buf)[16][16],
                                const StoreF32Acc& store, const float* lhs_scale) {
-  constexpr int kRegRows = 8;
   __m512 lo[kRegRows], hi[kRegRows];
 #pragma GCC unroll 8
   for (int r = 0; r < kRegRows; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
-  up.unpack(blk, panels[0], g, bstride);
-  for (int64_t gi = 0; gi < groups; ++gi) {
-    const uint8_t* grp = blk + gi * gbytes;
-    if (gi + 1 < groups) up.unpack(grp + gbytes, panels[(gi + 1) % 2], g, bstride);
+  // Inlined whole (attribute), so that lo / hi stay in registers across the groups.
+  const auto body = [&](int64_t gi, const uint8_t* grp,
+                        const uint8_t* panel) __attribute__((always_inline)) {
     const uint8_t* ag = a + gi * g;
-    const uint8_t* panel = panels[gi % 2];
     int c0 = 0;
     if (gi % 2 == 0) group_dots<Tiles, 1, 0>(ag, lda, panel, g, ks, buf);
     else group_dots<Tiles, 1, 1>(ag, lda, panel, g, ks, buf), c0 = 2;
@@ -196,7 +210,8 @@ inline void block_in_registers(int64_t m, int64_t j0, int64_t n, const uint8_t* 
       lo[r] = _mm512_add_ps(lo[r], _mm512_mul_ps(fl, slo));
       hi[r] = _mm512_add_ps(hi[r], _mm512_mul_ps(fh, shi));
     }
-  }
+  };
+  each_group(up, blk, g, groups, gbytes, bstride, panels, body);
   const int64_t nlo = std::min<int64_t>(16, n - j0), nhi = std::min<int64_t>(16, n - j0 - 16);
 #pragma GCC unroll 8
   for (int r = 0; r < kRegRows; ++r) {
@@ -214,9 +229,8 @@ void run_tiles(int64_t m, int64_t n, int64_t k, const W4Layout& w, const uint8_t
   const int64_t lda = Q4LhsRowSums::row_bytes(k), bstride = int64_t(Packing::block_bytes(k, w));
   const int64_t gbytes = Packing::group_bytes(w), cbytes = Packing::codes_bytes(w);
   const int64_t hbytes = 16 * w.scale_bytes();  // the high half's scales after the low's
-  // Scratch: two group panels (each 2 halves x g / 4 rows x 64 bytes), then m x 32 fp32
-  // accumulators. The next group is unpacked into the other panel before this group's tiles
-  // run: a tile load of data the vector stores have just written waits for them to complete.
+  // Scratch: two group panels (each 2 halves x g / 4 rows x 64 bytes; see each_group), then
+  // m x 32 fp32 accumulators (unused for calls of at most kRegRows rows).
   const size_t panel_i32 = size_t(8 * g);
   int32_t* scratch = kernel_scratch_i32(2 * panel_i32 + size_t(m) * kNr);
   uint8_t* panels[2] = {reinterpret_cast<uint8_t*>(scratch),
@@ -228,17 +242,14 @@ void run_tiles(int64_t m, int64_t n, int64_t k, const W4Layout& w, const uint8_t
   alignas(64) int32_t buf[4][16][16];  // the accumulators on their way to the fp32 epilogue
   for (int64_t j0 = 0; j0 < n; j0 += kNr) {
     const uint8_t* blk = rhs + (j0 / kNr) * bstride;
-    if (m <= 8) {
+    if (m <= kRegRows) {
       block_in_registers<Tiles, Mx>(m, j0, n, a, lda, blk, g, groups, ks, gbytes, cbytes, hbytes,
                                     panels, up, bstride, buf, store, ep.lhs_scale);
       continue;
     }
     std::memset(acc, 0, size_t(m) * kNr * sizeof(float));
-    up.unpack(blk, panels[0], g, bstride);
-    for (int64_t gi = 0; gi < groups; ++gi) {
-      const uint8_t* grp = blk + gi * gbytes;
-      if (gi + 1 < groups) up.unpack(grp + gbytes, panels[(gi + 1) % 2], g, bstride);
-      const uint8_t* panel = panels[gi % 2];
+    each_group(up, blk, g, groups, gbytes, bstride, panels,
+               [&](int64_t gi, const uint8_t* grp, const uint8_t* panel) {
       const uint8_t* ag = a + gi * g;
       const uint8_t* sc = grp + cbytes;
       const auto tiles = [&](auto rt, auto set, int64_t i0) {
@@ -248,16 +259,16 @@ void run_tiles(int64_t m, int64_t n, int64_t k, const W4Layout& w, const uint8_t
       using One = std::integral_constant<int, 1>;
       using Two = std::integral_constant<int, 2>;
       using Set0 = std::integral_constant<int, 0>;
-      if (m <= kMr) {  // one row tile (most experts at prefill): the groups alternate tile sets
+      if (m <= kMr) {  // one row tile: the groups alternate tile sets
         if (gi % 2 == 0) tiles(One{}, Set0{}, 0);
         else tiles(One{}, One{}, 0);
-        continue;
+        return;
       }
       for (int64_t i0 = 0; i0 < m; i0 += 2 * kMr) {
         if (m - i0 > kMr) tiles(Two{}, Set0{}, i0);
         else tiles(One{}, Set0{}, i0);
       }
-    }
+    });
     for (int64_t hf = 0; hf < 2; ++hf) {
       const int64_t c0 = j0 + 16 * hf;
       if (c0 >= n) break;
