@@ -21,40 +21,64 @@ pytest.importorskip("vllm", reason="the vLLM plugin tests need vLLM (ci/setup_vl
 
 from cpumoe.vllm_plugin import models  # noqa: E402
 
-#: name -> (family, W8A8). The W8A8 checkpoints are made from the bf16 ones of the same family.
-MODELS = {"qwen3_moe": ("qwen3_moe", False), "qwen3_moe_w8a8": ("qwen3_moe", True),
-          "mixtral": ("mixtral", False), "mixtral_w8a8": ("mixtral", True),
-          "gpt_oss": ("gpt_oss", False)}
+#: name -> (source, kind). kind None: a random bf16 model of the family ``source``
+#: (models.save_tiny); otherwise the checkpoint made from the model ``source`` by models.save_<kind>:
+#: "w8a8" / "w4a8" quantized with compressed-tensors, "int4_grid" bf16 with its experts on an
+#: int4 grid (the bf16 model its W4A8 checkpoint holds exactly: the two differ only by the int8
+#: activations, so the W4A8 run is held to the W8A8 tolerance).
+MODELS = {"qwen3_moe": ("qwen3_moe", None), "qwen3_moe_w8a8": ("qwen3_moe", "w8a8"),
+          "qwen3_moe_int4_grid": ("qwen3_moe", "int4_grid"),
+          "qwen3_moe_w4a8": ("qwen3_moe_int4_grid", "w4a8"),
+          "mixtral": ("mixtral", None), "mixtral_w8a8": ("mixtral", "w8a8"),
+          "gpt_oss": ("gpt_oss", None)}
+#: The bf16 checkpoints (kind None or int4_grid) and the quantized ones.
+BF16_KINDS = (None, "int4_grid")
 #: Served by each backend in this order, one engine at a time, in one process per backend (the
 #: two processes run side by side). mixtral_w8a8 is left out of the CI run: it takes the same
 #: kernel path as qwen3_moe_w8a8 and an engine start costs the whole suite's time budget
 #: (CPUMOE_VLLM_ALL_MODELS=1 serves it too).
-ORDER = ["qwen3_moe", "mixtral", "gpt_oss", "qwen3_moe_w8a8"] + (
+ORDER = ["qwen3_moe", "mixtral", "gpt_oss", "qwen3_moe_w8a8", "qwen3_moe_int4_grid",
+         "qwen3_moe_w4a8"] + (
     ["mixtral_w8a8"] if os.environ.get("CPUMOE_VLLM_ALL_MODELS") == "1" else [])
 N_TOKENS = 16
 #: Seconds for one backend's whole run at most (a hung engine fails the session, not all CI).
 TIMEOUT_S = 1500
 
 
+def cpumoe_serves(name: str) -> bool:
+    """Whether the cpumoe-backend run serves this model: all but the int4-grid reference (its bf16
+    path is the one qwen3_moe covers)."""
+    return MODELS[name][1] != "int4_grid"
+
+
 def vllm_serves(name: str) -> bool:
     """Whether the vLLM-backend run serves this model: every bf16 one; a W8A8 one only where
-    vLLM has a CPU Int8 MoE kernel (x86 with AMX, Arm, ...). Elsewhere its engine cannot start
-    ("No Int8 MoE backend supports the deployment configuration"), and an engine start costs
+    vLLM has a CPU Int8 MoE kernel (x86 with AMX, Arm, ...); a W4A8 one only on Arm (its
+    KleidiAI int4 experts). Elsewhere its engine cannot start ("No Int8 MoE backend supports
+    the deployment configuration", "No W4A8 Int8 MoE backend ..."), and an engine start costs
     more than the rest of a test."""
     from cpumoe.vllm_plugin.bench import vllm_int8_kernel
-    return not MODELS[name][1] or bool(vllm_int8_kernel())
+    quant = MODELS[name][1]
+    if quant == "w4a8":
+        import platform
+        return platform.machine() in ("aarch64", "arm64")
+    return quant in BF16_KINDS or bool(vllm_int8_kernel())
 
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     out = {}
-    for name, (family, w8a8) in MODELS.items():
-        if not w8a8:
-            out[name] = models.save_tiny(family, root / name)
-    for name, (family, w8a8) in MODELS.items():
-        if w8a8:
-            out[name] = models.save_w8a8(out[family], root / name)
+    todo = dict(MODELS)
+    while todo:  # each after its source
+        for name, (source, kind) in list(todo.items()):
+            if kind is None:
+                out[name] = models.save_tiny(source, root / name)
+            elif source in out:
+                out[name] = getattr(models, f"save_{kind}")(out[source], root / name)
+            else:
+                continue
+            del todo[name]
     return out
 
 
@@ -70,7 +94,8 @@ def runs(checkpoints, tmp_path_factory):
         out = folder / f"{backend}.json"
         cmd = [sys.executable, "-m", "cpumoe.vllm_plugin.serve", "--out", str(out),
                "--tokens", str(N_TOKENS)]
-        names = [n for n in ORDER if backend == "cpumoe" or vllm_serves(n)]
+        serves = cpumoe_serves if backend == "cpumoe" else vllm_serves
+        names = [n for n in ORDER if serves(n)]
         cmd += [str(checkpoints[n]) for n in names]
         logf = open(folder / f"{backend}.log", "w")
         procs[backend] = (subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT,
@@ -88,6 +113,6 @@ def runs(checkpoints, tmp_path_factory):
             pytest.fail(f"{backend} serving failed (exit {rc}):\n{log[-6000:]}")
         results[backend] = {"log": log, "results": {
             by_dir[r["model"]]: r for r in json.loads(out.read_text())["results"]}}
-    print(f"\n[tests_vllm] both backends served {len(ORDER)} models in "
+    print(f"\n[tests_vllm] the two backends served {len(ORDER)} models in "
           f"{time.perf_counter() - t0:.0f} s")
     return results

@@ -18,7 +18,7 @@ from typing import Dict, List, Tuple
 
 import pytest
 
-from conftest import MODELS, N_TOKENS, ORDER, vllm_serves
+from conftest import BF16_KINDS, MODELS, N_TOKENS, ORDER, cpumoe_serves, vllm_serves
 
 #: |logprob difference| of the same token, and the largest logprob gap of a divergence that
 #: still counts as a tie. bf16: the two kernels round at other points (cpumoe rounds x and the
@@ -28,9 +28,13 @@ from conftest import MODELS, N_TOKENS, ORDER, vllm_serves
 #: unchanged token (gpt-oss) and a 0.69 gap at a divergence (Mixtral, step 11 of 16).
 #: W8A8: per-token int8 activations, against vLLM's int8 kernel, or against the bf16 model the
 #: checkpoint was quantized from.
-TOL = {"bf16": 0.8, "w8a8_vs_int8": 0.8, "w8a8_vs_bf16": 0.8}
-BF16 = [n for n in ORDER if not MODELS[n][1]]
-W8A8 = [n for n in ORDER if MODELS[n][1]]
+TOL = {"bf16": 0.8, "w8a8_vs_int8": 0.8, "w8a8_vs_bf16": 0.8, "w4a8_vs_int4": 0.8,
+       "w4a8_vs_bf16": 0.8}
+BF16 = [n for n in ORDER if MODELS[n][1] in BF16_KINDS and cpumoe_serves(n)]
+QUANTIZED = [n for n in ORDER if MODELS[n][1] not in BF16_KINDS]
+#: quantization -> (cpumoe's experts class, its stats kind).
+EXPERTS = {None: ("CpumoeBf16Experts", "bf16"), "w8a8": ("CpumoeInt8Experts", "int8"),
+           "w4a8": ("CpumoeInt4Experts", "int4")}
 
 
 def compare(a: dict, b: dict, tol: float) -> Tuple[int, int, float, List[str]]:
@@ -80,14 +84,13 @@ def test_plugin_off_leaves_vllm_unchanged(runs):
         assert w["experts"] and not any("Cpumoe" in str(c) for c in w["experts"].values())
 
 
-@pytest.mark.parametrize("name", ORDER)
+@pytest.mark.parametrize("name", [n for n in ORDER if cpumoe_serves(n)])
 def test_cpumoe_ran_in_the_engine_worker(runs, name):
     run = runs["cpumoe"]["results"][name]
     assert _ok(run), run.get("error")
     (w,) = run["worker"]
     assert w["pid"] != run["client_pid"]  # the engine's process, not the test's client
-    kind = "int8" if MODELS[name][1] else "bf16"
-    want_cls = "CpumoeInt8Experts" if kind == "int8" else "CpumoeBf16Experts"
+    want_cls, kind = EXPERTS[MODELS[name][1]]
     assert w["experts"] and set(w["experts"].values()) == {want_cls}, w["experts"]
     layers = w["cpumoe"]["layers"]
     assert set(layers) == set(w["experts"])
@@ -114,20 +117,23 @@ def test_bf16_same_tokens_as_vllm(runs, name):
     assert not problems, problems
 
 
-@pytest.mark.parametrize("name", W8A8)
-def test_w8a8_against_vllm(runs, name):
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_quantized_against_vllm(runs, name):
+    """W8A8 / W4A8 served by cpumoe, against vLLM's kernel for the same checkpoint where vLLM
+    has one here, else against vLLM's bf16 serving of the model it was quantized from."""
+    quant = MODELS[name][1]
     ours = runs["cpumoe"]["results"][name]
     assert _ok(ours), ours.get("error")
-    if vllm_serves(name):  # vLLM has a CPU Int8 MoE kernel here (AMX, Arm): compare with it
+    if vllm_serves(name):  # vLLM has a CPU kernel for this format here (AMX, Arm): compare
         base = runs["vllm"]["results"][name]
         assert _ok(base), base.get("error")
-        same, steps, worst, problems = compare(ours, base, TOL["w8a8_vs_int8"])
-        what = "vLLM's Int8 MoE backend"
+        same, steps, worst, problems = compare(ours, base, TOL[f"{quant}_vs_int{quant[1]}"])
+        what = f"vLLM's {quant.upper()} MoE backend"
     else:
-        # The reference: vLLM's bf16 serving of the model this checkpoint was quantized from.
         ref = runs["vllm"]["results"][MODELS[name][0]]
-        same, steps, worst, problems = compare(ours, ref, TOL["w8a8_vs_bf16"])
-        what = "vLLM's bf16 serving of the unquantized model (vLLM has no Int8 kernel here)"
+        same, steps, worst, problems = compare(ours, ref, TOL[f"{quant}_vs_bf16"])
+        what = (f"vLLM's bf16 serving of the unquantized model (vLLM has no {quant.upper()} "
+                f"kernel here)")
     print(f"\n{name} vs {what}: {same}/{len(ours['tokens'])} prompts identical, max "
           f"|dlogprob| {worst:.4f} over {steps} steps")
     assert not problems, problems

@@ -11,7 +11,8 @@ import torch
 
 import cpumoe
 from cpumoe import vllm_plugin
-from cpumoe.reference import quantize_per_channel, ref_fused_moe_bf16, ref_fused_moe_int8
+from cpumoe.reference import (quantize_int4, quantize_per_channel, ref_fused_moe_bf16,
+                              ref_fused_moe_int4, ref_fused_moe_int8)
 from cpumoe.vllm_plugin import layer as L
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 
@@ -98,7 +99,7 @@ def _call(ex, x, tw, ids, emap=None, on_input=False):
     return out
 
 
-@pytest.mark.parametrize("kind", ["int8", "bf16"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "bf16"])
 def test_experts_with_expert_map_match_the_reference(kind):
     g = torch.Generator().manual_seed(0)
     E_global, E, H, I, k, T = 8, 4, 64, 32, 2, 12
@@ -121,6 +122,13 @@ def test_experts_with_expert_map_match_the_reference(kind):
                        w2_weight_scale=s2.unsqueeze(-1))
         ex = _experts(L.CpumoeInt8Experts, E, H, I, k)
         want = ref_fused_moe_int8(x, q13, q2, s13, s2, tw_ref, ids_ref)
+    elif kind == "int4":
+        # As vLLM's W4A8 int8 method loads them: int4 values as int8, fp32 group scales (g 32).
+        q13, s13 = quantize_int4(w13, 32)
+        q2, s2 = quantize_int4(w2, 32)
+        layer = _layer(w13_weight=q13, w2_weight=q2, w13_weight_scale=s13, w2_weight_scale=s2)
+        ex = _experts(L.CpumoeInt4Experts, E, H, I, k)
+        want = ref_fused_moe_int4(x, q13, q2, s13, s2, tw_ref, ids_ref, group_size=32)
     else:
         b13, b2 = w13.to(torch.bfloat16), w2.to(torch.bfloat16)
         layer = _layer(w13_weight=b13, w2_weight=b2)
@@ -129,8 +137,11 @@ def test_experts_with_expert_map_match_the_reference(kind):
     ex.process_weights_after_loading(layer)
     # vLLM's copies are replaced by empty placeholders of E and H; the packed layer holds them.
     assert tuple(layer.w13_weight.shape) == (E, 0, H) and layer.w13_weight.numel() == 0
-    assert ex.packed.path == (cpumoe.selected_path() if kind == "int8"
-                              else cpumoe.selected_path(op="bf16"))
+    assert ex.packed.path == (cpumoe.selected_path(op="bf16") if kind == "bf16"
+                              else cpumoe.selected_path())
+    if kind == "int4":
+        assert ex.packed.weight_format == "int4" and ex.packed.group_size == 32
+        assert ex._format_name() == "W4A8 int4 g32"
     assert ex.moe_problem_size(x, layer.w13_weight, layer.w2_weight, ids) == (E, T, 2 * I, H, k)
     got = _call(ex, x, tw, ids, emap)
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2,
@@ -155,3 +166,43 @@ def test_router_weight_on_input_is_not_applied_twice():
     want = ref_fused_moe_bf16(xs, w13, w2, None, ids, skip_weighted=True)
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2,
                                atol=2e-2 * float(want.float().abs().max()))
+
+
+def _ct_args(weights: dict, acts: dict):
+    from compressed_tensors.quantization import QuantizationArgs
+    return QuantizationArgs(**weights), QuantizationArgs(**acts)
+
+
+_TOKEN8 = dict(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
+
+
+@pytest.mark.parametrize("weights,acts,want,reason", [
+    (dict(num_bits=8, type="int", symmetric=True, strategy="channel"), _TOKEN8, "int8", ""),
+    (dict(num_bits=8, type="int", symmetric=True, strategy="tensor"), _TOKEN8, None,
+     "W8A8 with tensor weights"),
+    (dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=128), _TOKEN8,
+     "int4", ""),
+    (dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32), _TOKEN8,
+     "int4", ""),
+    (dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=512), _TOKEN8,
+     None, "intermediate (per partition) dim 768 is not a multiple of group_size 512"),
+    (dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=48), _TOKEN8,
+     None, "group_size 48, cpumoe needs a positive multiple of 32"),
+    (dict(num_bits=4, type="int", symmetric=True, strategy="channel"), _TOKEN8, None,
+     "strategy is 'channel'"),
+    (dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=128),
+     dict(_TOKEN8, symmetric=False), None, "input_activations: symmetric is False"),
+    # FP8 is no scheme of the int8 op: vLLM's method decides, and _plan gives the reason.
+    (dict(num_bits=8, type="float", symmetric=True, strategy="channel"),
+     dict(_TOKEN8, type="float"), None, ""),
+])
+def test_compressed_tensors_schemes_cpumoe_takes(weights, acts, want, reason):
+    """Which compressed-tensors MoE schemes run on cpumoe (W8A8 channel / W4A8 group int4 with
+    dynamic symmetric per-token int8 activations), and the reason for the near misses."""
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsConfig)
+    wq, iq = _ct_args(weights, acts)
+    moe = types.SimpleNamespace(hidden_dim=2048, intermediate_size_per_partition=768)
+    kind, why = L._ct_kind(CompressedTensorsConfig, wq, iq, moe)
+    assert kind == want
+    assert (reason in why) if reason else why == "", why

@@ -3,12 +3,16 @@ cpumoe, and cpumoe's experts classes for vLLM's modular MoE kernel.
 
 :func:`install` registers :class:`CpumoeRoutedExperts` as vLLM's out-of-tree ``RoutedExperts``
 (and a cpumoe twin of each in-tree subclass, e.g. gpt-oss's). That layer lets vLLM build
-everything as usual (parameters, weight loading, router), with two changes where cpumoe supports
+everything as usual (parameters, weight loading, router), with these changes where cpumoe supports
 the layer:
 
 * a compressed-tensors W8A8 int8 layer gets vLLM's W8A8 int8 MoE method with
   :class:`CpumoeInt8Experts` as its experts, chosen before vLLM's Int8 backend selection (which
   finds no kernel on x86 without AMX, nor for swigluoai or an expert map);
+* a compressed-tensors W4A8 int4 layer (int-quantized group-wise int4 weights, dynamic per-token
+  int8 activations) gets vLLM's W4A8 int8 MoE method (its parameters and loader; the group
+  scales kept in fp32) with :class:`CpumoeInt4Experts` in a modular kernel (vLLM's own W4A8
+  experts are KleidiAI's, Arm only, without expert parallelism);
 * an unquantized bf16 layer for which vLLM selected its CPU backend keeps vLLM's method, whose
   experts class becomes :class:`CpumoeBf16Experts`.
 
@@ -114,7 +118,7 @@ def layer_problem(moe: FusedMoEConfig, layer: Any = None) -> Optional[str]:
 
 def _plan(layer: RoutedExperts) -> Tuple[Optional[str], str]:
     """(kind, why) for a layer vLLM built: kind "bf16" if cpumoe takes it, else None and the
-    reason. (W8A8 layers are taken earlier, in CpumoeRoutedExperts._get_quant_method.)"""
+    reason. (W8A8 / W4A8 layers are taken earlier, in _CpumoeLayer._get_quant_method.)"""
     qm = layer.quant_method
     moe = layer.moe_config
     if not current_platform.is_cpu():
@@ -133,14 +137,14 @@ def _plan(layer: RoutedExperts) -> Tuple[Optional[str], str]:
     return "bf16", ""
 
 
-def _w8a8_scheme(layer: RoutedExperts, prefix: str, quant_config: Any) -> Optional[Tuple]:
-    """(weight_quant, input_quant) if ``quant_config`` makes this layer compressed-tensors W8A8
-    int8 with dynamic per-token activations (what cpumoe's int8 op computes), else None."""
+def _ct_scheme(layer: RoutedExperts, prefix: str, quant_config: Any) -> Optional[Tuple]:
+    """(weight_quant, input_quant) of a compressed-tensors MoE layer (expert 0's projections,
+    as vLLM's CompressedTensorsMoEMethod.get_moe_method reads them), or None if
+    ``quant_config`` is not compressed-tensors, the layer is ignored or its projections differ."""
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
         CompressedTensorsConfig)
     if not isinstance(quant_config, CompressedTensorsConfig):
         return None
-    # As vLLM's CompressedTensorsMoEMethod.get_moe_method: the scheme of expert 0's projections.
     quant_config._add_fused_moe_to_target_scheme_map()
     names = [n for n in (layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name,
                          layer.ckpt_down_proj_name) if n is not None]
@@ -149,9 +153,40 @@ def _w8a8_scheme(layer: RoutedExperts, prefix: str, quant_config: Any) -> Option
     if scheme is None or any(s != scheme for s in schemes):
         return None
     wq, iq = scheme.get("weights"), scheme.get("input_activations")
-    if wq is None or iq is None or not quant_config._is_dynamic_token_w8a8(wq, iq):
+    if wq is None or iq is None:
         return None
     return wq, iq
+
+
+def _ct_kind(quant_config: Any, wq: Any, iq: Any, moe: FusedMoEConfig) -> Tuple[Optional[str],
+                                                                                   str]:
+    """("int8" | "int4", "") if cpumoe's int8 op computes this compressed-tensors scheme, else
+    (None, why) for a scheme cpumoe could run but not as given, or (None, "") for one it has
+    no kernel for (vLLM's own method then decides)."""
+    from compressed_tensors.quantization import QuantizationType
+    if wq.type != QuantizationType.INT or iq.type != QuantizationType.INT:
+        return None, ""  # FP8 / FP4: vLLM's _is_dynamic_token_w8a8 looks at the bits only
+    if quant_config._is_dynamic_token_w8a8(wq, iq):
+        from compressed_tensors.quantization import QuantizationStrategy
+        if wq.strategy != QuantizationStrategy.CHANNEL or not (
+                iq.strategy == QuantizationStrategy.TOKEN and iq.dynamic and iq.symmetric):
+            return None, (f"W8A8 with {wq.strategy} weights and {iq.strategy} "
+                          f"{'dynamic' if iq.dynamic else 'static'} activations (cpumoe's "
+                          f"int8 op: channel weights, dynamic symmetric per-token activations)")
+        return "int8", ""
+    if quant_config._is_dynamic_token_w4a8_int(wq, iq):
+        from cpumoe.checkpoint_w4 import int4_scheme_problem
+        problem = int4_scheme_problem({"weights": wq.model_dump(mode="json"),
+                                       "input_activations": iq.model_dump(mode="json")})
+        if problem is not None:
+            return None, f"W4A8 int4: {problem}"
+        g = wq.group_size
+        for name, dim in (("hidden", moe.hidden_dim),
+                          ("intermediate (per partition)", moe.intermediate_size_per_partition)):
+            if dim % g:
+                return None, f"W4A8 int4: {name} dim {dim} is not a multiple of group_size {g}"
+        return "int4", ""
+    return None, ""
 
 
 # ---------------------------------------------------------------------------- experts classes
@@ -207,6 +242,10 @@ class _CpumoeExperts(mk.FusedMoEExpertsModular):
     def _prepack(self, layer: torch.nn.Module) -> Any:
         raise NotImplementedError
 
+    def _format_name(self) -> str:
+        """The layer's format in the log line."""
+        return {"int8": "W8A8 int8", "bf16": "bf16"}[self.kind]
+
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         self.layer_name = getattr(layer, "layer_name", "?")
         w13 = layer.w13_weight
@@ -225,8 +264,7 @@ class _CpumoeExperts(mk.FusedMoEExpertsModular):
         with _lock:
             _LAYERS[self.layer_name] = self._stats
         logger.info("cpumoe: %s runs on cpumoe (%s, path %s, kernel %s; E=%d H=%d I=%d top-%d "
-                    "%s%s)", self.layer_name, "W8A8 int8" if self.kind == "int8" else "bf16",
-                    p.path, p.kernel, p.num_experts, p.hidden, p.intermediate,
+                    "%s%s)", self.layer_name, self._format_name(), p.path, p.kernel, p.num_experts, p.hidden, p.intermediate,
                     self.moe_config.experts_per_token, self._act,
                     ", expert map" if getattr(layer, "expert_map", None) is not None else "")
 
@@ -268,7 +306,8 @@ class _CpumoeExperts(mk.FusedMoEExpertsModular):
             topk_weights = topk_weights.float()
         # apply_router_weight_on_input (top-1): vLLM's prepare step already scaled x by the
         # router weight, so the op must not weight again (its skip_weighted).
-        fn = cpumoe.fused_moe_int8 if self.kind == "int8" else cpumoe.fused_moe_bf16
+        # Every weight format but bf16 runs on the int8 op (int8 activations).
+        fn = cpumoe.fused_moe_bf16 if self.kind == "bf16" else cpumoe.fused_moe_int8
         fn(hidden_states, self.packed, topk_weights.contiguous(), topk_ids.contiguous(), act,
            bool(apply_router_weight_on_input), out=output,
            expert_map=self._expert_map(expert_map))
@@ -296,6 +335,37 @@ class CpumoeInt8Experts(_CpumoeExperts):
                             None if b13 is None else b13.data, None if b2 is None else b2.data)
 
 
+def _bias(layer: torch.nn.Module, name: str) -> Optional[torch.Tensor]:
+    b = getattr(layer, name, None)
+    return None if b is None else b.data
+
+
+class CpumoeInt4Experts(_CpumoeExperts):
+    """W4A8 experts (int4 weights with a scale per group of inputs, dynamic per-token int8
+    activations) on cpumoe's int8 op: the layer's ``w13_weight`` / ``w2_weight`` hold the int4
+    values as int8 (compressed-tensors' int-quantized W4A8, as vLLM's W4A8 int8 method loads
+    them), the scales [E, N, K / g] give the group size."""
+
+    kind = "int4"
+
+    @staticmethod
+    def _supports_quant_scheme(weight_key: Optional[QuantKey],
+                               activation_key: Optional[QuantKey]) -> bool:
+        from vllm.model_executor.layers.quantization.utils import quant_utils as qu
+        keys = [getattr(qu, f"kInt4W4A8StaticGroup{g}Sym") for g in ("32", "64", "128", "")]
+        return activation_key is None and weight_key in keys
+
+    def _prepack(self, layer: torch.nn.Module) -> Any:
+        s13 = layer.w13_weight_scale.data
+        return _ops.prepack_int4(layer.w13_weight.data, layer.w2_weight.data, s13,
+                                 layer.w2_weight_scale.data, _bias(layer, "w13_bias"),
+                                 _bias(layer, "w2_bias"),
+                                 group_size=layer.w13_weight.size(2) // max(1, s13.size(2)))
+
+    def _format_name(self) -> str:
+        return f"W4A8 int4 g{self.packed.group_size}"
+
+
 class CpumoeBf16Experts(_CpumoeExperts):
     """Unquantized bf16 experts on cpumoe's BF16 op."""
 
@@ -314,43 +384,90 @@ class CpumoeBf16Experts(_CpumoeExperts):
                                  None if b2 is None else b2.data)
 
 
-_EXPERTS = {"int8": CpumoeInt8Experts, "bf16": CpumoeBf16Experts}
+_EXPERTS = {"int8": CpumoeInt8Experts, "int4": CpumoeInt4Experts, "bf16": CpumoeBf16Experts}
 
 
 # ---------------------------------------------------------------------------- the layer
-def _w8a8_method_cls():
-    """cpumoe's W8A8 MoE method: vLLM's compressed-tensors W8A8 int8 method (its parameters,
-    weight loading, quant config and modular kernel) with cpumoe's experts, chosen without
-    vLLM's Int8 backend selection (which finds no kernel on x86 CPUs without AMX, and none for
-    swigluoai or an expert map)."""
-    global _W8A8_METHOD
-    if _W8A8_METHOD is not None:
-        return _W8A8_METHOD
-    from compressed_tensors.quantization import QuantizationStrategy
+def _modular_kernel(method: Any, layer: RoutedExperts) -> mk.FusedMoEKernel:
+    """vLLM's modular kernel of ``method`` (its quant config) around cpumoe's experts class:
+    vLLM's prepare/finalize for the layer (no quantization of the inputs: cpumoe's experts
+    expect them unquantized), then the experts prepack the layer's weights."""
+    from vllm.model_executor.layers.fused_moe.all2all_utils import maybe_make_prepare_finalize
+    method.moe_quant_config = method.get_fused_moe_quant_config(layer)
+    prepare_finalize = maybe_make_prepare_finalize(
+        moe=method.moe, quant_config=method.moe_quant_config,
+        routing_tables=layer._expert_routing_tables(), allow_new_interface=True,
+        use_monolithic=False)
+    assert prepare_finalize is not None
+    experts = method.experts_cls(moe_config=method.moe, quant_config=method.moe_quant_config)
+    kernel = mk.FusedMoEKernel(prepare_finalize, experts)
+    experts.process_weights_after_loading(layer)
+    return kernel
+
+
+def _method_classes() -> Dict[str, type]:
+    """cpumoe's compressed-tensors MoE methods, by kind: vLLM's W8A8 int8 / W4A8 int8 methods
+    (their parameters, weight loading and quant config) with cpumoe's experts, chosen without
+    vLLM's backend selection (which finds no W8A8 kernel on x86 CPUs without AMX, none for
+    swigluoai or an expert map, and no W4A8 kernel on x86 at all)."""
+    global _METHODS
+    if _METHODS:
+        return _METHODS
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
         CompressedTensorsMoEMethod)
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe\
+        .compressed_tensors_moe_w4a8_int8 import CompressedTensorsW4A8Int8MoEMethod
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe\
         .compressed_tensors_moe_w8a8_int8 import CompressedTensorsW8A8Int8MoEMethod
 
     class CpumoeW8A8Int8MoEMethod(CompressedTensorsW8A8Int8MoEMethod):
         def __init__(self, weight_quant: Any, input_quant: Any, moe: FusedMoEConfig):
             CompressedTensorsMoEMethod.__init__(self, moe)
-            if not (weight_quant.strategy == QuantizationStrategy.CHANNEL
-                    and input_quant.strategy == QuantizationStrategy.TOKEN
-                    and input_quant.dynamic):
-                raise ValueError(f"cpumoe W8A8 MoE: needs channel weights and dynamic per-token "
-                                 f"activations, got {weight_quant}, {input_quant}")
             self.weight_quant = weight_quant
             self.input_quant = input_quant
             self.static_input_scales = False
             self.int8_backend = Int8MoeBackend.CPU  # no layout conversion, CPU quant config
             self.experts_cls = CpumoeInt8Experts
 
-    _W8A8_METHOD = CpumoeW8A8Int8MoEMethod
-    return _W8A8_METHOD
+    class CpumoeW4A8Int8MoEMethod(CompressedTensorsW4A8Int8MoEMethod):
+        def __init__(self, weight_quant: Any, input_quant: Any, moe: FusedMoEConfig):
+            CompressedTensorsMoEMethod.__init__(self, moe)
+            self.has_bias = moe.has_bias
+            self.weight_quant = weight_quant
+            self.input_quant = input_quant
+            self.static_input_scales = False
+            self.group_size = weight_quant.group_size
+            self.backend = None
+            self.experts_cls = CpumoeInt4Experts
+
+        def create_weights(self, layer: torch.nn.Module, *args: Any, **kw: Any) -> None:
+            super().create_weights(layer, *args, **kw)
+            # vLLM keeps group scales in bf16 (for KleidiAI); cpumoe's are fp32, so a
+            # checkpoint's fp32 scales load without rounding. Same loader attributes.
+            for name in ("w13_weight_scale", "w2_weight_scale"):
+                old = getattr(layer, name)
+                new = torch.nn.Parameter(old.data.float(), requires_grad=False)
+                new.__dict__.update(old.__dict__)
+                layer.register_parameter(name, new)
+
+        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+            self.moe_kernel = _modular_kernel(self, layer)
+
+        def apply(self, layer: RoutedExperts, x: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, shared_experts: Any,
+                  shared_experts_input: Optional[torch.Tensor]) -> torch.Tensor:
+            return self.moe_kernel.apply(
+                x, layer.w13_weight, layer.w2_weight, topk_weights=topk_weights,
+                topk_ids=topk_ids, activation=layer.activation,
+                global_num_experts=layer.global_num_experts, expert_map=layer.expert_map,
+                apply_router_weight_on_input=layer.apply_router_weight_on_input,
+                shared_experts=shared_experts, shared_experts_input=shared_experts_input)
+
+    _METHODS.update(int8=CpumoeW8A8Int8MoEMethod, int4=CpumoeW4A8Int8MoEMethod)
+    return _METHODS
 
 
-_W8A8_METHOD: Any = None
+_METHODS: Dict[str, type] = {}
 
 
 class _CpumoeLayer:
@@ -360,19 +477,21 @@ class _CpumoeLayer:
     def _get_quant_method(self, prefix: str, quant_config: Any,
                           moe_config: FusedMoEConfig) -> Any:
         self._cpumoe_why = ""
-        scheme = _w8a8_scheme(self, prefix, quant_config)
+        scheme = _ct_scheme(self, prefix, quant_config)
         if scheme is not None:
-            problem = (layer_problem(moe_config, self) if current_platform.is_cpu()
+            kind, why = _ct_kind(quant_config, scheme[0], scheme[1], moe_config)
+            if kind is not None:
+                why = (layer_problem(moe_config, self) if current_platform.is_cpu()
                        else f"the platform is {current_platform.device_name}, not the CPU")
-            if problem is None:
-                return _w8a8_method_cls()(scheme[0], scheme[1], moe_config)
-            self._cpumoe_why = problem
+                if why is None:
+                    return _method_classes()[kind](scheme[0], scheme[1], moe_config)
+            self._cpumoe_why = why
         return super()._get_quant_method(prefix, quant_config, moe_config)
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         qm = self.quant_method
-        if isinstance(qm, _w8a8_method_cls()):
+        if isinstance(qm, tuple(_method_classes().values())):
             return  # taken; logged with its path once the weights are packed
         kind, why = _plan(self)
         if kind is None:

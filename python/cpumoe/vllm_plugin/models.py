@@ -7,7 +7,9 @@
   compresses every per-expert projection (int8 weights, ``weight_scale`` [out, 1] from the
   channel's max, ``format: int-quantized``, dynamic per-token int8 activations) and writes the
   ``quantization_config``; attention, router, embeddings and norms stay bf16 and are listed in
-  ``ignore``.
+  ``ignore``. :func:`save_w4a8` does the same with the W4A8 preset (int4 weights, a scale per
+  group of inputs); :func:`save_int4_grid` makes a bf16 checkpoint whose experts W4A8 holds
+  exactly (a reference for the W4A8 one).
 * :func:`save_qwen3_bench` writes the benchmark's model (Qwen3-30B-A3B width) layer by layer,
   without building it in memory (9.7 GB of bf16 experts at 8 layers).
 
@@ -94,10 +96,28 @@ def _read_safetensors(folder: Path) -> Dict[str, torch.Tensor]:
     return tensors
 
 
+#: The compressed-tensors preset of each quantized checkpoint kind, and the largest magnitude of
+#: its integer weights (the scale of a channel or group is its max |w| over this).
+_PRESETS = {"w8a8": ("W8A8", 127), "w4a8": ("W4A8", 7)}
+
+
 def save_w8a8(src: PathLike, dst: PathLike) -> Path:
     """Writes ``dst``: the bf16 checkpoint ``src`` (per-expert ``experts.{e}.{proj}.weight`` keys,
     as transformers saves Qwen3-MoE and Mixtral) with every expert projection W8A8 int8 through
     compressed-tensors, everything else unchanged and ignored by the quantization config."""
+    return _save_quantized(src, dst, "w8a8")
+
+
+def save_w4a8(src: PathLike, dst: PathLike, group_size: int = 128) -> Path:
+    """As :func:`save_w8a8`, with compressed-tensors' W4A8 preset: int4 weights with one scale
+    per ``group_size`` inputs (max |w| of the group / 7), dynamic per-token int8 activations,
+    ``format: int-quantized`` (the 4-bit values stored as int8, what compressed-tensors infers
+    for W4A8 and what vLLM's W4A8 int8 MoE method reads)."""
+    return _save_quantized(src, dst, "w4a8", group_size)
+
+
+def _save_quantized(src: PathLike, dst: PathLike, kind: str,
+                    group_size: Optional[int] = None) -> Path:
     import compressed_tensors.quantization as ctq
     from compressed_tensors.compressors import ModelCompressor
     from safetensors.torch import save_file
@@ -120,7 +140,10 @@ def save_w8a8(src: PathLike, dst: PathLike) -> Path:
         lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=torch.float32)
         lin.weight.data = w.float().contiguous()
         node.add_module(leaf, lin)
-    scheme = ctq.preset_name_to_scheme("W8A8", ["Linear"])
+    preset, qmax = _PRESETS[kind]
+    scheme = ctq.preset_name_to_scheme(preset, ["Linear"])
+    if group_size is not None:
+        scheme.weights.group_size = group_size
     # Every Linear but the expert projections stays in bf16: attention, router, lm_head.
     ignore = ["lm_head", "re:.*self_attn.*", "re:.*mlp\\.gate$", "re:.*block_sparse_moe\\.gate$"]
     qcfg = ctq.QuantizationConfig(config_groups={"group_0": scheme}, ignore=ignore)
@@ -128,8 +151,9 @@ def save_w8a8(src: PathLike, dst: PathLike) -> Path:
     with torch.no_grad():
         for m in root.modules():
             if hasattr(m, "weight_scale"):  # a minmax observer's scale (what calibration sets)
-                m.weight_scale.copy_(m.weight.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
-                                     / 127)
+                # [out, 1] per channel, [out, in / g] per group.
+                w = m.weight.reshape(m.weight.shape[0], m.weight_scale.shape[1], -1)
+                m.weight_scale.copy_(w.abs().amax(dim=2).clamp_min(1e-12) / qmax)
     compressor = ModelCompressor.from_pretrained_model(root, quantization_format="int-quantized")
     compressor.compress_model(root)
     out = {k: v.contiguous() for k, v in root.state_dict().items()}
@@ -141,6 +165,39 @@ def save_w8a8(src: PathLike, dst: PathLike) -> Path:
     # (what vLLM reads to leave attention and router in bf16).
     compressor.quantization_config.ignore = ignore
     compressor.update_config(str(dst))
+    return dst
+
+
+def save_int4_grid(src: PathLike, dst: PathLike, group_size: int = 128) -> Path:
+    """Writes ``dst``: the bf16 checkpoint ``src`` with every per-expert projection weight moved
+    onto an int4 grid, exactly representable in bf16: each group of ``group_size`` inputs of a
+    row becomes ``q * 2^e`` with integer q in [-7, 7] and max |q| = 7 (2^e the power of two
+    nearest max |w| / 7). :func:`save_w4a8` of such a checkpoint is lossless (its scales, max
+    |w| / 7, are the 2^e), so serving the two differs only by the int8 activations. Everything
+    else is copied."""
+    from safetensors.torch import save_file
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    tensors = _read_safetensors(src)
+    keys = [k for k in tensors if _EXPERT_KEY.match(k)]
+    if not keys:
+        raise ValueError(f"{src}: no per-expert projection weights (experts.{{e}}.*.weight)")
+    for key in keys:
+        w = tensors[key].float()
+        rows, cols = w.shape
+        if cols % group_size:
+            raise ValueError(f"{key}: {cols} inputs are not a multiple of group {group_size}")
+        g = w.reshape(rows, cols // group_size, group_size)
+        amax = g.abs().amax(dim=2, keepdim=True).clamp_min(1e-30)
+        scale = torch.exp2(torch.round(torch.log2(amax / 7)))
+        q = torch.round(g / scale).clamp(-7, 7)
+        # The largest |w| of each group becomes exactly +-7 (so max |w| / 7 is the 2^e).
+        top = g.abs().argmax(dim=2, keepdim=True)
+        sign = torch.where(torch.gather(g, 2, top) < 0, -1.0, 1.0)
+        q.scatter_(2, top, 7 * sign)
+        tensors[key] = (q * scale).reshape(rows, cols).to(torch.bfloat16)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    (dst / "config.json").write_text((src / "config.json").read_text())
     return dst
 
 
