@@ -22,23 +22,32 @@ pytest.importorskip("vllm", reason="the vLLM plugin tests need vLLM (ci/setup_vl
 from cpumoe.vllm_plugin import models  # noqa: E402
 
 #: name -> (source, kind). kind None: a random bf16 model of the family ``source``
-#: (models.save_tiny); otherwise the checkpoint made from the model ``source`` by models.save_<kind>:
-#: "w8a8" / "w4a8" quantized with compressed-tensors, "int4_grid" bf16 with its experts on an
-#: int4 grid (the bf16 model its W4A8 checkpoint holds exactly: the two differ only by the int8
-#: activations, so the W4A8 run is held to the W8A8 tolerance).
+#: (models.save_tiny); otherwise the checkpoint made from the model ``source`` by
+#: models.save_<kind>:
+#: "w8a8" / "w4a8" / "w4a16" quantized with compressed-tensors, "mxfp4" in gpt-oss's release
+#: layout, and two bf16 references: "int4_grid" (the experts on an int4 grid: the int4
+#: checkpoints made from it hold it exactly) and "mxfp4_dequantized" (an MXFP4 checkpoint's
+#: experts, exactly). A quantized run is compared with vLLM's bf16 run of REFERENCE[name]; where
+#: that holds the same weights, they differ only by cpumoe's int8 activations.
 MODELS = {"qwen3_moe": ("qwen3_moe", None), "qwen3_moe_w8a8": ("qwen3_moe", "w8a8"),
           "qwen3_moe_int4_grid": ("qwen3_moe", "int4_grid"),
           "qwen3_moe_w4a8": ("qwen3_moe_int4_grid", "w4a8"),
+          "qwen3_moe_w4a16": ("qwen3_moe_int4_grid", "w4a16"),
           "mixtral": ("mixtral", None), "mixtral_w8a8": ("mixtral", "w8a8"),
-          "gpt_oss": ("gpt_oss", None)}
-#: The bf16 checkpoints (kind None or int4_grid) and the quantized ones.
-BF16_KINDS = (None, "int4_grid")
+          "gpt_oss": ("gpt_oss", None), "gpt_oss_mxfp4": ("gpt_oss", "mxfp4"),
+          "gpt_oss_mxfp4_bf16": ("gpt_oss_mxfp4", "mxfp4_dequantized")}
+#: The bf16 checkpoints' kinds (the rest are quantized).
+BF16_KINDS = (None, "int4_grid", "mxfp4_dequantized")
+#: The bf16 model each quantized checkpoint is compared with.
+REFERENCE = {"qwen3_moe_w8a8": "qwen3_moe", "mixtral_w8a8": "mixtral",
+             "qwen3_moe_w4a8": "qwen3_moe_int4_grid", "qwen3_moe_w4a16": "qwen3_moe_int4_grid",
+             "gpt_oss_mxfp4": "gpt_oss_mxfp4_bf16"}
 #: Served by each backend in this order, one engine at a time, in one process per backend (the
 #: two processes run side by side). mixtral_w8a8 is left out of the CI run: it takes the same
 #: kernel path as qwen3_moe_w8a8 and an engine start costs the whole suite's time budget
 #: (CPUMOE_VLLM_ALL_MODELS=1 serves it too).
 ORDER = ["qwen3_moe", "mixtral", "gpt_oss", "qwen3_moe_w8a8", "qwen3_moe_int4_grid",
-         "qwen3_moe_w4a8"] + (
+         "qwen3_moe_w4a8", "qwen3_moe_w4a16", "gpt_oss_mxfp4_bf16", "gpt_oss_mxfp4"] + (
     ["mixtral_w8a8"] if os.environ.get("CPUMOE_VLLM_ALL_MODELS") == "1" else [])
 N_TOKENS = 16
 #: Seconds for one backend's whole run at most (a hung engine fails the session, not all CI).
@@ -46,23 +55,32 @@ TIMEOUT_S = 1500
 
 
 def cpumoe_serves(name: str) -> bool:
-    """Whether the cpumoe-backend run serves this model: all but the int4-grid reference (its bf16
-    path is the one qwen3_moe covers)."""
-    return MODELS[name][1] != "int4_grid"
+    """Whether the cpumoe-backend run serves this model: all but the bf16 references of the 4-bit
+    checkpoints (their bf16 path is the one qwen3_moe and gpt_oss cover)."""
+    return MODELS[name][1] not in ("int4_grid", "mxfp4_dequantized")
 
 
 def vllm_serves(name: str) -> bool:
     """Whether the vLLM-backend run serves this model: every bf16 one; a W8A8 one only where
-    vLLM has a CPU Int8 MoE kernel (x86 with AMX, Arm, ...); a W4A8 one only on Arm (its
-    KleidiAI int4 experts). Elsewhere its engine cannot start ("No Int8 MoE backend supports
-    the deployment configuration", "No W4A8 Int8 MoE backend ..."), and an engine start costs
-    more than the rest of a test."""
+    vLLM has a CPU Int8 MoE kernel (x86 with AMX, Arm, ...); W4A8 only on Arm (KleidiAI), W4A16
+    and MXFP4 only on x86 with AMX. Elsewhere its engine cannot start ("No Int8 MoE backend
+    supports the deployment configuration", "No W4A8 Int8 MoE backend ...", "No MXFP4 MoE
+    backend ..."), and an engine start costs more than the rest of a test."""
+    import platform
     from cpumoe.vllm_plugin.bench import vllm_int8_kernel
-    quant = MODELS[name][1]
-    if quant == "w4a8":
-        import platform
+    kind = MODELS[name][1]
+    if kind in BF16_KINDS:
+        return True
+    if kind == "w8a8":
+        return bool(vllm_int8_kernel())
+    if kind == "w4a8":
         return platform.machine() in ("aarch64", "arm64")
-    return quant in BF16_KINDS or bool(vllm_int8_kernel())
+    return platform.machine() == "x86_64" and torch_has_amx()
+
+
+def torch_has_amx() -> bool:
+    import torch
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ from typing import Dict, List, Tuple
 
 import pytest
 
-from conftest import BF16_KINDS, MODELS, N_TOKENS, ORDER, cpumoe_serves, vllm_serves
+from conftest import BF16_KINDS, MODELS, N_TOKENS, ORDER, REFERENCE, cpumoe_serves, vllm_serves
 
 #: |logprob difference| of the same token, and the largest logprob gap of a divergence that
 #: still counts as a tie. bf16: the two kernels round at other points (cpumoe rounds x and the
@@ -28,13 +28,13 @@ from conftest import BF16_KINDS, MODELS, N_TOKENS, ORDER, cpumoe_serves, vllm_se
 #: unchanged token (gpt-oss) and a 0.69 gap at a divergence (Mixtral, step 11 of 16).
 #: W8A8: per-token int8 activations, against vLLM's int8 kernel, or against the bf16 model the
 #: checkpoint was quantized from.
-TOL = {"bf16": 0.8, "w8a8_vs_int8": 0.8, "w8a8_vs_bf16": 0.8, "w4a8_vs_int4": 0.8,
-       "w4a8_vs_bf16": 0.8}
+TOL = {"bf16": 0.8, "quantized_vs_vllm": 0.8, "quantized_vs_bf16": 0.8}
 BF16 = [n for n in ORDER if MODELS[n][1] in BF16_KINDS and cpumoe_serves(n)]
 QUANTIZED = [n for n in ORDER if MODELS[n][1] not in BF16_KINDS]
 #: quantization -> (cpumoe's experts class, its stats kind).
 EXPERTS = {None: ("CpumoeBf16Experts", "bf16"), "w8a8": ("CpumoeInt8Experts", "int8"),
-           "w4a8": ("CpumoeInt4Experts", "int4")}
+           "w4a8": ("CpumoeInt4Experts", "int4"), "w4a16": ("CpumoeInt4Experts", "int4"),
+           "mxfp4": ("CpumoeMxfp4Experts", "mxfp4")}
 
 
 def compare(a: dict, b: dict, tol: float) -> Tuple[int, int, float, List[str]]:
@@ -119,21 +119,21 @@ def test_bf16_same_tokens_as_vllm(runs, name):
 
 @pytest.mark.parametrize("name", QUANTIZED)
 def test_quantized_against_vllm(runs, name):
-    """W8A8 / W4A8 served by cpumoe, against vLLM's kernel for the same checkpoint where vLLM
-    has one here, else against vLLM's bf16 serving of the model it was quantized from."""
-    quant = MODELS[name][1]
+    """W8A8 / W4A8 / W4A16 / MXFP4 served by cpumoe, against vLLM's kernel for the same
+    checkpoint where vLLM has one here, else against vLLM's bf16 serving of the reference model
+    (the model it was quantized from, or one holding the same weights exactly)."""
     ours = runs["cpumoe"]["results"][name]
     assert _ok(ours), ours.get("error")
-    if vllm_serves(name):  # vLLM has a CPU kernel for this format here (AMX, Arm): compare
+    kind = MODELS[name][1].upper()
+    if vllm_serves(name):
         base = runs["vllm"]["results"][name]
         assert _ok(base), base.get("error")
-        same, steps, worst, problems = compare(ours, base, TOL[f"{quant}_vs_int{quant[1]}"])
-        what = f"vLLM's {quant.upper()} MoE backend"
+        same, steps, worst, problems = compare(ours, base, TOL["quantized_vs_vllm"])
+        what = f"vLLM's {kind} MoE backend"
     else:
-        ref = runs["vllm"]["results"][MODELS[name][0]]
-        same, steps, worst, problems = compare(ours, ref, TOL[f"{quant}_vs_bf16"])
-        what = (f"vLLM's bf16 serving of the unquantized model (vLLM has no {quant.upper()} "
-                f"kernel here)")
+        ref = runs["vllm"]["results"][REFERENCE[name]]
+        same, steps, worst, problems = compare(ours, ref, TOL["quantized_vs_bf16"])
+        what = f"vLLM's bf16 serving of {REFERENCE[name]} (vLLM has no {kind} kernel here)"
     print(f"\n{name} vs {what}: {same}/{len(ours['tokens'])} prompts identical, max "
           f"|dlogprob| {worst:.4f} over {steps} steps")
     assert not problems, problems

@@ -11,8 +11,9 @@ import torch
 
 import cpumoe
 from cpumoe import vllm_plugin
-from cpumoe.reference import (quantize_int4, quantize_per_channel, ref_fused_moe_bf16,
-                              ref_fused_moe_int4, ref_fused_moe_int8)
+from cpumoe.reference import (quantize_int4, quantize_mxfp4, quantize_per_channel,
+                              ref_fused_moe_bf16, ref_fused_moe_int4, ref_fused_moe_int8,
+                              ref_fused_moe_mxfp4)
 from cpumoe.vllm_plugin import layer as L
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 
@@ -81,7 +82,17 @@ def _experts(cls, E, H, I, k):
     ex.packed, ex.layer_name, ex._act, ex._stats = None, "?", "silu", {}
     ex._emap_src = ex._emap = None
     ex.moe_config = types.SimpleNamespace(experts_per_token=k)
+    ex.quant_config = types.SimpleNamespace(gemm1_alpha=None, gemm1_beta=None,
+                                            gemm1_clamp_limit=None)
     return ex
+
+
+def _pack_int4_words(v: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' pack-quantized words: int32 [..., K / 8], value i of a word (+ 8) in
+    bits 4i..4i+3."""
+    u = (v.to(torch.int64) + 8).reshape(*v.shape[:-1], -1, 8)
+    word = sum(u[..., i] << (4 * i) for i in range(8))
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
 
 
 def _layer(**params):
@@ -99,7 +110,7 @@ def _call(ex, x, tw, ids, emap=None, on_input=False):
     return out
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", "bf16"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "int4_a16", "mxfp4", "bf16"])
 def test_experts_with_expert_map_match_the_reference(kind):
     g = torch.Generator().manual_seed(0)
     E_global, E, H, I, k, T = 8, 4, 64, 32, 2, 12
@@ -129,6 +140,29 @@ def test_experts_with_expert_map_match_the_reference(kind):
         layer = _layer(w13_weight=q13, w2_weight=q2, w13_weight_scale=s13, w2_weight_scale=s2)
         ex = _experts(L.CpumoeInt4Experts, E, H, I, k)
         want = ref_fused_moe_int4(x, q13, q2, s13, s2, tw_ref, ids_ref, group_size=32)
+    elif kind == "int4_a16":
+        # As vLLM's WNA16 method loads a pack-quantized checkpoint: int32 words, bf16 scales.
+        q13, s13 = quantize_int4(w13, 32)
+        q2, s2 = quantize_int4(w2, 32)
+        s13, s2 = s13.to(torch.bfloat16), s2.to(torch.bfloat16)
+        layer = _layer(w13_weight_packed=_pack_int4_words(q13),
+                       w2_weight_packed=_pack_int4_words(q2), w13_weight_scale=s13,
+                       w2_weight_scale=s2)
+        ex = _experts(L.CpumoeInt4Experts, E, H, I, k)
+        want = ref_fused_moe_int4(x, q13, q2, s13.float(), s2.float(), tw_ref, ids_ref,
+                                  group_size=32)
+    elif kind == "mxfp4":
+        # As vLLM's gpt-oss MXFP4 method loads them: uint8 [E, N, K / 2] and [E, N, K / 32],
+        # bf16 biases.
+        bl13, sc13 = quantize_mxfp4(w13)
+        bl2, sc2 = quantize_mxfp4(w2)
+        b13 = torch.randn(E, 2 * I, generator=g).to(torch.bfloat16)
+        b2 = torch.randn(E, H, generator=g).to(torch.bfloat16)
+        layer = _layer(w13_weight=bl13.reshape(E, 2 * I, H // 2), w13_weight_scale=sc13,
+                       w2_weight=bl2.reshape(E, H, I // 2), w2_weight_scale=sc2,
+                       w13_bias=b13, w2_bias=b2)
+        ex = _experts(L.CpumoeMxfp4Experts, E, H, I, k)
+        want = ref_fused_moe_mxfp4(x, bl13, sc13, bl2, sc2, tw_ref, ids_ref, b13=b13, b2=b2)
     else:
         b13, b2 = w13.to(torch.bfloat16), w2.to(torch.bfloat16)
         layer = _layer(w13_weight=b13, w2_weight=b2)
@@ -142,6 +176,12 @@ def test_experts_with_expert_map_match_the_reference(kind):
     if kind == "int4":
         assert ex.packed.weight_format == "int4" and ex.packed.group_size == 32
         assert ex._format_name() == "W4A8 int4 g32"
+    if kind == "int4_a16":
+        assert ex.packed.weight_format == "int4" and ex.packed.group_size == 32
+        assert ex._format_name() == "W4A8 int4 g32 (W4A16 checkpoint, int8 activations)"
+        assert layer.w13_weight_packed.numel() == 0  # the words are freed once packed
+    if kind == "mxfp4":
+        assert ex.packed.weight_format == "mxfp4"
     assert ex.moe_problem_size(x, layer.w13_weight, layer.w2_weight, ids) == (E, T, 2 * I, H, k)
     got = _call(ex, x, tw, ids, emap)
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2,
@@ -168,9 +208,12 @@ def test_router_weight_on_input_is_not_applied_twice():
                                atol=2e-2 * float(want.float().abs().max()))
 
 
-def _ct_args(weights: dict, acts: dict):
+def _ct_scheme(weights: dict, acts, fmt: str) -> dict:
+    """A scheme dict as vLLM's CompressedTensorsConfig.get_scheme_dict returns it."""
     from compressed_tensors.quantization import QuantizationArgs
-    return QuantizationArgs(**weights), QuantizationArgs(**acts)
+    return {"weights": QuantizationArgs(**weights),
+            "input_activations": None if acts is None else QuantizationArgs(**acts),
+            "format": fmt}
 
 
 _TOKEN8 = dict(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
@@ -192,17 +235,35 @@ _TOKEN8 = dict(num_bits=8, type="int", symmetric=True, strategy="token", dynamic
      "strategy is 'channel'"),
     (dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=128),
      dict(_TOKEN8, symmetric=False), None, "input_activations: symmetric is False"),
+    # W4A16 pack-quantized: run with int8 activations.
+    (dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=128), None,
+     "int4_a16", ""),
+    (dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=128), None,
+     None, "W4A16 int4: weights: symmetric is False"),
+    (dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=128,
+          actorder="group"), None, None, "actorder 'group'"),
     # FP8 is no scheme of the int8 op: vLLM's method decides, and _plan gives the reason.
     (dict(num_bits=8, type="float", symmetric=True, strategy="channel"),
      dict(_TOKEN8, type="float"), None, ""),
+    (dict(num_bits=8, type="int", symmetric=True, strategy="channel"), None, None, ""),  # W8A16
 ])
 def test_compressed_tensors_schemes_cpumoe_takes(weights, acts, want, reason):
     """Which compressed-tensors MoE schemes run on cpumoe (W8A8 channel / W4A8 group int4 with
-    dynamic symmetric per-token int8 activations), and the reason for the near misses."""
+    dynamic symmetric per-token int8 activations, W4A16 symmetric group int4 with int8
+    activations), and the reason for the near misses."""
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
         CompressedTensorsConfig)
-    wq, iq = _ct_args(weights, acts)
+    fmt = "pack-quantized" if acts is None else "int-quantized"
     moe = types.SimpleNamespace(hidden_dim=2048, intermediate_size_per_partition=768)
-    kind, why = L._ct_kind(CompressedTensorsConfig, wq, iq, moe)
+    kind, why = L._ct_kind(CompressedTensorsConfig, _ct_scheme(weights, acts, fmt), moe)
     assert kind == want
     assert (reason in why) if reason else why == "", why
+
+
+def test_w4a16_needs_pack_quantized():
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsConfig)
+    w = dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=128)
+    moe = types.SimpleNamespace(hidden_dim=2048, intermediate_size_per_partition=768)
+    kind, why = L._ct_kind(CompressedTensorsConfig, _ct_scheme(w, None, "int-quantized"), moe)
+    assert kind is None and "format 'int-quantized'" in why

@@ -15,8 +15,9 @@ expert-parallel map); where vLLM chose its CPU experts kernel, the layer's exper
 cpumoe's, as a ``FusedMoEExpertsModular`` of vLLM's modular kernel:
 
 * compressed-tensors W8A8 int8 (channel weights, dynamic per-token activations): the int8 op;
-* compressed-tensors W4A8 int4 (group weights, dynamic per-token int8 activations): the int8 op
-  on int4 weights (W4A8);
+* compressed-tensors W4A8 int4 (group weights, dynamic per-token int8 activations), W4A16 int4
+  (pack-quantized) and gpt-oss MXFP4: the int8 op on 4-bit weights (W4A8; the W4A16 and MXFP4
+  checkpoints' activations become int8 per token);
 * unquantized bf16: the BF16 op;
 * with expert parallelism, vLLM's ``expert_map`` goes to the op (global top-k ids).
 

@@ -12,7 +12,10 @@ the layer:
 * a compressed-tensors W4A8 int4 layer (int-quantized group-wise int4 weights, dynamic per-token
   int8 activations) gets vLLM's W4A8 int8 MoE method (its parameters and loader; the group
   scales kept in fp32) with :class:`CpumoeInt4Experts` in a modular kernel (vLLM's own W4A8
-  experts are KleidiAI's, Arm only, without expert parallelism);
+  experts are KleidiAI's, Arm only, without expert parallelism); a W4A16 pack-quantized one
+  gets vLLM's WNA16 method's parameters with the same experts, which unpack the int32 words;
+* a gpt-oss MXFP4 layer gets vLLM's gpt-oss MXFP4 method (parameters, loader) with
+  :class:`CpumoeMxfp4Experts` (vLLM's own CPU MXFP4 experts need AMX);
 * an unquantized bf16 layer for which vLLM selected its CPU backend keeps vLLM's method, whose
   experts class becomes :class:`CpumoeBf16Experts`.
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import os
 import threading
+from fractions import Fraction
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -33,7 +37,8 @@ import torch
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
 from vllm.logger import init_logger
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
-from vllm.model_executor.layers.fused_moe.config import (FusedMoEConfig,
+from vllm.model_executor.layers.fused_moe.config import (FUSED_MOE_UNQUANTIZED_CONFIG,
+                                                         FusedMoEConfig,
                                                          FusedMoEParallelConfig,
                                                          FusedMoEQuantConfig)
 from vllm.model_executor.layers.fused_moe.oracle.int8 import Int8MoeBackend
@@ -137,10 +142,11 @@ def _plan(layer: RoutedExperts) -> Tuple[Optional[str], str]:
     return "bf16", ""
 
 
-def _ct_scheme(layer: RoutedExperts, prefix: str, quant_config: Any) -> Optional[Tuple]:
-    """(weight_quant, input_quant) of a compressed-tensors MoE layer (expert 0's projections,
-    as vLLM's CompressedTensorsMoEMethod.get_moe_method reads them), or None if
-    ``quant_config`` is not compressed-tensors, the layer is ignored or its projections differ."""
+def _ct_scheme(layer: RoutedExperts, prefix: str, quant_config: Any) -> Optional[Dict]:
+    """The compressed-tensors scheme dict of a MoE layer (expert 0's projections, as vLLM's
+    CompressedTensorsMoEMethod.get_moe_method reads them: "weights", "input_activations",
+    "format"), or None if ``quant_config`` is not compressed-tensors, the layer is ignored or
+    its projections differ."""
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
         CompressedTensorsConfig)
     if not isinstance(quant_config, CompressedTensorsConfig):
@@ -150,43 +156,72 @@ def _ct_scheme(layer: RoutedExperts, prefix: str, quant_config: Any) -> Optional
                          layer.ckpt_down_proj_name) if n is not None]
     schemes = [quant_config.get_scheme_dict(layer, f"{prefix}.0.{n}") for n in names]
     scheme = schemes[0]
-    if scheme is None or any(s != scheme for s in schemes):
+    if scheme is None or scheme.get("weights") is None or any(s != scheme for s in schemes):
         return None
-    wq, iq = scheme.get("weights"), scheme.get("input_activations")
-    if wq is None or iq is None:
-        return None
-    return wq, iq
+    return scheme
 
 
-def _ct_kind(quant_config: Any, wq: Any, iq: Any, moe: FusedMoEConfig) -> Tuple[Optional[str],
-                                                                                   str]:
-    """("int8" | "int4", "") if cpumoe's int8 op computes this compressed-tensors scheme, else
-    (None, why) for a scheme cpumoe could run but not as given, or (None, "") for one it has
-    no kernel for (vLLM's own method then decides)."""
-    from compressed_tensors.quantization import QuantizationType
-    if wq.type != QuantizationType.INT or iq.type != QuantizationType.INT:
+def _is_gpt_oss_mxfp4(quant_config: Any) -> bool:
+    """Whether ``quant_config`` is a gpt-oss MXFP4 checkpoint's (vLLM's GptOssMxfp4Config)."""
+    from vllm.model_executor.layers.quantization.mxfp4 import GptOssMxfp4Config
+    return isinstance(quant_config, GptOssMxfp4Config)
+
+
+def _ct_kind(quant_config: Any, scheme: Dict, moe: FusedMoEConfig) -> Tuple[Optional[str], str]:
+    """(kind, "") if cpumoe's int8 op computes this compressed-tensors scheme: "int8" (W8A8),
+    "int4" (W4A8, int-quantized) or "int4_a16" (W4A16 pack-quantized, run with int8
+    activations); else (None, why) for a scheme cpumoe could run but not as given, or (None, "")
+    for one it has no kernel for (vLLM's own method then decides)."""
+    from compressed_tensors.quantization import QuantizationStrategy, QuantizationType
+    wq, iq = scheme["weights"], scheme.get("input_activations")
+    if wq.type != QuantizationType.INT or (iq is not None and iq.type != QuantizationType.INT):
         return None, ""  # FP8 / FP4: vLLM's _is_dynamic_token_w8a8 looks at the bits only
-    if quant_config._is_dynamic_token_w8a8(wq, iq):
-        from compressed_tensors.quantization import QuantizationStrategy
+    if iq is not None and quant_config._is_dynamic_token_w8a8(wq, iq):
         if wq.strategy != QuantizationStrategy.CHANNEL or not (
                 iq.strategy == QuantizationStrategy.TOKEN and iq.dynamic and iq.symmetric):
             return None, (f"W8A8 with {wq.strategy} weights and {iq.strategy} "
                           f"{'dynamic' if iq.dynamic else 'static'} activations (cpumoe's "
                           f"int8 op: channel weights, dynamic symmetric per-token activations)")
         return "int8", ""
-    if quant_config._is_dynamic_token_w4a8_int(wq, iq):
-        from cpumoe.checkpoint_w4 import int4_scheme_problem
-        problem = int4_scheme_problem({"weights": wq.model_dump(mode="json"),
-                                       "input_activations": iq.model_dump(mode="json")})
-        if problem is not None:
-            return None, f"W4A8 int4: {problem}"
-        g = wq.group_size
-        for name, dim in (("hidden", moe.hidden_dim),
-                          ("intermediate (per partition)", moe.intermediate_size_per_partition)):
-            if dim % g:
-                return None, f"W4A8 int4: {name} dim {dim} is not a multiple of group_size {g}"
-        return "int4", ""
-    return None, ""
+    if wq.num_bits != 4 or wq.dynamic:
+        return None, ""
+    if iq is None:  # W4A16 (vLLM's WNA16 method): pack-quantized int32 words
+        kind, name = "int4_a16", "W4A16 int4"
+        fmt = scheme.get("format")  # vLLM's get_scheme_dict: the group's, else the config's
+        if fmt != "pack-quantized":
+            return None, f"{name}: format {fmt!r} (cpumoe reads 'pack-quantized')"
+    elif quant_config._is_dynamic_token_w4a8_int(wq, iq):
+        kind, name = "int4", "W4A8 int4"
+    else:
+        return None, ""
+    from cpumoe.checkpoint_w4 import int4_scheme_problem
+    problem = int4_scheme_problem({"weights": wq.model_dump(mode="json"), "input_activations":
+                                   None if iq is None else iq.model_dump(mode="json")})
+    if problem is not None:
+        return None, f"{name}: {problem}"
+    g = wq.group_size
+    for what, dim in (("hidden", moe.hidden_dim),
+                      ("intermediate (per partition)", moe.intermediate_size_per_partition)):
+        if dim % g:
+            return None, f"{name}: {what} dim {dim} is not a multiple of group_size {g}"
+    return kind, ""
+
+
+def _quantized_kind(layer: RoutedExperts, prefix: str, quant_config: Any,
+                    moe: FusedMoEConfig) -> Tuple[Optional[str], Dict, str]:
+    """(kind, scheme, "") for a quantized layer cpumoe takes (a key of _method_classes());
+    otherwise (None, scheme, why), why "" where cpumoe has no kernel for the quantization."""
+    if _is_gpt_oss_mxfp4(quant_config):
+        kind, scheme, why = "mxfp4", {}, ""
+    else:
+        scheme = _ct_scheme(layer, prefix, quant_config)
+        if scheme is None:
+            return None, {}, ""
+        kind, why = _ct_kind(quant_config, scheme, moe)
+    if kind is not None:
+        why = ((layer_problem(moe, layer) if current_platform.is_cpu()
+                else f"the platform is {current_platform.device_name}, not the CPU") or "")
+    return (None if why else kind), scheme, why
 
 
 # ---------------------------------------------------------------------------- experts classes
@@ -248,23 +283,25 @@ class _CpumoeExperts(mk.FusedMoEExpertsModular):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         self.layer_name = getattr(layer, "layer_name", "?")
-        w13 = layer.w13_weight
-        num_experts, _, hidden = w13.shape
-        self.packed = self._prepack(layer)
+        self.packed = p = self._prepack(layer)
         # vLLM's copies are no longer read: keep 3-D placeholders of the right E and H (the
         # modular kernel and the layer's repr read their shapes; moe_problem_size below does
-        # not), and let the weights' memory go.
+        # not), and let the weights' memory go. (A W4A16 layer has none until here.)
         for name in ("w13_weight", "w2_weight"):
-            old = getattr(layer, name)
-            replace_parameter(layer, name, old.new_empty((num_experts, 0, hidden)))
-        del w13
-        p = self.packed
+            old = getattr(layer, name, None)
+            empty = torch.empty((p.num_experts, 0, p.hidden),
+                                dtype=torch.int8 if old is None else old.dtype)
+            if old is None:
+                layer.register_parameter(name, torch.nn.Parameter(empty, requires_grad=False))
+            else:
+                replace_parameter(layer, name, empty)
         self._stats = {"kind": self.kind, "path": p.path, "kernel": p.kernel, "calls": 0,
                        "tokens": 0}
         with _lock:
             _LAYERS[self.layer_name] = self._stats
         logger.info("cpumoe: %s runs on cpumoe (%s, path %s, kernel %s; E=%d H=%d I=%d top-%d "
-                    "%s%s)", self.layer_name, self._format_name(), p.path, p.kernel, p.num_experts, p.hidden, p.intermediate,
+                    "%s%s)", self.layer_name, self._format_name(), p.path, p.kernel,
+                    p.num_experts, p.hidden, p.intermediate,
                     self.moe_config.experts_per_token, self._act,
                     ", expert map" if getattr(layer, "expert_map", None) is not None else "")
 
@@ -316,6 +353,11 @@ class _CpumoeExperts(mk.FusedMoEExpertsModular):
         st["tokens"] += hidden_states.size(0)
 
 
+def _bias(layer: torch.nn.Module, name: str) -> Optional[torch.Tensor]:
+    b = getattr(layer, name, None)
+    return None if b is None else b.data
+
+
 class CpumoeInt8Experts(_CpumoeExperts):
     """W8A8 int8 experts (int8 per-channel weights, dynamic per-token int8 activations) on
     cpumoe's int8 op."""
@@ -328,16 +370,9 @@ class CpumoeInt8Experts(_CpumoeExperts):
         return (weight_key, activation_key) == (kInt8StaticChannelSym, kInt8DynamicTokenSym)
 
     def _prepack(self, layer: torch.nn.Module) -> Any:
-        b13 = getattr(layer, "w13_bias", None)
-        b2 = getattr(layer, "w2_bias", None)
         return _ops.prepack(layer.w13_weight.data, layer.w2_weight.data,
                             layer.w13_weight_scale.data, layer.w2_weight_scale.data,
-                            None if b13 is None else b13.data, None if b2 is None else b2.data)
-
-
-def _bias(layer: torch.nn.Module, name: str) -> Optional[torch.Tensor]:
-    b = getattr(layer, name, None)
-    return None if b is None else b.data
+                            _bias(layer, "w13_bias"), _bias(layer, "w2_bias"))
 
 
 class CpumoeInt4Experts(_CpumoeExperts):
@@ -356,14 +391,63 @@ class CpumoeInt4Experts(_CpumoeExperts):
         return activation_key is None and weight_key in keys
 
     def _prepack(self, layer: torch.nn.Module) -> Any:
-        s13 = layer.w13_weight_scale.data
-        return _ops.prepack_int4(layer.w13_weight.data, layer.w2_weight.data, s13,
-                                 layer.w2_weight_scale.data, _bias(layer, "w13_bias"),
+        s13, s2 = layer.w13_weight_scale.data, layer.w2_weight_scale.data
+        words = getattr(layer, "w13_weight_packed", None)
+        if words is not None and words.dtype == torch.int32 and words.numel():
+            # W4A16 pack-quantized: int32 words of eight values + 8 each (vLLM's WNA16 names).
+            from cpumoe.checkpoint_w4 import unpack_int4
+            self.source = "W4A16 checkpoint, int8 activations"
+            E, N13, H = s13.size(0), s13.size(1), words.size(2) * 8
+            N2, I = s2.size(1), layer.w2_weight_packed.size(2) * 8
+            w13 = torch.from_numpy(unpack_int4(words.numpy().reshape(E * N13, -1), H))
+            w2 = torch.from_numpy(unpack_int4(layer.w2_weight_packed.data.numpy()
+                                              .reshape(E * N2, -1), I))
+            w13, w2 = w13.reshape(E, N13, H), w2.reshape(E, N2, I)
+            for name in ("w13_weight_packed", "w2_weight_packed"):
+                replace_parameter(layer, name, torch.empty(0, dtype=torch.int32))
+        else:
+            w13, w2 = layer.w13_weight.data, layer.w2_weight.data
+        return _ops.prepack_int4(w13, w2, s13.float(), s2.float(), _bias(layer, "w13_bias"),
                                  _bias(layer, "w2_bias"),
-                                 group_size=layer.w13_weight.size(2) // max(1, s13.size(2)))
+                                 group_size=w13.size(2) // max(1, s13.size(2)))
 
     def _format_name(self) -> str:
-        return f"W4A8 int4 g{self.packed.group_size}"
+        src = getattr(self, "source", "")
+        return f"W4A8 int4 g{self.packed.group_size}" + (f" ({src})" if src else "")
+
+
+class CpumoeMxfp4Experts(_CpumoeExperts):
+    """gpt-oss's MXFP4 experts (E2M1 weights, an E8M0 scale per 32 inputs, bf16 biases) on
+    cpumoe's int8 op: the activations are quantized to int8 per token (the checkpoint is
+    W4A16; vLLM's own CPU MXFP4 experts, bf16 activations, need AMX)."""
+
+    kind = "mxfp4"
+
+    @staticmethod
+    def _supports_quant_scheme(weight_key: Optional[QuantKey],
+                               activation_key: Optional[QuantKey]) -> bool:
+        from vllm.model_executor.layers.quantization.utils.quant_utils import kMxfp4Static
+        return (weight_key, activation_key) == (kMxfp4Static, None)
+
+    def _prepack(self, layer: torch.nn.Module) -> Any:
+        # vLLM's parameters: uint8 [E, N, K / 2] (two codes a byte, low nibble first) and
+        # [E, N, K / 32]: gpt-oss's blocks [E, N, K / 32, 16] with the last two dims merged.
+        qc = self.quant_config
+        consts = (qc.gemm1_alpha, qc.gemm1_beta, qc.gemm1_clamp_limit)
+        want = (_SWIGLU["swiglu_alpha"], _SWIGLU["swiglu_beta"], _SWIGLU["swiglu_limit"])
+        if self._act == "swigluoai" and any(c is not None and abs(c - w) > 1e-6
+                                            for c, w in zip(consts, want)):
+            raise ValueError(f"cpumoe ({self.layer_name}): swigluoai alpha/beta/limit "
+                             f"{consts}, cpumoe's are fixed at {want}")
+        w13, w2 = layer.w13_weight.data, layer.w2_weight.data
+        E, N13, H = w13.size(0), w13.size(1), w13.size(2) * 2
+        I = w2.size(2) * 2
+        return _ops.prepack_mxfp4(w13.view(E, N13, H // 32, 16), layer.w13_weight_scale.data,
+                                  w2.view(E, H, I // 32, 16), layer.w2_weight_scale.data,
+                                  _bias(layer, "w13_bias"), _bias(layer, "w2_bias"))
+
+    def _format_name(self) -> str:
+        return "W4A8 mxfp4 (W4A16 checkpoint, int8 activations)"
 
 
 class CpumoeBf16Experts(_CpumoeExperts):
@@ -377,11 +461,8 @@ class CpumoeBf16Experts(_CpumoeExperts):
         return (weight_key, activation_key) == (None, None)
 
     def _prepack(self, layer: torch.nn.Module) -> Any:
-        b13 = getattr(layer, "w13_bias", None)
-        b2 = getattr(layer, "w2_bias", None)
         return _ops.prepack_bf16(layer.w13_weight.data, layer.w2_weight.data,
-                                 None if b13 is None else b13.data,
-                                 None if b2 is None else b2.data)
+                                 _bias(layer, "w13_bias"), _bias(layer, "w2_bias"))
 
 
 _EXPERTS = {"int8": CpumoeInt8Experts, "int4": CpumoeInt4Experts, "bf16": CpumoeBf16Experts}
@@ -419,6 +500,11 @@ def _method_classes() -> Dict[str, type]:
         .compressed_tensors_moe_w4a8_int8 import CompressedTensorsW4A8Int8MoEMethod
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe\
         .compressed_tensors_moe_w8a8_int8 import CompressedTensorsW8A8Int8MoEMethod
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe\
+        .compressed_tensors_moe_wna16 import CompressedTensorsWNA16MoEMethod
+    from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
+    from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend
+    from vllm.model_executor.layers.quantization.mxfp4 import GptOssMxfp4MoEMethod
 
     class CpumoeW8A8Int8MoEMethod(CompressedTensorsW8A8Int8MoEMethod):
         def __init__(self, weight_quant: Any, input_quant: Any, moe: FusedMoEConfig):
@@ -429,26 +515,24 @@ def _method_classes() -> Dict[str, type]:
             self.int8_backend = Int8MoeBackend.CPU  # no layout conversion, CPU quant config
             self.experts_cls = CpumoeInt8Experts
 
-    class CpumoeW4A8Int8MoEMethod(CompressedTensorsW4A8Int8MoEMethod):
-        def __init__(self, weight_quant: Any, input_quant: Any, moe: FusedMoEConfig):
-            CompressedTensorsMoEMethod.__init__(self, moe)
-            self.has_bias = moe.has_bias
-            self.weight_quant = weight_quant
-            self.input_quant = input_quant
-            self.static_input_scales = False
-            self.group_size = weight_quant.group_size
-            self.backend = None
-            self.experts_cls = CpumoeInt4Experts
-
+    class _Fp32Scales:
         def create_weights(self, layer: torch.nn.Module, *args: Any, **kw: Any) -> None:
             super().create_weights(layer, *args, **kw)
-            # vLLM keeps group scales in bf16 (for KleidiAI); cpumoe's are fp32, so a
+            # vLLM keeps int4 group scales in bf16 (for its kernels); cpumoe's are fp32, so a
             # checkpoint's fp32 scales load without rounding. Same loader attributes.
             for name in ("w13_weight_scale", "w2_weight_scale"):
                 old = getattr(layer, name)
                 new = torch.nn.Parameter(old.data.float(), requires_grad=False)
                 new.__dict__.update(old.__dict__)
                 layer.register_parameter(name, new)
+
+    class _Modular:
+        """cpumoe's experts in vLLM's modular kernel, built after loading."""
+
+        def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> FusedMoEQuantConfig:
+            # cpumoe's experts read the layer's weights, scales and biases themselves and take
+            # unquantized inputs: nothing for vLLM's prepare step to do.
+            return FUSED_MOE_UNQUANTIZED_CONFIG
 
         def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
             self.moe_kernel = _modular_kernel(self, layer)
@@ -463,7 +547,48 @@ def _method_classes() -> Dict[str, type]:
                 apply_router_weight_on_input=layer.apply_router_weight_on_input,
                 shared_experts=shared_experts, shared_experts_input=shared_experts_input)
 
-    _METHODS.update(int8=CpumoeW8A8Int8MoEMethod, int4=CpumoeW4A8Int8MoEMethod)
+    class CpumoeW4A8Int8MoEMethod(_Fp32Scales, _Modular, CompressedTensorsW4A8Int8MoEMethod):
+        def __init__(self, weight_quant: Any, input_quant: Any, moe: FusedMoEConfig):
+            CompressedTensorsMoEMethod.__init__(self, moe)
+            self.has_bias = moe.has_bias
+            self.weight_quant = weight_quant
+            self.input_quant = input_quant
+            self.static_input_scales = False
+            self.group_size = weight_quant.group_size
+            self.backend = None
+            self.experts_cls = CpumoeInt4Experts
+
+    class CpumoeW4A16Int4MoEMethod(_Fp32Scales, _Modular, CompressedTensorsWNA16MoEMethod):
+        def __init__(self, weight_quant: Any, input_quant: Any, moe: FusedMoEConfig):
+            CompressedTensorsMoEMethod.__init__(self, moe)
+            self.weight_quant = weight_quant
+            self.input_quant = input_quant
+            self.symmetric = True
+            self.num_bits = 4
+            self.packed_factor = Fraction(32, 4)
+            self.strategy = weight_quant.strategy
+            self.group_size = weight_quant.group_size
+            self.wna16_backend = None
+            self.is_marlin = self.is_transposed = False
+            self.input_dtype = torch.bfloat16
+            self.experts_cls = CpumoeInt4Experts
+
+    class CpumoeGptOssMxfp4MoEMethod(_Modular, GptOssMxfp4MoEMethod):
+        def __init__(self, weight_quant: Any, input_quant: Any, moe: FusedMoEConfig):
+            FusedMoEMethodBase.__init__(self, moe)  # vLLM's __init__ selects its backend
+            self.weight_dtype = "gpt_oss_mxfp4"  # read by GptOssRoutedExperts.weight_loader
+            self.mxfp4_backend = Mxfp4MoeBackend.CPU  # its layout: H, I rounded up to 32
+            self.experts_cls = CpumoeMxfp4Experts
+            self.max_capture_size = moe.max_capture_size
+            self._cache_permute_indices = {}
+            self.moe_kernel = None
+            self.w13_precision_config = self.w2_precision_config = None
+
+        def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> FusedMoEQuantConfig:
+            return GptOssMxfp4MoEMethod.get_fused_moe_quant_config(self, layer)
+
+    _METHODS.update(int8=CpumoeW8A8Int8MoEMethod, int4=CpumoeW4A8Int8MoEMethod,
+                    int4_a16=CpumoeW4A16Int4MoEMethod, mxfp4=CpumoeGptOssMxfp4MoEMethod)
     return _METHODS
 
 
@@ -476,16 +601,10 @@ class _CpumoeLayer:
 
     def _get_quant_method(self, prefix: str, quant_config: Any,
                           moe_config: FusedMoEConfig) -> Any:
-        self._cpumoe_why = ""
-        scheme = _ct_scheme(self, prefix, quant_config)
-        if scheme is not None:
-            kind, why = _ct_kind(quant_config, scheme[0], scheme[1], moe_config)
-            if kind is not None:
-                why = (layer_problem(moe_config, self) if current_platform.is_cpu()
-                       else f"the platform is {current_platform.device_name}, not the CPU")
-                if why is None:
-                    return _method_classes()[kind](scheme[0], scheme[1], moe_config)
-            self._cpumoe_why = why
+        kind, scheme, self._cpumoe_why = _quantized_kind(self, prefix, quant_config, moe_config)
+        if kind is not None:
+            return _method_classes()[kind](scheme.get("weights"),
+                                           scheme.get("input_activations"), moe_config)
         return super()._get_quant_method(prefix, quant_config, moe_config)
 
     def __init__(self, *args: Any, **kwargs: Any):

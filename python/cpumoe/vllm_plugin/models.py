@@ -7,9 +7,11 @@
   compresses every per-expert projection (int8 weights, ``weight_scale`` [out, 1] from the
   channel's max, ``format: int-quantized``, dynamic per-token int8 activations) and writes the
   ``quantization_config``; attention, router, embeddings and norms stay bf16 and are listed in
-  ``ignore``. :func:`save_w4a8` does the same with the W4A8 preset (int4 weights, a scale per
-  group of inputs); :func:`save_int4_grid` makes a bf16 checkpoint whose experts W4A8 holds
-  exactly (a reference for the W4A8 one).
+  ``ignore``. :func:`save_w4a8` and :func:`save_w4a16` do the same with the W4A8 and W4A16
+  presets (int4 weights, a scale per group of inputs); :func:`save_int4_grid` makes a bf16
+  checkpoint whose experts the int4 ones made from it hold exactly (their reference).
+* :func:`save_mxfp4` writes a bf16 gpt-oss checkpoint's experts in the MXFP4 layout of OpenAI's
+  release; :func:`save_mxfp4_dequantized` turns that back into bf16, exactly (its reference).
 * :func:`save_qwen3_bench` writes the benchmark's model (Qwen3-30B-A3B width) layer by layer,
   without building it in memory (9.7 GB of bf16 experts at 8 layers).
 
@@ -96,9 +98,11 @@ def _read_safetensors(folder: Path) -> Dict[str, torch.Tensor]:
     return tensors
 
 
-#: The compressed-tensors preset of each quantized checkpoint kind, and the largest magnitude of
-#: its integer weights (the scale of a channel or group is its max |w| over this).
-_PRESETS = {"w8a8": ("W8A8", 127), "w4a8": ("W4A8", 7)}
+#: The compressed-tensors preset of each quantized checkpoint kind, the largest magnitude of its
+#: integer weights (the scale of a channel or group is its max |w| over this), and the format
+#: compressed-tensors infers for it (what llm-compressor writes).
+_PRESETS = {"w8a8": ("W8A8", 127, "int-quantized"), "w4a8": ("W4A8", 7, "int-quantized"),
+            "w4a16": ("W4A16", 7, "pack-quantized")}
 
 
 def save_w8a8(src: PathLike, dst: PathLike) -> Path:
@@ -114,6 +118,14 @@ def save_w4a8(src: PathLike, dst: PathLike, group_size: int = 128) -> Path:
     ``format: int-quantized`` (the 4-bit values stored as int8, what compressed-tensors infers
     for W4A8 and what vLLM's W4A8 int8 MoE method reads)."""
     return _save_quantized(src, dst, "w4a8", group_size)
+
+
+def save_w4a16(src: PathLike, dst: PathLike, group_size: int = 128) -> Path:
+    """As :func:`save_w4a8`, with compressed-tensors' W4A16 preset: int4 group weights, no
+    activation quantization, ``format: pack-quantized`` (int32 words of eight 4-bit values:
+    ``weight_packed``, ``weight_scale``, ``weight_shape``), the layout of the int4 MoE
+    checkpoints llm-compressor publishes (vLLM's WNA16 MoE method reads it)."""
+    return _save_quantized(src, dst, "w4a16", group_size)
 
 
 def _save_quantized(src: PathLike, dst: PathLike, kind: str,
@@ -140,7 +152,7 @@ def _save_quantized(src: PathLike, dst: PathLike, kind: str,
         lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=torch.float32)
         lin.weight.data = w.float().contiguous()
         node.add_module(leaf, lin)
-    preset, qmax = _PRESETS[kind]
+    preset, qmax, fmt = _PRESETS[kind]
     scheme = ctq.preset_name_to_scheme(preset, ["Linear"])
     if group_size is not None:
         scheme.weights.group_size = group_size
@@ -154,7 +166,7 @@ def _save_quantized(src: PathLike, dst: PathLike, kind: str,
                 # [out, 1] per channel, [out, in / g] per group.
                 w = m.weight.reshape(m.weight.shape[0], m.weight_scale.shape[1], -1)
                 m.weight_scale.copy_(w.abs().amax(dim=2).clamp_min(1e-12) / qmax)
-    compressor = ModelCompressor.from_pretrained_model(root, quantization_format="int-quantized")
+    compressor = ModelCompressor.from_pretrained_model(root, quantization_format=fmt)
     compressor.compress_model(root)
     out = {k: v.contiguous() for k, v in root.state_dict().items()}
     out.update({k: v.contiguous() for k, v in tensors.items()})
@@ -198,6 +210,75 @@ def save_int4_grid(src: PathLike, dst: PathLike, group_size: int = 128) -> Path:
         tensors[key] = (q * scale).reshape(rows, cols).to(torch.bfloat16)
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     (dst / "config.json").write_text((src / "config.json").read_text())
+    return dst
+
+
+#: openai/gpt-oss-{20b,120b}'s quantization_config, as released.
+GPT_OSS_MXFP4_CONFIG = {"modules_to_not_convert": ["model.layers.*.self_attn",
+                                                   "model.layers.*.mlp.router",
+                                                   "model.embed_tokens", "lm_head"],
+                        "quant_method": "mxfp4"}
+#: A fused expert tensor of a bf16 gpt-oss checkpoint (transformers: x @ W, W [E, in, out]).
+_GPT_OSS_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def save_mxfp4(src: PathLike, dst: PathLike) -> Path:
+    """Writes ``dst``: the bf16 gpt-oss checkpoint ``src`` (as transformers saves it: fused
+    ``mlp.experts.gate_up_proj`` [E, H, 2I], gate / up interleaved by column, and ``down_proj``
+    [E, I, H], plus ``_bias``) with its experts in the MXFP4 layout of OpenAI's gpt-oss release,
+    which vLLM's gpt-oss loader and :func:`cpumoe.checkpoint_w4.load_mxfp4_moe_layer` read:
+    ``{proj}_blocks`` uint8 [E, out, in / 32, 16] (two E2M1 codes a byte, the low nibble the
+    even k), ``{proj}_scales`` uint8 [E, out, in / 32] (E8M0), ``{proj}_bias`` bf16 unchanged;
+    quantized by :func:`cpumoe.reference.quantize_mxfp4`. Everything else is copied, and
+    config.json gets the release's ``quantization_config``."""
+    from safetensors.torch import save_file
+    from cpumoe.reference import quantize_mxfp4
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    config = json.loads((src / "config.json").read_text())
+    if config.get("model_type") != "gpt_oss" or config.get("quantization_config"):
+        raise ValueError(f"{src}: expected an unquantized gpt_oss checkpoint")
+    out: Dict[str, torch.Tensor] = {}
+    for name, t in _read_safetensors(src).items():
+        m = _GPT_OSS_EXPERT.match(name)
+        if m is None:
+            out[name] = t.contiguous()
+            continue
+        # The release stores W^T: output channels by row (gate_up's stay interleaved).
+        blocks, scales = quantize_mxfp4(t.float().transpose(1, 2).contiguous())
+        out[f"{name}_blocks"], out[f"{name}_scales"] = blocks.contiguous(), scales.contiguous()
+    if not any(k.endswith("_blocks") for k in out):
+        raise ValueError(f"{src}: no fused gpt-oss expert tensors (mlp.experts.gate_up_proj)")
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config["quantization_config"] = dict(GPT_OSS_MXFP4_CONFIG)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
+
+
+def save_mxfp4_dequantized(src: PathLike, dst: PathLike) -> Path:
+    """Writes ``dst``: the MXFP4 gpt-oss checkpoint ``src`` (:func:`save_mxfp4`) as bf16, its
+    experts dequantized (exact: every E2M1 value times a power of two is a bf16), in the layout
+    :func:`save_tiny` writes. Served side by side with ``src``, the two differ only by the
+    activations (bf16 against cpumoe's per-token int8)."""
+    from safetensors.torch import save_file
+    from cpumoe.reference import dequantize_mxfp4
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    tensors = _read_safetensors(src)
+    out: Dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name.endswith("_scales") and name[: -len("_scales")] + "_blocks" in tensors:
+            continue
+        if name.endswith("_blocks"):
+            base = name[: -len("_blocks")]
+            w = torch.from_numpy(dequantize_mxfp4(t.numpy(), tensors[base + "_scales"].numpy()))
+            out[base] = w.transpose(1, 2).to(torch.bfloat16).contiguous()  # back to [E, in, out]
+        else:
+            out[name] = t.contiguous()
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst
 
 
