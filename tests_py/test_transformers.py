@@ -93,7 +93,7 @@ def models():
 
 
 def test_backends_are_registered():
-    for name in ("cpumoe", "cpumoe_bf16"):
+    for name in ("cpumoe", "cpumoe_bf16", "cpumoe_int4", "cpumoe_mxfp4"):
         assert name in ALL_EXPERTS_FUNCTIONS
         assert name in cmt.BACKENDS
     # from_pretrained/from_config accept the names (transformers checks them against its registry)
@@ -156,6 +156,88 @@ def test_wrong_layout_would_be_caught(models):
         model.set_experts_implementation("cpumoe_bf16")
         err = _rel(model(ids).logits, ref)
     assert err > 5 * TOL["cpumoe"]
+
+
+def _snap_to_w4(model, backend: str) -> None:
+    """Moves every expert weight onto the grid of ``backend``'s quantizer (int4 g32: the first of
+    cpumoe_int4's group sizes dividing these models' I = 32; MXFP4), in place: the 4-bit backend
+    then packs exactly the model's weights and differs from eager only by its int8 activations."""
+    from cpumoe import reference as R
+
+    def snap(w):  # w [N, K], groups along K (the input of each GEMM)
+        if backend == "cpumoe_mxfp4":
+            return R.dequantize_mxfp4(*R.quantize_mxfp4(w.float())).to(w.dtype)
+        return R.dequantize_int4(*R.quantize_int4(w.float(), 32), 32).to(w.dtype)
+
+    with torch.no_grad():
+        for _, m in cmt.experts_modules(model):
+            for p in (m.gate_up_proj, m.down_proj):
+                for e in range(p.shape[0]):
+                    # transposed modules (gpt-oss) hold [K, N]
+                    p[e] = snap(p[e].t()).t() if m.is_transposed else snap(p[e])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("backend", ["cpumoe_int4", "cpumoe_mxfp4"])
+def test_w4_backends_match_eager_on_their_grid(models, family, backend):
+    """W4A8 backends on a model whose experts lie on their 4-bit grid: within W8A8's tolerance of
+    eager (only the activations are quantized), packed at 4 bits."""
+    eager, ids, _ = models[family]
+    model = copy.deepcopy(eager)
+    _snap_to_w4(model, backend)
+    with torch.no_grad():
+        ref = model(ids).logits
+        cmt.prepare(model, backend)
+        got = model(ids).logits
+    err = _rel(got, ref)
+    assert err <= TOL["cpumoe"], f"{family} {backend}: relative error {err:.3g}"
+    for _, m in cmt.experts_modules(model):
+        st = m._cpumoe_state[cmt.BACKENDS[backend]]
+        assert st.packed.weight_format == cmt.BACKENDS[backend]
+        assert st.packed.group_size == 32 and st.activation == FAMILIES[family][2]
+
+
+@pytest.mark.parametrize("backend", ["cpumoe_int4", "cpumoe_mxfp4"])
+def test_w4_backends_round_to_nearest(models, backend):
+    """On plain random weights the 4-bit backends add their rounding: further from eager than
+    W8A8, still the same model (well inside what dropping the experts changes)."""
+    eager, ids, ref = models["qwen3_moe"]
+    errs = {}
+    for b in ("cpumoe", backend):
+        model = copy.deepcopy(eager)
+        cmt.prepare(model, b)
+        with torch.no_grad():
+            errs[b] = _rel(model(ids).logits, ref)
+    assert errs["cpumoe"] < errs[backend] < 0.25, errs
+
+
+def test_mxfp4_checkpoint_through_transformers(tmp_path):
+    """A gpt-oss MXFP4 checkpoint (the release layout) loaded by transformers, which dequantizes
+    the experts on a CPU: "cpumoe_mxfp4" packs the checkpoint's values exactly (its logits are
+    eager's up to the int8 activations) and greedy generation runs on it."""
+    pytest.importorskip("accelerate", reason="transformers loads MXFP4 checkpoints with it")
+    from cpumoe.vllm_plugin import models as ckpts
+    src = tmp_path / "bf16"
+    _model("gpt_oss").save_pretrained(str(src))
+    dst = ckpts.save_mxfp4(src, tmp_path / "mxfp4")
+    model = AutoModelForCausalLM.from_pretrained(str(dst)).eval()
+    from safetensors.torch import load_file
+    from cpumoe import reference as R
+    tensors = load_file(str(dst / "model.safetensors"))
+    m = cmt.experts_modules(model)[0][1]
+    blocks = tensors["model.layers.0.mlp.experts.gate_up_proj_blocks"]
+    scales = tensors["model.layers.0.mlp.experts.gate_up_proj_scales"]
+    assert torch.equal(m.gate_up_proj.data.float(),
+                       R.dequantize_mxfp4(blocks, scales).transpose(1, 2))
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = model(ids).logits
+        cmt.prepare(model, "cpumoe_mxfp4")
+        got = model(ids).logits
+        seq = model.generate(ids[:1, :6], max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                             pad_token_id=0)
+    assert _rel(got, ref) <= TOL["cpumoe"]
+    assert seq.shape == (1, 14)
 
 
 @pytest.mark.parametrize("backend", ["cpumoe", "cpumoe_bf16"])

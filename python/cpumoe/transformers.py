@@ -1,6 +1,6 @@
 """cpumoe as an experts backend of Hugging Face ``transformers`` (version 5 and later).
 
-``import cpumoe.transformers`` registers two backends with transformers' own registry
+``import cpumoe.transformers`` registers four backends with transformers' own registry
 (``transformers.integrations.moe.ExpertsInterface``)::
 
     import cpumoe.transformers
@@ -15,6 +15,13 @@
 ``"cpumoe_bf16"``
     :func:`cpumoe.fused_moe_bf16` on the model's weights (rounded to bf16 if the model is fp32),
     packed once (:func:`pack_bf16`); the float copies are released the same way.
+``"cpumoe_int4"`` / ``"cpumoe_mxfp4"``
+    W4A8: the experts quantized round-to-nearest to int4 (a scale per group of 128, else 64 or
+    32 inputs: the first dividing H and I) or to MXFP4, packed at 4 bits per weight, run by
+    :func:`cpumoe.fused_moe_int8` (per-token int8 activations). A gpt-oss model loaded from its
+    MXFP4 checkpoint (transformers dequantizes the experts on a CPU) gets the checkpoint's
+    values back exactly with ``"cpumoe_mxfp4"``: half the bytes of W8A8 and no extra error in
+    the weights.
 
 Any model whose experts class uses transformers' ``@use_experts_implementation`` works if its
 experts are gated (a fused ``gate_up_proj``) and their gating is one of cpumoe's activations:
@@ -61,8 +68,12 @@ __all__ = [
     "quantize",
 ]
 
-#: The experts_implementation names registered here, and the op each runs.
-BACKENDS = {"cpumoe": "int8", "cpumoe_bf16": "bf16"}
+#: The experts_implementation names registered here, and the weight format each packs (int8,
+#: int4 and mxfp4 run fused_moe_int8, bf16 fused_moe_bf16).
+BACKENDS = {"cpumoe": "int8", "cpumoe_bf16": "bf16", "cpumoe_int4": "int4",
+            "cpumoe_mxfp4": "mxfp4"}
+#: cpumoe_int4's group sizes, the first that divides H and I taken.
+INT4_GROUPS = (128, 64, 32)
 
 _ALIGN = 8  # H and I: multiples of this (the op's requirement)
 _STATE = "_cpumoe_state"  # attribute of an experts module: {kind: _State} of its packed layers
@@ -74,8 +85,8 @@ class UnsupportedExperts(ValueError):
 
 @dataclasses.dataclass
 class _State:
-    kind: str  # "int8" or "bf16"
-    packed: Any  # PackedMoe or PackedMoeBf16
+    kind: str  # a value of BACKENDS
+    packed: Any  # PackedMoe, PackedMoeBf16 or PackedMoeW4
     activation: str
     name: str
     float_released: bool
@@ -248,6 +259,38 @@ def _quantize_rows(w: torch.Tensor):
     return q, s
 
 
+def _pack_w4(module: torch.nn.Module, lay: _Layout, kind: str, name: Optional[str], b13,
+             b2) -> Any:
+    """W4A8: the experts round-to-nearest quantized to int4 (symmetric, a scale per group of
+    INT4_GROUPS' first size dividing H and I) or to MXFP4 (cpumoe.reference's quantizers), one
+    expert at a time, then packed. A model loaded from an MXFP4 checkpoint (transformers
+    dequantizes gpt-oss's experts on a CPU) gets its checkpoint's values back exactly."""
+    E, H, I = lay.E, lay.H, lay.I
+    if kind == "mxfp4":
+        if H % 32 or I % 32:
+            _fail(module, name, f"MXFP4 needs H = {H} and I = {I} to be multiples of 32")
+        q13 = torch.empty((E, 2 * I, H // 32, 16), dtype=torch.uint8)
+        t13 = torch.empty((E, 2 * I, H // 32), dtype=torch.uint8)
+        q2 = torch.empty((E, H, I // 32, 16), dtype=torch.uint8)
+        t2 = torch.empty((E, H, I // 32), dtype=torch.uint8)
+        for e in range(E):
+            q13[e], t13[e] = _reference.quantize_mxfp4(_w13_of(module, lay, e).float())
+            q2[e], t2[e] = _reference.quantize_mxfp4(_w2_of(module, lay, e).float())
+        return _ops.prepack_mxfp4(q13, t13, q2, t2, b13, b2)
+    g = next((g for g in INT4_GROUPS if H % g == 0 and I % g == 0), None)
+    if g is None:
+        _fail(module, name, f"int4 groups of {', '.join(map(str, INT4_GROUPS))} divide neither "
+                            f"H = {H} nor I = {I}")
+    q13 = torch.empty((E, 2 * I, H), dtype=torch.int8)
+    t13 = torch.empty((E, 2 * I, H // g), dtype=torch.float32)
+    q2 = torch.empty((E, H, I), dtype=torch.int8)
+    t2 = torch.empty((E, H, I // g), dtype=torch.float32)
+    for e in range(E):
+        q13[e], t13[e] = _reference.quantize_int4(_w13_of(module, lay, e).float(), g)
+        q2[e], t2[e] = _reference.quantize_int4(_w2_of(module, lay, e).float(), g)
+    return _ops.prepack_int4(q13, q2, t13, t2, b13, b2, group_size=g)
+
+
 def _states(module: torch.nn.Module) -> dict:
     """kind -> _State of the module's packed layers (one per op it was packed for)."""
     return getattr(module, _STATE, None) or {}
@@ -280,14 +323,15 @@ def _pack(module: torch.nn.Module, kind: str, name: Optional[str], keep_float: b
                 w13[e], s13[e] = _quantize_rows(_w13_of(module, lay, e))
                 w2[e], s2[e] = _quantize_rows(_w2_of(module, lay, e))
             packed = _ops.prepack(w13, w2, s13, s2, b13, b2)
-        else:
+        elif kind == "bf16":
             w13 = torch.empty((E, 2 * I, H), dtype=torch.bfloat16)
             w2 = torch.empty((E, H, I), dtype=torch.bfloat16)
             for e in range(E):
                 w13[e] = _w13_of(module, lay, e)
                 w2[e] = _w2_of(module, lay, e)
             packed = _ops.prepack_bf16(w13, w2, b13, b2)
-        del w13, w2
+        else:
+            packed = _pack_w4(module, lay, kind, name, b13, b2)
     state = _State(kind, packed, lay.activation, name or "", not keep_float)
     if not keep_float:
         for pname in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
@@ -358,8 +402,19 @@ def _forward_bf16(self, hidden_states, top_k_index, top_k_weights):
     return _forward(self, hidden_states, top_k_index, top_k_weights, "bf16", _ops.fused_moe_bf16)
 
 
+def _forward_int4(self, hidden_states, top_k_index, top_k_weights):
+    return _forward(self, hidden_states, top_k_index, top_k_weights, "int4", _ops.fused_moe_int8)
+
+
+def _forward_mxfp4(self, hidden_states, top_k_index, top_k_weights):
+    return _forward(self, hidden_states, top_k_index, top_k_weights, "mxfp4",
+                    _ops.fused_moe_int8)
+
+
 ExpertsInterface.register("cpumoe", _forward_int8)
 ExpertsInterface.register("cpumoe_bf16", _forward_bf16)
+ExpertsInterface.register("cpumoe_int4", _forward_int4)
+ExpertsInterface.register("cpumoe_mxfp4", _forward_mxfp4)
 
 
 # ---------------------------------------------------------------------------- whole models
@@ -373,7 +428,7 @@ def experts_modules(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]
 
 def prepare(model: torch.nn.Module, backend: str = "cpumoe", *,
             keep_float_weights: bool = False) -> List[str]:
-    """Packs every experts module of ``model`` for ``backend`` ("cpumoe" or "cpumoe_bf16") now
+    """Packs every experts module of ``model`` for ``backend`` (a key of BACKENDS) now
     (instead of at their first call) and switches the model to it
     (``model.set_experts_implementation``). Returns the names of the packed modules.
 
