@@ -323,17 +323,18 @@ TEST(MoePacked, Accessors) {
   EXPECT_EQ(pk.b2(1), nullptr);
 }
 
-// Phases 4-5 fused into row tasks (MoeTilePolicy::fuse_gemm1) and phase by phase give the same
-// bits, the oracle's, on every kernel: experts of several row chunks (pieces of the GEMM2 packing
+// Phases 4-5 (and 6) fused into row tasks (MoeTilePolicy::fuse_gemm1, fuse_gemm2) and phase by
+// phase give the same bits, the oracle's, on every kernel: experts of several row chunks (pieces of the GEMM2 packing
 // at row offsets), a partial last chunk, 1 and 3 threads (fused and not under the default rule).
 TEST(MoeFusion, FusedAndPhasedGiveTheOraclesBits) {
   MoeData d = make_moe_data({700, 3, 2, 64, 40}, DType::bf16, Activation::silu, true, 23);
   const std::vector<float> exact = cpumoe_ref::fused_moe(d.ref, d.ref_inputs(), cpumoe::vec::apply);
   for (const cpumoe::QGemmUkernel* kern : cpumoe_test::supported_kernels()) {
     SCOPED_TRACE(kern->name);
-    for (bool fuse : {true, false}) {
+    for (int fuse : {2, 1, 0}) {
       cpumoe::MoeConfig<cpumoe::QGemmUkernel> cfg = cpumoe::int8_config(kern);
-      cfg.tiles.fuse_gemm1 = fuse;
+      cfg.tiles.fuse_gemm1 = fuse > 0;
+      cfg.tiles.fuse_gemm2 = fuse > 1;
       cfg.tiles.rows = 200;  // 3-4 row chunks per expert (rounded up to mr)
       const cpumoe::PackedMoe pk(d.weights(), cfg, 1);
       for (int threads : {1, 3}) {

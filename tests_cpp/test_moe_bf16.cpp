@@ -109,9 +109,9 @@ void check_all_kernels(const Bf16Data& b) {
   }
 }
 
-// Phases 4-5 fused into row tasks (MoeTilePolicy::fuse_gemm1) and phase by phase give the same
-// bits on every kernel (experts of several row chunks, a partial last chunk, 1 and 3 threads),
-// within the oracle's tolerance.
+// Phases 4-5 (and 6) fused into row tasks (MoeTilePolicy::fuse_gemm1, fuse_gemm2) and phase by
+// phase give the same bits on every kernel (experts of several row chunks, a partial last
+// chunk, 1 and 3 threads), within the oracle's tolerance.
 TEST(MoeBf16Fusion, FusedAndPhasedGiveTheSameBits) {
   const Bf16Data b = to_bf16(cpumoe_test::make_moe_data({700, 3, 2, 64, 40}, DType::bf16,
                                                          Activation::gelu, true, 29));
@@ -120,9 +120,10 @@ TEST(MoeBf16Fusion, FusedAndPhasedGiveTheSameBits) {
   for (const cpumoe::BGemmUkernel* kern : supported_bf16_kernels()) {
     SCOPED_TRACE(kern->name);
     std::vector<uint8_t> first;
-    for (bool fuse : {true, false}) {
+    for (int fuse : {2, 1, 0}) {
       cpumoe::MoeConfig<cpumoe::BGemmUkernel> cfg = cpumoe::bf16_config(kern);
-      cfg.tiles.fuse_gemm1 = fuse;
+      cfg.tiles.fuse_gemm1 = fuse > 0;
+      cfg.tiles.fuse_gemm2 = fuse > 1;
       cfg.tiles.rows = 200;
       const cpumoe::PackedMoeBf16 pk(weights_of(b), cfg, 1);
       for (int threads : {1, 3}) {

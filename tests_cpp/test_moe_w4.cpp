@@ -173,7 +173,7 @@ TEST(MoeW4, GridMatchesOracle) {
 }
 
 // Prefill-sized calls: GEMM1 fused with the activation and GEMM2's packing (several row chunks
-// per expert) and phase by phase give the oracle's bits.
+// per expert), with GEMM2 too, and phase by phase give the oracle's bits.
 TEST(MoeW4, FusedAndPhasedGiveTheOraclesBits) {
   for (const Fmt& fm : {Fmt{W4Format::int4, 128}, Fmt{W4Format::mxfp4, 32}}) {
     const W4Data w = make_w4({700, 3, 2, 128, 256}, fm.f, fm.g, DType::bf16, Activation::swigluoai,
@@ -181,10 +181,11 @@ TEST(MoeW4, FusedAndPhasedGiveTheOraclesBits) {
     const std::vector<float> exact =
         cpumoe_ref::fused_moe_w4(w.ref, w.d.ref_inputs(), cpumoe::vec::apply);
     for (const cpumoe::Q4GemmUkernel* kern : supported_w4_kernels()) {
-      for (bool fuse : {true, false}) {
+      for (int fuse : {2, 1, 0}) {
         SCOPED_TRACE(testing::Message() << kern->name << " fuse=" << fuse);
         cpumoe::MoeConfig<cpumoe::Q4GemmUkernel> cfg = cpumoe::w4_config(kern);
-        cfg.tiles.fuse_gemm1 = fuse;
+        cfg.tiles.fuse_gemm1 = fuse > 0;
+        cfg.tiles.fuse_gemm2 = fuse > 1;
         cfg.tiles.rows = 200;
         const cpumoe::PackedMoeW4 pk(w.weights(), cfg, 1);
         for (int threads : {1, 3}) {

@@ -41,9 +41,17 @@ size_t scratch_bound(const MoeConfig<Kernel>& cfg, int64_t num_experts, int64_t 
   if (num_tokens == 0) return 0;
   const int64_t tc = std::min(num_tokens, tokens_per_chunk(topk));
   const int64_t elem = sizeof(typename Family<Kernel>::Elem);
-  return plan(worst_case(cfg, elem, num_experts, hidden, intermediate, tc, topk,
-                         resolve_threads(num_threads)))
-      .total;
+  ChunkSizes s = worst_case(cfg, elem, num_experts, hidden, intermediate, tc, topk,
+                            resolve_threads(num_threads));
+  size_t bound = plan(s).total;
+  if (cfg.tiles.fuse_gemm1 && cfg.tiles.fuse_gemm2) {
+    // A call with fewer slots may lay y out apart (at most kFusedGemm2MaxY bytes) after the
+    // buffers of phases 1-5, which are largest at the worst case's slots.
+    s.y_apart = std::min(kFusedGemm2MaxY, size_t(checked_mul(checked_mul(s.P, hidden, "scratch"),
+                                                             4, "scratch")));
+    bound = std::max(bound, plan(s).total);
+  }
+  return bound;
 }
 
 template <class Packed>

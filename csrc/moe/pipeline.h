@@ -10,7 +10,9 @@
 //      bf16, qa bf16); pack again
 //   4-5 fused (MoeTilePolicy::fuse_gemm1, calls with enough row chunks per thread): one task per
 //      (expert, row chunk) runs GEMM1 over all 2I columns into a per-thread h block, activates
-//      and requantizes those rows and packs them for GEMM2, so h never leaves the core's cache
+//      and requantizes those rows and packs them for GEMM2, so h never leaves the core's cache;
+//      with fuse_gemm2 the same task then runs GEMM2 over all H columns of its rows (4-6 one
+//      loop: no barrier between the GEMMs)
 //   6. GEMM2 tasks                                      y [P, H] fp32
 //   7. combine per token: out[t] = sum_j w[t,j] * y[slot(t,j)] in fp32, stored in the input dtype
 // All buffers live in the calling thread's scratch block, laid out by plan().
@@ -85,11 +87,15 @@ class Pipeline {
     sizes.lhs2 = lhs_offsets(r, kern, I, nullptr);
     sizes.tasks1 = make_tasks(r, tp, kern.mr, kern.nr, 2 * I, threads, nullptr);
     sizes.tasks2 = make_tasks(r, tp, kern.mr, kern.nr, H, threads, nullptr);
+    fused = tp.fuse_gemm1 && row_tasks(nullptr) >= tp.tasks_per_thread * int64_t(threads);
+    // GEMM2 in the row tasks needs y apart from the buffers other tasks still read.
+    const size_t y_bytes = size_t(r.P) * size_t(H) * sizeof(float);
+    fused2 = fused && tp.fuse_gemm2 && y_bytes <= kFusedGemm2MaxY;
+    sizes.y_apart = fused2 ? std::max<size_t>(y_bytes, 1) : 0;
     pl = plan(sizes);  // same routing offsets: they depend on E, tc, k only
     base = thread_scratch().reserve(pl.total, pl.route_end);
     r.bind(base, pl);
     x_in_place = F::x_in_place(c.dtype);
-    fused = tp.fuse_gemm1 && row_tasks(nullptr) >= tp.tasks_per_thread * int64_t(threads);
   }
 
   // The (expert, row chunk) tasks of the fused phases 4-5 (all 2I columns each) into `out` when
@@ -188,6 +194,7 @@ class Pipeline {
     const int64_t n_tasks = row_tasks(tasks);
     const float* row_scale = at<float>(pl.row_scale);
     float* h = at<float>(pl.h);
+    float* y = at<float>(pl.y);
     Elem* qa = at<Elem>(pl.qa);
     float* sa = at<float>(pl.sa);
     float* tmp = at<float>(pl.tmp);
@@ -205,8 +212,16 @@ class Pipeline {
                     qa + (row0 + p) * I, sa + row0 + p);
         rows[row0 + p] = qa + (row0 + p) * I;
       }
-      kern.pack_lhs(tk.m, I, rows + row0, lhs2 + off2[tk.e] + kern.lhs_packed_offset(tk.m0, I));
-      return round_up(tk.m, kern.mr) * round_up(2 * I, kern.nr) * round_up(H, kern.kr);
+      uint8_t* lp2 = lhs2 + off2[tk.e] + kern.lhs_packed_offset(tk.m0, I);
+      kern.pack_lhs(tk.m, I, rows + row0, lp2);
+      int64_t work = round_up(tk.m, kern.mr) * round_up(2 * I, kern.nr) * round_up(H, kern.kr);
+      if (fused2) {  // GEMM2 of these rows, all H columns (a task of phase 6 spanning them all)
+        const Task t2{tk.e, tk.m0, tk.m, 0, H};
+        F::run(kern, pk, t2, I, lp2, pk.w2(tk.e), y + row0 * H, H, sa + row0,
+               F::scale2(pk, tk.e), pk.b2(tk.e));
+        work += round_up(tk.m, kern.mr) * round_up(H, kern.nr) * round_up(I, kern.kr);
+      }
+      return work;
     });
   }
 
@@ -236,6 +251,7 @@ class Pipeline {
 
   // 6. GEMM2.
   void gemm2() {
+    if (fused2) return;
     // y is read by the combine only after the whole GEMM: when it is larger than a few cores'
     // L2, its lines go past the caches rather than evicting the weights (the hint).
     // (Measured, AMX, one thread, Qwen3 T=2048: 240 -> 197 ms median of 3; T=512: neutral.)
@@ -277,7 +293,8 @@ class Pipeline {
   uint8_t* base = nullptr;
   Routing r;
   bool x_in_place = false;
-  bool fused = false;  // phases 4-5 as one loop of row tasks
+  bool fused = false;   // phases 4-5 as one loop of row tasks
+  bool fused2 = false;  // ... and phase 6 in the same tasks
 };
 
 }  // namespace moe_detail

@@ -43,9 +43,13 @@ ChunkPlan plan(const ChunkSizes& s) {
   p.qa = take(mul(s.P, s.I), size_t(s.elem));
   p.tmp = take(mul(s.threads, s.I), 4);
   const size_t dead_end = at;
-  at = p.route_end;
-  p.y = take(mul(s.P, s.H), 4);
-  at = std::max(at, dead_end);
+  if (s.y_apart > 0) {
+    p.y = take(int64_t(s.y_apart), 1);
+  } else {
+    at = p.route_end;
+    p.y = take(mul(s.P, s.H), 4);
+    at = std::max(at, dead_end);
+  }
   p.sa = take(s.P, 4);
   p.off2 = take(s.E, sizeof(size_t));
   p.lhs2 = take(int64_t(s.lhs2), 1);

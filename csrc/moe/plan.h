@@ -27,15 +27,22 @@ struct ChunkSizes {
   int64_t P = 0;                  // routed slots
   size_t lhs1 = 0, lhs2 = 0;      // packed activations, all experts
   int64_t tasks1 = 0, tasks2 = 0; // GEMM tasks
+  size_t y_apart = 0;  // > 0: y gets this many bytes of its own after phases 1-5's buffers
+                       // (GEMM2 runs inside phase 4's tasks: fuse_gemm2); 0: y reuses them
 };
+
+// Largest y (bytes) laid out apart for fuse_gemm2: decode and small batches, where the barrier
+// between the GEMMs weighs, at a bounded cost in scratch (Qwen3: up to 256 slots).
+constexpr size_t kFusedGemm2MaxY = size_t(2) << 20;
 
 // Byte offsets of every buffer of a chunk in its scratch block. The routing buffers come first:
 // their size is known before routing, the rest only after. Then the buffers of phases 1-5, which
-// are dead once GEMM2 starts, so GEMM2's output y reuses their space; then those that live on.
+// are dead once GEMM2 starts, so GEMM2's output y reuses their space (unless y_apart); then those
+// that live on.
 struct ChunkPlan {
   size_t count, first, fill, active, pos_of, token_of, route_end;
   size_t xq, xs, rows, row_scale, off1, lhs1, tasks1, h, qa, tmp;  // phases 1-5
-  size_t y;                                                         // phases 6-7, over the above
+  size_t y;  // phases 6-7, over the above (or after them: y_apart)
   size_t sa, off2, lhs2, tasks2, accs;                              // written in 5 / 6, read after
   size_t total;
 };

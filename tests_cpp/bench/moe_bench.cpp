@@ -5,8 +5,11 @@
 //   cpumoe_moe_bench [--H 2048] [--I 768] [--E 128] [--k 8] [--T 16] [--iters 3]
 //                    [--act silu|gelu|gelu_tanh|swigluoai] [--dtype f32|bf16|f16]
 //                    [--isa CAP] [--threads N] [--phases 0|1] [--tasks 0|1]
-//                    [--format int8|int4|mxfp4] [--group G]
+//                    [--format int8|int4|mxfp4] [--group G] [--fuse 0|1|2] [--routings N]
 //
+// --fuse: the tile policy's fusion (0 phase by phase, 1 GEMM1 + activation in row tasks, 2 GEMM2
+// in them too; default the policy's own). --routings N: the measured calls cycle through N random
+// routings (N > 1 reads other experts' weights each call: cold weights at decode).
 // --format int4 / mxfp4: the W4A8 op (PackedMoeW4) on 4-bit weights made from the same random
 // bytes (int4: the top four bits of each int8, groups of G k, default 128; mxfp4: the bytes as
 // E2M1 code pairs, E8M0 scales near 2^-7).
@@ -49,6 +52,13 @@ void fill_int8(std::vector<int8_t>& v, uint64_t seed) {
   for (auto& x : v) x = x == -128 ? int8_t(-127) : x;
 }
 
+// --fuse: -1 keeps the policy's default.
+void set_fusion(cpumoe::MoeTilePolicy* tp, int64_t fuse) {
+  if (fuse < 0) return;
+  tp->fuse_gemm1 = fuse > 0;
+  tp->fuse_gemm2 = fuse > 1;
+}
+
 std::vector<int> g_phase_seq;
 std::vector<std::chrono::steady_clock::time_point> g_phase_time;  // natively: wall time per phase
 bool g_recording = false;
@@ -67,7 +77,7 @@ int main(int argc, char** argv) {
   int threads = 0;
   bool phases = false, tasks = false;
   std::string act = "silu", isa, dtype = "f32", format = "int8";
-  int64_t group = 128;
+  int64_t group = 128, fuse = -1, routings = 1;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     const char* v = argv[i + 1];
@@ -85,6 +95,8 @@ int main(int argc, char** argv) {
     else if (a == "--tasks") tasks = std::atoi(v) != 0;
     else if (a == "--format") format = v;
     else if (a == "--group") group = std::atoll(v);
+    else if (a == "--fuse") fuse = std::atoll(v);
+    else if (a == "--routings") routings = std::max<int64_t>(1, std::atoll(v));
     else {
       std::fprintf(stderr, "unknown option %s\n", a.c_str());
       return 2;
@@ -125,15 +137,16 @@ int main(int argc, char** argv) {
       std::memcpy(&x[size_t(i) * 2], &h, 2);
     }
   }
-  // Distinct experts per token, like a router's top-k.
-  std::vector<int32_t> ids(size_t(T * k));
+  // Distinct experts per token, like a router's top-k; `routings` such routings one after another.
+  std::vector<int32_t> all_ids(size_t(routings * T * k));
   std::vector<float> tw(size_t(T * k), 1.0f / float(k));
   std::vector<int32_t> perm(static_cast<size_t>(E));
-  for (int64_t t = 0; t < T; ++t) {
+  for (int64_t t = 0; t < routings * T; ++t) {
     for (int64_t e = 0; e < E; ++e) perm[size_t(e)] = int32_t(e);
     std::shuffle(perm.begin(), perm.end(), rng);
-    for (int64_t j = 0; j < k; ++j) ids[size_t(t * k + j)] = perm[size_t(j % E)];
+    for (int64_t j = 0; j < k; ++j) all_ids[size_t(t * k + j)] = perm[size_t(j % E)];
   }
+  const std::vector<int32_t> ids(all_ids.begin(), all_ids.begin() + T * k);  // the first
 
   const cpumoe::Isa cap = isa.empty() ? cpumoe::Isa::portable : cpumoe::parse_isa(isa, "--isa");
   const cpumoe::Isa* capp = isa.empty() ? nullptr : &cap;
@@ -160,7 +173,11 @@ int main(int argc, char** argv) {
   #endif
     getppid();                          // mark: start of the measured calls
     const auto t0 = std::chrono::steady_clock::now();
-    for (int64_t i = 0; i < iters; ++i) cpumoe::fused_moe_int8(packed, c);
+    for (int64_t i = 0; i < iters; ++i) {
+      c.topk_ids = all_ids.data() + (i % routings) * T * k;
+      cpumoe::fused_moe_int8(packed, c);
+    }
+    c.topk_ids = ids.data();
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     getppid();                          // mark: end
   #if defined(CPUMOE_BENCH_HOOKS)
@@ -243,7 +260,9 @@ int main(int argc, char** argv) {
     w.w2 = w2.data();
     w.s13 = s13.data();
     w.s2 = s2.data();
-    cpumoe::PackedMoe packed(w, capp ? cpumoe::qgemm_select(capp) : nullptr, threads);
+    auto cfg = cpumoe::int8_config(capp ? cpumoe::qgemm_select(capp) : nullptr);
+    set_fusion(&cfg.tiles, fuse);
+    cpumoe::PackedMoe packed(w, cfg, threads);
     std::vector<int8_t>().swap(w13);  // the unpacked copies are not needed any more
     std::vector<int8_t>().swap(w2);
     return measure(packed);
@@ -274,7 +293,9 @@ int main(int argc, char** argv) {
   w.s13 = mx ? static_cast<const void*>(e13.data()) : g13.data();
   w.s2 = mx ? static_cast<const void*>(e2.data()) : g2.data();
   try {
-    cpumoe::PackedMoeW4 packed(w, capp ? cpumoe::q4gemm_select(capp) : nullptr, threads);
+    auto cfg = cpumoe::w4_config(capp ? cpumoe::q4gemm_select(capp) : nullptr);
+    set_fusion(&cfg.tiles, fuse);
+    cpumoe::PackedMoeW4 packed(w, cfg, threads);
     std::vector<int8_t>().swap(w13);
     std::vector<int8_t>().swap(w2);
     std::printf("format %s group %lld packed_bytes %zu\n", format.c_str(), (long long)group,

@@ -53,6 +53,11 @@ struct MoeTilePolicy {
   /// keep the column tiles that spread GEMM1 over the threads. Same results either way (every
   /// element is computed by the same kernel code in the same order); false: never.
   bool fuse_gemm1 = true;
+  /// With fuse_gemm1 in effect, each row task also runs GEMM2 over all H columns of its rows:
+  /// the whole call is one parallel loop, with no barrier between the GEMMs (at decode the
+  /// team is woken once instead of twice and no thread waits for the slowest GEMM1 task).
+  /// Same results either way; false: GEMM2 in column tiles after all row tasks.
+  bool fuse_gemm2 = true;
 };
 
 /// The whole chain a packed layer runs, chosen once when it is packed and never looked up again
