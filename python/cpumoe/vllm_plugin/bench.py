@@ -1,8 +1,9 @@
 """End-to-end benchmark: vLLM offline with its own CPU MoE backend against cpumoe's plugin.
 
 ``python -m cpumoe.vllm_plugin.bench`` writes a random model of Qwen3-30B-A3B's width (H 2048,
-128 experts of I 768, top-8, 32 heads, vocabulary cut to 2048) with ``--layers`` layers, in bf16
-and W8A8 (compressed-tensors int8 experts), then for each checkpoint serves it through
+128 experts of I 768, top-8, 32 heads, vocabulary cut to 2048) with ``--layers`` layers, in bf16,
+W8A8 (compressed-tensors int8 experts) and, with ``--checkpoints w4a8,...``, W4A8 (int4 experts,
+g 128), then for each checkpoint serves it through
 ``vllm.LLM`` (bf16 activations, eager) once per backend and round, the backends alternating
 (``--rounds``), each engine in a fresh process, and measures:
 
@@ -15,7 +16,8 @@ and W8A8 (compressed-tensors int8 experts), then for each checkpoint serves it t
 
 Medians over the rounds are reported as a markdown table (and ``--json``). A backend that cannot
 serve a checkpoint on this CPU (vLLM has no Int8 MoE kernel on x86 without AMX) is reported as
-such. Memory: the experts are 8 x 128 x 3 x 2048 x 768 bytes = 4.8 GB at int8, 9.7 GB at bf16.
+such. Memory: the experts are 8 x 128 x 3 x 2048 x 768 bytes = 4.8 GB at int8, 9.7 GB at bf16
+(W4A8's checkpoint stores its int4 values in int8 bytes too; packed, they take half).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -193,7 +196,7 @@ def main(argv: List[str] = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--dir", default=None, help="checkpoint folder (kept; default: a temp dir)")
-    ap.add_argument("--checkpoints", default="w8a8,bf16")
+    ap.add_argument("--checkpoints", default="w8a8,bf16", help="of bf16, w8a8, w4a8")
     ap.add_argument("--backends", default="vllm,cpumoe")
     ap.add_argument("--rounds", type=int, default=2, help="engine starts per backend")
     ap.add_argument("--repeats", type=int, default=3, help="measurements per engine (best)")
@@ -228,12 +231,16 @@ def main(argv: List[str] = None) -> int:
         folder = root / f"qwen3-{args.layers}l-{ck}"
         if not (folder / "config.json").exists():
             t0 = time.perf_counter()
-            models.save_qwen3_bench(folder, w8a8=(ck == "w8a8"), num_layers=args.layers)
+            models.save_qwen3_bench(folder, None if ck == "bf16" else ck,
+                                    num_layers=args.layers)
             print(f"[bench] wrote {folder} ({models.checkpoint_bytes(folder) / 1e9:.1f} GB) in "
                   f"{time.perf_counter() - t0:.0f} s", flush=True)
         results[ck] = {b: [] for b in args.backends.split(",")}
         if ck == "w8a8" and "vllm" in results[ck] and not _has_vllm_int8():
             results[ck]["vllm"].append({"error": "no Int8 MoE kernel of vLLM's for this CPU"})
+        if ck == "w4a8" and "vllm" in results[ck] and platform.machine() not in ("aarch64",
+                                                                                  "arm64"):
+            results[ck]["vllm"].append({"error": "no W4A8 MoE kernel of vLLM's off Arm"})
         for r in range(args.rounds):
             for backend in results[ck]:
                 if any("error" in x for x in results[ck][backend]):

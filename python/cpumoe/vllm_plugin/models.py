@@ -295,10 +295,11 @@ def qwen3_bench_config(num_layers: int = 8, vocab_size: int = 2048):
         max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-6)
 
 
-def _w8a8_config_dict() -> dict:
-    """The quantization_config of :func:`save_w8a8`'s checkpoints, from compressed-tensors."""
+def _quantized_config_dict(kind: str) -> dict:
+    """The quantization_config of a checkpoint of :data:`_PRESETS` ``kind`` (compressed-tensors'
+    preset, int-quantized: what :func:`save_w8a8` / :func:`save_w4a8` write)."""
     import compressed_tensors.quantization as ctq
-    scheme = ctq.preset_name_to_scheme("W8A8", ["Linear"])
+    scheme = ctq.preset_name_to_scheme(_PRESETS[kind][0], ["Linear"])
     qcfg = ctq.QuantizationConfig(
         config_groups={"group_0": scheme}, format="int-quantized",
         quantization_status="compressed",
@@ -306,11 +307,12 @@ def _w8a8_config_dict() -> dict:
     return qcfg.model_dump(exclude_none=True, mode="json")
 
 
-def save_qwen3_bench(folder: PathLike, w8a8: bool, num_layers: int = 8, seed: int = 0,
-                     std: float = 0.02, config=None, pool: int = 16) -> Path:
+def save_qwen3_bench(folder: PathLike, quant: Optional[str] = None, num_layers: int = 8,
+                     seed: int = 0, std: float = 0.02, config=None, pool: int = 16) -> Path:
     """Writes a random Qwen3-MoE checkpoint (:func:`qwen3_bench_config` unless ``config``), one
-    safetensors file per layer, in bf16 or (``w8a8``) with int8 experts and per-channel scales
-    in compressed-tensors' layout. Generated and written a layer at a time.
+    safetensors file per layer, in bf16 (``quant`` None) or with "w8a8" int8 experts and
+    per-channel scales or "w4a8" int4 experts (int8 storage) and scales per 128 inputs, in
+    compressed-tensors' int-quantized layout. Generated and written a layer at a time.
 
     The experts of a layer are copies of ``pool`` random ones (expert e holds pool[e % pool]):
     each has its own memory, as in a real model, and the weights' values do not change the
@@ -332,12 +334,15 @@ def save_qwen3_bench(folder: PathLike, w8a8: bool, num_layers: int = 8, seed: in
         out = []
         for _ in range(min(pool, E)):
             w = rnd(*shape)
-            if not w8a8:
+            if quant is None:
                 out.append((w, None))
                 continue
-            scale = w.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127
-            q = torch.round(w.float() / scale).clamp(-127, 127).to(torch.int8)
-            out.append((q, scale))
+            qmax = _PRESETS[quant][1]
+            g = shape[1] if quant == "w8a8" else 128  # the preset's channel / group
+            wg = w.float().reshape(shape[0], shape[1] // g, g)
+            scale = wg.abs().amax(dim=2, keepdim=True).clamp_min(1e-12) / qmax
+            q = torch.round(wg / scale).clamp(-qmax, qmax).to(torch.int8).reshape(shape)
+            out.append((q, scale.squeeze(2)))
         return out
 
     weight_map: Dict[str, str] = {}
@@ -376,8 +381,10 @@ def save_qwen3_bench(folder: PathLike, w8a8: bool, num_layers: int = 8, seed: in
     config = cfg.to_dict()
     config["architectures"] = ["Qwen3MoeForCausalLM"]
     config["torch_dtype"] = "bfloat16"
-    if w8a8:
-        config["quantization_config"] = _w8a8_config_dict()
+    if quant is not None:
+        if quant not in ("w8a8", "w4a8"):
+            raise ValueError(f"quant: None, 'w8a8' or 'w4a8', got {quant!r}")
+        config["quantization_config"] = _quantized_config_dict(quant)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
 
