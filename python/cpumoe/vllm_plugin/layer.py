@@ -123,7 +123,7 @@ def layer_problem(moe: FusedMoEConfig, layer: Any = None) -> Optional[str]:
 
 def _plan(layer: RoutedExperts) -> Tuple[Optional[str], str]:
     """(kind, why) for a layer vLLM built: kind "bf16" if cpumoe takes it, else None and the
-    reason. (W8A8 / W4A8 layers are taken earlier, in _CpumoeLayer._get_quant_method.)"""
+    reason. (Quantized layers are taken earlier, in _CpumoeLayer._get_quant_method.)"""
     qm = layer.quant_method
     moe = layer.moe_config
     if not current_platform.is_cpu():
@@ -465,7 +465,9 @@ class CpumoeBf16Experts(_CpumoeExperts):
                                  _bias(layer, "w13_bias"), _bias(layer, "w2_bias"))
 
 
-_EXPERTS = {"int8": CpumoeInt8Experts, "int4": CpumoeInt4Experts, "bf16": CpumoeBf16Experts}
+#: Experts classes swapped into a method vLLM built (_plan's kinds; the quantized layers get
+#: cpumoe's methods instead).
+_EXPERTS = {"bf16": CpumoeBf16Experts}
 
 
 # ---------------------------------------------------------------------------- the layer
@@ -487,10 +489,11 @@ def _modular_kernel(method: Any, layer: RoutedExperts) -> mk.FusedMoEKernel:
 
 
 def _method_classes() -> Dict[str, type]:
-    """cpumoe's compressed-tensors MoE methods, by kind: vLLM's W8A8 int8 / W4A8 int8 methods
-    (their parameters, weight loading and quant config) with cpumoe's experts, chosen without
-    vLLM's backend selection (which finds no W8A8 kernel on x86 CPUs without AMX, none for
-    swigluoai or an expert map, and no W4A8 kernel on x86 at all)."""
+    """cpumoe's quantized MoE methods, by kind: vLLM's compressed-tensors W8A8 int8, W4A8 int8
+    and WNA16 methods and its gpt-oss MXFP4 method (their parameters and weight loading) with
+    cpumoe's experts, made without vLLM's backend selection (which finds no W8A8 kernel on x86
+    CPUs without AMX, none for swigluoai or an expert map, no W4A8 kernel on x86 and no W4A16 or
+    MXFP4 kernel on x86 without AMX)."""
     global _METHODS
     if _METHODS:
         return _METHODS
