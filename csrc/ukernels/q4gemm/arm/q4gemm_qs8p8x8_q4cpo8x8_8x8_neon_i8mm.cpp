@@ -24,9 +24,10 @@
 // accumulators for the current group (4 per pair and block, as in the int8 kernel: [r c, r c+1,
 // r+1 c, r+1 c+1]); at the group end each goes through scvtf, one fmul by its column pair's group
 // scales ([s_c s_c+1 s_c s_c+1]: one `dup .d`) and one fadd into the fp32 totals: the oracle's
-// acc + float(isum) * s, in g order, no FMA. One-row tiles (decode) first zip the useful halves of
-// two accumulators (row 0 of 4 columns), halving the group-end work. Tiles: 1-2 rows: 1x2 (8
-// int32 accumulators, the totals in registers too); 3-8 rows: 2x1, 3x1, 4x1 (one whole A block
+// acc + float(isum) * s, in g order, no FMA. One-row tiles (decode) put row 0 of 4 columns in
+// one accumulator (A's zero pad row swapped in for every other column pair: see there), halving
+// the group-end work. Tiles: 1 row: 1x4 (8 int32 accumulators, the totals in registers too);
+// 2 rows: 1x2 (likewise); 3-8 rows: 2x1, 3x1, 4x1 (one whole A block
 // per column block: the unpacking of each B register serves up to 4 row pairs; the totals in a
 // small stack array, one ld1 and st1 per pair and group).
 // Instruction counts (qemu, tests_cpp/bench/q4gemm_insn_bench.cpp): see the README's W4A8 table.
@@ -88,14 +89,15 @@ struct Call {
 // The int4 accumulators' start values of the m rows at packed A `a` (whole A blocks): row tile t
 // (np row pairs) at int32 t * groups * 64, per group np * 16 int32: pair p's
 // [-8 S0, -8 S0, -8 S1, -8 S1] four times
-// (one ld1 fills four accumulators), S0 and S1 its rows' sums over the group; then one group of
+// (one ld1 fills four accumulators), S0 and S1 its rows' sums over the group (a one-row tile:
+// [-8 S0, -8 S0, -8 S0, -8 S0], see the one-row tiles); then one group of
 // slack (the asm loads the next group's values after the last). Sums of int8 over a group fit
 // int32 easily (|8 S| <= 1024 * kW4MaxGroup).
 const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a) {
   const int64_t groups = k / g, tiles = (m + kMr - 1) / kMr;
   int32_t* const buf = kernel_scratch_i32(size_t((tiles * groups + 1) * 64));
   for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t np = (std::min(kMr, m - t * kMr) + 1) / 2;
+    const int64_t rows = std::min(kMr, m - t * kMr), np = (rows + 1) / 2;
     const int8_t* blk = a + t * kMr * k;
     int32_t* d = buf + t * groups * 64;
     for (int64_t gi = 0; gi < groups; ++gi) {
@@ -104,7 +106,9 @@ const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a) {
         for (int64_t s = gi * g / 8; s < (gi + 1) * g / 8; ++s)
           acc = vpadalq_s16(acc, vpaddlq_s8(vld1q_s8(blk + s * 64 + 16 * p)));
         const int32x4_t pr = vpaddq_s32(acc, acc);  // [S0, S1, S0, S1]
-        const int32x4_t v = vmulq_n_s32(vzip1q_s32(pr, pr), -8);
+        // One-row tiles hold row 0 in all four lanes (the A' operand of the asm below).
+        const int32x4_t v =
+            vmulq_n_s32(rows == 1 ? vdupq_laneq_s32(pr, 0) : vzip1q_s32(pr, pr), -8);
         for (int x = 0; x < 4; ++x) vst1q_s32(d + 16 * p + 4 * x, v);
       }
       d += np * 16;
@@ -199,32 +203,21 @@ const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a) {
 #define Q4_CVH_I4(r) "scvtf " r ".4s, " r ".4s, #4\n\t"
 #define Q4_CVH_MX(r) Q4_CVL(r)
 
-// One-pair tiles (1-2 rows, 1-2 blocks: decode), totals in v24..: per group end and block, the
-// 8 scales into v1, v2 (int4: one ldp; mxfp4: one ldr of the bf16 scales, two shll), then
-//   one row: 2 zip1 (row 0 of 4 columns out of two column-pair accumulators), (int4) 1 sub,
-//            2 scvtf, 2 fmul, 2 fadd into 2 totals per block (row 0 of columns 0-3, 4-7);
-//   two rows: (int4) 2 sub, per column pair a dup .d of its 2 scales, scvtf, fmul, fadd into 4
-//            totals per block (lanes as the accumulators).
+// One-pair tiles (one or two rows: decode), totals in v24..: per group end and block, the 8
+// scales into v1, v2 (int4: one ldp; mxfp4: one ldr of the bf16 scales, two shll), then
+//   one row (1-4 blocks, below): (int4) 1 sub, 2 scvtf, 2 fmul, 2 fadd into 2 totals per block
+//            (row 0 of columns 0-3, 4-7);
+//   two rows (1-2 blocks): (int4) 2 sub, per column pair a dup .d of its 2 scales, scvtf, fmul,
+//            fadd into 4 totals per block (lanes as the accumulators).
 // Block 0's scales are loaded with a post-index over them (the bytes of a group's 8 scales:
-// Q4_SB_*), block 1's at s = b + bsc (bsc = bs - those bytes).
+// Q4_SB_*), block 1's at s = b + bsc (bsc = bs - those bytes), block j + 1's at s + bs.
 #define Q4_SB_I4 "#32"
 #define Q4_SB_MX "#16"
 #define Q4_SC_I4(addr) "ldp q1, q2, " addr "\n\t"
 #define Q4_SC_MX(addr) "ldr q1, " addr "\n\tshll2 v2.4s, v1.8h, #16\n\tshll v1.4s, v1.4h, #16\n\t"
 #define Q4_B0(F) "[%[b]], " Q4_SB_##F
-#define Q4_R1_END(F, addr, a0, a1, a2, a3, f0, f1)                                        \
-  Q4_SC_##F(addr) "zip1 v3.2d, " a0 ".2d, " a1 ".2d\n\tzip1 v5.2d, " a2 ".2d, " a3 ".2d\n\t" \
-  Q4_SUB_##F("v5", "v3") Q4_CVL("v3") Q4_CVH_##F("v5")                                     \
-  "fmul v3.4s, v3.4s, v1.4s\n\tfmul v5.4s, v5.4s, v2.4s\n\t"                              \
-  "fadd " f0 ".4s, " f0 ".4s, v3.4s\n\tfadd " f1 ".4s, " f1 ".4s, v5.4s\n\t"
 #define Q4_INIT1 "ld1 {v16.4s-v19.4s}, [%[c]], %[cs]\n\t"
 #define Q4_INIT2 "ld1 {v16.4s-v19.4s}, [%[c]]\n\tld1 {v20.4s-v23.4s}, [%[c]], %[cs]\n\t"
-#define Q4_R1_ENDS_1(F)                                                                 \
-  Q4_R1_END(F, Q4_B0(F), "v16", "v17", "v18", "v19", "v24", "v25") Q4_INIT1
-#define Q4_R1_ENDS_2(F)                                                                 \
-  Q4_R1_END(F, Q4_B0(F), "v16", "v17", "v18", "v19", "v24", "v25")                      \
-  "add %[s], %[b], %[bsc]\n\t"                                                          \
-  Q4_R1_END(F, "[%[s]]", "v20", "v21", "v22", "v23", "v26", "v27") Q4_INIT2
 #define Q4_R2_HALF(CV, sc, a0, a1, f0, f1)                                              \
   "dup v3.2d, " sc ".d[0]\n\tdup v5.2d, " sc ".d[1]\n\t" CV(a0) CV(a1)                 \
   "fmul " a0 ".4s, " a0 ".4s, v3.4s\n\tfmul " a1 ".4s, " a1 ".4s, v5.4s\n\t"            \
@@ -238,11 +231,11 @@ const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a) {
   Q4_R2_END(F, Q4_B0(F), "v16", "v17", "v18", "v19", "v24", "v25", "v26", "v27")        \
   "add %[s], %[b], %[bsc]\n\t"                                                          \
   Q4_R2_END(F, "[%[s]]", "v20", "v21", "v22", "v23", "v28", "v29", "v30", "v31") Q4_INIT2
-#define Q4_P1_ASM(ROWS, NB_, F, LOOP, ST)                                                \
+#define Q4_P1_ASM(NB_, F, LOOP, ST)                                                      \
   __asm__ volatile(                                                                      \
       "ld1 {v24.4s-v27.4s}, [%[z]]\n\tld1 {v28.4s-v31.4s}, [%[z]]\n\t" Q4_INIT##NB_       \
       "2:\n\t" LOOP(Q4_S1x##NB_(Q4_UNP_##F))                                              \
-      Q4_R##ROWS##_ENDS_##NB_(F) "subs %[gn], %[gn], #1\n\tb.ne 2b\n\t" ST               \
+      Q4_R2_ENDS_##NB_(F) "subs %[gn], %[gn], #1\n\tb.ne 2b\n\t" ST                      \
       : [a] "+r"(a), [b] "+r"(b), [gn] "+r"(gn), [n] "=&r"(n), [s] "=&r"(s), [o] "+r"(o), \
         [c] "+r"(c)                                                                      \
       : [np2] "r"(np2), [s64] "r"(s64), [bs] "r"(bs), [back] "r"(back), [bsc] "r"(bsc),  \
@@ -251,11 +244,65 @@ const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a) {
         "v26", "v27", "v28", "v29", "v30", "v31")
 #define Q4_ST1 "st1 {v24.4s-v25.4s}, [%[o]]\n\t"
 #define Q4_ST2 "st1 {v24.4s-v27.4s}, [%[o]]\n\t"
-#define Q4_ST8 "st1 {v24.4s-v27.4s}, [%[o]], #64\n\tst1 {v28.4s-v31.4s}, [%[o]]\n\t"
-#define Q4_P1_FMT(ROWS, NB_, ST)                                              \
-  if constexpr (F == W4Format::mxfp4) Q4_P1_ASM(ROWS, NB_, MX, Q4_LOOP_G32, ST);  \
-  else if constexpr (kG32) Q4_P1_ASM(ROWS, NB_, I4, Q4_LOOP_G32, ST);        \
-  else Q4_P1_ASM(ROWS, NB_, I4, Q4_LOOP, ST);
+#define Q4_ST3 "st1 {v24.4s-v27.4s}, [%[o]], #64\n\tst1 {v28.4s-v29.4s}, [%[o]]\n\t"
+#define Q4_ST4 "st1 {v24.4s-v27.4s}, [%[o]], #64\n\tst1 {v28.4s-v31.4s}, [%[o]]\n\t"
+#define Q4_P1_FMT(NB_, ST)                                                    \
+  if constexpr (F == W4Format::mxfp4) Q4_P1_ASM(NB_, MX, Q4_LOOP_G32, ST);    \
+  else if constexpr (kG32) Q4_P1_ASM(NB_, I4, Q4_LOOP_G32, ST);              \
+  else Q4_P1_ASM(NB_, I4, Q4_LOOP, ST);
+
+// One-row tiles (1-4 blocks). Row 0's half of an A slice is loaded alone (ldr d: A = [a, 0],
+// whatever row 1 holds), and A' = [0, a] (one ext) against column pair q + 1's operands
+// (registers 1 and 3 of a slice pair) puts row 0 of those columns in lanes 2, 3 of the same
+// accumulator as column pair q's (lanes 0, 1, against A): per block two accumulators, row 0 of
+// columns 0-3 (low nibbles) and 4-7 (high), so the group end needs no zip, and four blocks fit
+// (accumulators v16-v23, totals v24-v31) to share each A load. int4's start values are -8 S0 in
+// all four lanes (init_sums).
+#define Q4_O_LDA                                                                     \
+  "ldr d0, [%[a]], #64\n\tldr d4, [%[a]], #64\n\t"                                   \
+  "ext v1.16b, v0.16b, v0.16b, #8\n\text v5.16b, v4.16b, v4.16b, #8\n\t"
+#define Q4_O_BLK(U, l, h)                                                                    \
+  Q4_R1(U, "v8", "v0", l, h) Q4_R1(U, "v9", "v1", l, h) Q4_R1(U, "v10", "v4", l, h)          \
+      Q4_R1(U, "v11", "v5", l, h)
+#define Q4_O_S1(U) Q4_O_LDA Q4_LDB(back) Q4_O_BLK(U, 0, 1)
+#define Q4_O_S2(U) Q4_O_LDA Q4_LDB(bs) Q4_O_BLK(U, 0, 1) Q4_LDB(back) Q4_O_BLK(U, 2, 3)
+#define Q4_O_S3(U)                                                                            \
+  Q4_O_LDA Q4_LDB(bs) Q4_O_BLK(U, 0, 1) Q4_LDB(bs) Q4_O_BLK(U, 2, 3) Q4_LDB(back)            \
+      Q4_O_BLK(U, 4, 5)
+#define Q4_O_S4(U)                                                                            \
+  Q4_O_LDA Q4_LDB(bs) Q4_O_BLK(U, 0, 1) Q4_LDB(bs) Q4_O_BLK(U, 2, 3) Q4_LDB(bs)              \
+      Q4_O_BLK(U, 4, 5) Q4_LDB(back) Q4_O_BLK(U, 6, 7)
+#define Q4_O_END(F, addr, l, h, f0, f1)                                                     \
+  Q4_SC_##F(addr) Q4_SUB_##F(h, l) Q4_CVL(l) Q4_CVH_##F(h)                                  \
+  "fmul " l ".4s, " l ".4s, v1.4s\n\tfmul " h ".4s, " h ".4s, v2.4s\n\t"                    \
+  "fadd " f0 ".4s, " f0 ".4s, " l ".4s\n\tfadd " f1 ".4s, " f1 ".4s, " h ".4s\n\t"
+#define Q4_O_E0(F) Q4_O_END(F, Q4_B0(F), "v16", "v17", "v24", "v25")
+#define Q4_O_E1(F) "add %[s], %[b], %[bsc]\n\t" Q4_O_END(F, "[%[s]]", "v18", "v19", "v26", "v27")
+#define Q4_O_E2(F) "add %[s], %[s], %[bs]\n\t" Q4_O_END(F, "[%[s]]", "v20", "v21", "v28", "v29")
+#define Q4_O_E3(F) "add %[s], %[s], %[bs]\n\t" Q4_O_END(F, "[%[s]]", "v22", "v23", "v30", "v31")
+#define Q4_O_ENDS_1(F) Q4_O_E0(F) Q4_INIT1
+#define Q4_O_ENDS_2(F) Q4_O_E0(F) Q4_O_E1(F) Q4_INIT1
+#define Q4_O_ENDS_3(F) Q4_O_E0(F) Q4_O_E1(F) Q4_O_E2(F) Q4_INIT2
+#define Q4_O_ENDS_4(F) Q4_O_E0(F) Q4_O_E1(F) Q4_O_E2(F) Q4_O_E3(F) Q4_INIT2
+#define Q4_O_INIT_1 Q4_INIT1
+#define Q4_O_INIT_2 Q4_INIT1
+#define Q4_O_INIT_3 Q4_INIT2
+#define Q4_O_INIT_4 Q4_INIT2
+#define Q4_O_ASM(NB_, F, LOOP)                                                               \
+  __asm__ volatile(                                                                          \
+      "ld1 {v24.4s-v27.4s}, [%[z]]\n\tld1 {v28.4s-v31.4s}, [%[z]]\n\t" Q4_O_INIT_##NB_         \
+      "2:\n\t" LOOP(Q4_O_S##NB_(Q4_UNP_##F))                                                  \
+      Q4_O_ENDS_##NB_(F) "subs %[gn], %[gn], #1\n\tb.ne 2b\n\t" Q4_ST##NB_                    \
+      : [a] "+r"(a), [b] "+r"(b), [gn] "+r"(gn), [n] "=&r"(n), [s] "=&r"(s), [o] "+r"(o),     \
+        [c] "+r"(c)                                                                          \
+      : [np2] "r"(np2), [s64] "r"(s64), [bs] "r"(bs), [back] "r"(back), [bsc] "r"(bsc),      \
+        [cs] "r"(cs), [mask] "w"(mask), [tab] "w"(tab), [z] "r"(kZeros)                      \
+      : Q4_CLOB, "v16", "v17", "v18", "v19", "v20", "v21", "v22", "v23", "v24", "v25",       \
+        "v26", "v27", "v28", "v29", "v30", "v31")
+#define Q4_O_FMT(NB_)                                                \
+  if constexpr (F == W4Format::mxfp4) Q4_O_ASM(NB_, MX, Q4_LOOP_G32);  \
+  else if constexpr (kG32) Q4_O_ASM(NB_, I4, Q4_LOOP_G32);        \
+  else Q4_O_ASM(NB_, I4, Q4_LOOP);
 
 // Tiles of 2-4 pairs x 1 block: the totals in memory at t (4 per pair: one ld1 and one st1 per
 // pair and group, as the accumulators take v16..v31). Group end: the 8 scales into v8, v9 (as in
@@ -294,7 +341,8 @@ const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a) {
   else if constexpr (kG32) Q4_M_ASM(NP_, I4, Q4_LOOP_G32);        \
   else Q4_M_ASM(NP_, I4, Q4_LOOP);
 
-// The fp32 totals of an NP x NB tile (NP == 1: NB <= 2; NP > 1: NB == 1) over all groups: a at
+// The fp32 totals of an NP x NB tile (one row: NB <= 4; two rows: NB <= 2; NP > 1: NB == 1)
+// over all groups: a at
 // the A block, b at block 0, c at the tile's start values (init_sums, or kZeros for mxfp4).
 // o: kOneRow: the 8 NB sums of row 0 (block j's columns at 8 j);
 // otherwise (pair p, block j)'s 4 column-pair totals [r c, r c+1, r+1 c, r+1 c+1] at
@@ -302,7 +350,7 @@ const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a) {
 // per group: no k loop); mxfp4 always is.
 template <int NP, int NB, W4Format F, bool kOneRow, bool kG32>
 void tile_sums(const Call& cl, const int8_t* a, const uint8_t* b, const int32_t* c, float* o) {
-  static_assert((NP == 1 && NB <= 2) || (NP <= 4 && NB == 1), "no such tile");
+  static_assert((NP == 1 && NB <= (kOneRow ? 4 : 2)) || (NP <= 4 && NB == 1), "no such tile");
   const int64_t bs = int64_t(cl.block_bytes), s64 = 64, back = 64 - (NB - 1) * bs;
   // The scales' bytes per group (Packing::scales_bytes: 8 fp32 or bf16), the asm's post-index
   // immediates (Q4_SB_*).
@@ -313,10 +361,12 @@ void tile_sums(const Call& cl, const int8_t* a, const uint8_t* b, const int32_t*
   const int8x16_t tab = vld1q_s8(cl.table);
   if constexpr (NP == 1) {
     const uint8_t* s;
-    if constexpr (kOneRow && NB == 1) { Q4_P1_FMT(1, 1, Q4_ST1) }
-    else if constexpr (kOneRow) { Q4_P1_FMT(1, 2, Q4_ST2) }
-    else if constexpr (NB == 1) { Q4_P1_FMT(2, 1, Q4_ST2) }
-    else { Q4_P1_FMT(2, 2, Q4_ST8) }
+    if constexpr (kOneRow && NB == 1) { Q4_O_FMT(1) }
+    else if constexpr (kOneRow && NB == 2) { Q4_O_FMT(2) }
+    else if constexpr (kOneRow && NB == 3) { Q4_O_FMT(3) }
+    else if constexpr (kOneRow) { Q4_O_FMT(4) }
+    else if constexpr (NB == 1) { Q4_P1_FMT(1, Q4_ST2) }
+    else { Q4_P1_FMT(2, Q4_ST4) }
     (void)s;
   } else {
     float* t;
@@ -389,7 +439,7 @@ void row_tile(const Call& cl, const int8_t* a, const int32_t* c, const uint8_t* 
     case 3: blocks<3, 1, F, false, kG32>(cl, a, c, b, jb, nb, n, d, stride, rows, ls, bias); break;
     case 2: blocks<2, 1, F, false, kG32>(cl, a, c, b, jb, nb, n, d, stride, rows, ls, bias); break;
     default:
-      if (rows == 1) blocks<1, 2, F, true, kG32>(cl, a, c, b, jb, nb, n, d, stride, rows, ls, bias);
+      if (rows == 1) blocks<1, 4, F, true, kG32>(cl, a, c, b, jb, nb, n, d, stride, rows, ls, bias);
       else blocks<1, 2, F, false, kG32>(cl, a, c, b, jb, nb, n, d, stride, rows, ls, bias);
       break;
   }
