@@ -19,15 +19,25 @@ namespace {
 
 /// Packed B of a q4gemm kernel: blocks of Nr output columns; a block holds, for each group g of
 /// k in order, the group's codes (Nr * group / 2 bytes, two codes per byte, low nibble first, in
-/// the kernel's arrangement) followed by the Nr columns' scales of that group as given to
-/// pack_rhs (fp32 for int4, E8M0 bytes for mxfp4), padded to a multiple of 4 bytes; the block is
-/// padded to a multiple of 64 bytes (each block starts a cache line). Columns past n have code 0
-/// (the value 0 in both formats) and scale bytes 0. Offsets at multiples of Nr.
-template <int64_t Nr>
+/// the kernel's arrangement) followed by the Nr columns' scales of that group (fp32 for int4 as
+/// given to pack_rhs; mxfp4: the E8M0 bytes as given when MxScaleBytes is 1, else the fp32
+/// w4_mxfp4_scale (4) or its high half, the bf16 of the same value (2: exact, as the value is a
+/// power of two or NaN)), padded to a multiple of 4 bytes; the block is padded to a multiple of
+/// 64 bytes (each block starts a cache line). Columns past n have code 0 (the value 0 in both
+/// formats) and scale bytes 0. Offsets at multiples of Nr.
+template <int64_t Nr, int64_t MxScaleBytes = 1>
 struct Q4Packing {
+  static_assert(MxScaleBytes == 1 || MxScaleBytes == 2 || MxScaleBytes == 4, "E8M0, bf16, fp32");
   static constexpr int64_t kNr = Nr;
+  static constexpr int64_t kMxScaleBytes = MxScaleBytes;
+  /// Bytes of one stored group scale.
+  static int64_t stored_scale_bytes(const W4Layout& w) {
+    return w.format == W4Format::mxfp4 ? MxScaleBytes : w.scale_bytes();
+  }
   static int64_t codes_bytes(const W4Layout& w) { return Nr * w.group / 2; }
-  static int64_t scales_bytes(const W4Layout& w) { return round_up(Nr * w.scale_bytes(), 4); }
+  static int64_t scales_bytes(const W4Layout& w) {
+    return round_up(Nr * stored_scale_bytes(w), 4);
+  }
   static int64_t group_bytes(const W4Layout& w) { return codes_bytes(w) + scales_bytes(w); }
   static size_t block_bytes(int64_t k, const W4Layout& w) {
     return size_t(round_up((k / w.group) * group_bytes(w), 64));
@@ -44,6 +54,23 @@ struct Q4Packing {
 struct KeepCodes {
   static uint8_t code(uint8_t c, int64_t /*idx*/, W4Format /*f*/) { return c; }
 };
+
+/// Stores one group scale given as pack_rhs takes it (@p s: fp32 for int4, an E8M0 byte for
+/// mxfp4) in Q4Packing<Nr, MxScaleBytes>'s form at @p d.
+template <int64_t MxScaleBytes>
+void store_group_scale(uint8_t* d, const uint8_t* s, W4Format f) {
+  if (f != W4Format::mxfp4) {
+    std::memcpy(d, s, 4);
+  } else if (MxScaleBytes == 1) {
+    *d = *s;
+  } else {
+    uint32_t bits;
+    const float v = w4_mxfp4_scale(*s);
+    std::memcpy(&bits, &v, 4);
+    if (MxScaleBytes == 2) bits >>= 16;  // the low half is zero: 2^(e - 128) or the quiet NaN
+    std::memcpy(d, &bits, size_t(MxScaleBytes));  // little-endian: the low MxScaleBytes bytes
+  }
+}
 
 /// Q4GemmUkernel::pack_rhs for packing P whose nibble arrangement is Arrange::index(c, kk, g):
 /// the position (0 .. Nr * g) of column c's code kk (0 <= kk < g) in its group's code bytes (byte
@@ -74,8 +101,8 @@ void pack_rhs_q4(int64_t n, int64_t k, const W4Layout& w, const uint8_t* codes,
           grp[idx / 2] |= uint8_t((v & 15) << (4 * (idx & 1)));
         }
         if (c < valid)
-          std::memcpy(grp + P::codes_bytes(w) + c * sb, sc + ((j0 + c) * scale_stride + gi) * sb,
-                      size_t(sb));
+          store_group_scale<P::kMxScaleBytes>(grp + P::codes_bytes(w) + c * P::stored_scale_bytes(w),
+                                              sc + ((j0 + c) * scale_stride + gi) * sb, w.format);
       }
     }
   }

@@ -2,8 +2,10 @@
 //
 // A is the int8 I8MM kernel's `qs8p8x8` (its packer, qs8p8x8_pack.h): blocks of 8 rows, row pairs
 // interleaved in 8-k slices (slice s of a block: 64 bytes at s * 64, pair p at 16 p).
-// B (`q4cpo8x8`): blocks of 8 columns (Q4Packing<8>: per group the codes, 4 g bytes, then the 8
-// scales). Per 8-k slice s of a group, two 16-byte registers (slices 2t, 2t + 1: 64 bytes at
+// B (`q4cpo8x8`): blocks of 8 columns (Q4Packing<8, 2>: per group the codes, 4 g bytes, then the
+// 8 scales: fp32 for int4; mxfp4's E8M0 bytes widened at packing to the bf16 of w4_mxfp4_scale,
+// exact, so that the group end loads them with one ldr and two shll instead of a 10-instruction
+// E8M0 decode: 144 bytes per 8 columns and group instead of 136). Per 8-k slice s of a group, two 16-byte registers (slices 2t, 2t + 1: 64 bytes at
 // t * 64, register 2 (s % 2) + q at 16 of those): register q holds the `qs8cp8x8` SMMLA operand of
 // column pair q (column 2q's 8 k, then column 2q + 1's) in its low nibbles and that of column pair
 // q + 2 in its high nibbles, byte for byte. The int4 low nibbles are stored offset (v + 8, 0..15),
@@ -15,15 +17,17 @@
 // -8 sum a of their rows over the group (init_sums: made per call from packed A, 64 bytes per row
 // pair and group). One instruction unpacks 32 weights (the naive shl / and pair takes two).
 // mxfp4 codes go through a tbl of the format's table on r & 0x0f and r >> 4 (2 * E2M1 up to 12:
-// no such trick), in the same arrangement, and start from zero.
+// no such trick), in the same arrangement, and start from zero. Groups of 32 k (mxfp4's, and int4
+// g32 as a variant) are one iteration of the k loop: no loop there.
 //
 // Register tiles: NP row pairs x NB column blocks, each one asm over all groups (below): int32
 // accumulators for the current group (4 per pair and block, as in the int8 kernel: [r c, r c+1,
 // r+1 c, r+1 c+1]); at the group end each goes through scvtf, one fmul by its column pair's group
 // scales ([s_c s_c+1 s_c s_c+1]: one `dup .d`) and one fadd into the fp32 totals: the oracle's
-// acc + float(isum) * s, in g order, no FMA. One-row tiles (decode) first zip the useful halves of
-// two accumulators (row 0 of 4 columns), halving the group-end work. Tiles: 1-2 rows: 1x2 (8
-// int32 accumulators, the totals in registers too); 3-8 rows: 2x1, 3x1, 4x1 (one whole A block
+// acc + float(isum) * s, in g order, no FMA. One-row tiles (decode) put row 0 of 4 columns in
+// one accumulator (A's zero pad row swapped in for every other column pair: see there), halving
+// the group-end work. Tiles: 1 row: 1x4 (8 int32 accumulators, the totals in registers too);
+// 2 rows: 1x2 (likewise); 3-8 rows: 2x1, 3x1, 4x1 (one whole A block
 // per column block: the unpacking of each B register serves up to 4 row pairs; the totals in a
 // small stack array, one ld1 and st1 per pair and group).
 // Instruction counts (qemu, tests_cpp/bench/q4gemm_insn_bench.cpp): see the README's W4A8 table.
@@ -58,7 +62,8 @@ constexpr int64_t kMr = 8;
 constexpr int64_t kNr = 8;
 constexpr int64_t kStepBlocks = 6;  // column blocks per step of the walk (m > 8)
 using LhsPacking = QGemmPacking<kNr, 8, 1, 8>;  // the int8 kernel's qs8p8x8 (kp = k here)
-using Packing = Q4Packing<kNr>;
+// mxfp4 scales stored as bf16 (exact): one ldr and two shll per 8, instead of the E8M0 decode.
+using Packing = Q4Packing<kNr, 2>;
 
 // Nibble position of column c's code kk of a group (see the file comment).
 struct PairNibbles {
@@ -76,7 +81,6 @@ void pack_lhs(int64_t m, int64_t k, const int8_t* const* rows, void* packed) {
 // What a tile needs of the call.
 struct Call {
   int64_t g, groups;
-  int64_t group_bytes, codes_bytes;
   size_t block_bytes;
   const int8_t* table;
   int64_t init_step;  // bytes per row pair of the accumulators' start values: 64, or 0 (mxfp4)
@@ -85,14 +89,15 @@ struct Call {
 // The int4 accumulators' start values of the m rows at packed A `a` (whole A blocks): row tile t
 // (np row pairs) at int32 t * groups * 64, per group np * 16 int32: pair p's
 // [-8 S0, -8 S0, -8 S1, -8 S1] four times
-// (one ld1 fills four accumulators), S0 and S1 its rows' sums over the group; then one group of
+// (one ld1 fills four accumulators), S0 and S1 its rows' sums over the group (a one-row tile:
+// [-8 S0, -8 S0, -8 S0, -8 S0], see the one-row tiles); then one group of
 // slack (the asm loads the next group's values after the last). Sums of int8 over a group fit
 // int32 easily (|8 S| <= 1024 * kW4MaxGroup).
 const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a) {
   const int64_t groups = k / g, tiles = (m + kMr - 1) / kMr;
   int32_t* const buf = kernel_scratch_i32(size_t((tiles * groups + 1) * 64));
   for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t np = (std::min(kMr, m - t * kMr) + 1) / 2;
+    const int64_t rows = std::min(kMr, m - t * kMr), np = (rows + 1) / 2;
     const int8_t* blk = a + t * kMr * k;
     int32_t* d = buf + t * groups * 64;
     for (int64_t gi = 0; gi < groups; ++gi) {
@@ -101,7 +106,9 @@ const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a) {
         for (int64_t s = gi * g / 8; s < (gi + 1) * g / 8; ++s)
           acc = vpadalq_s16(acc, vpaddlq_s8(vld1q_s8(blk + s * 64 + 16 * p)));
         const int32x4_t pr = vpaddq_s32(acc, acc);  // [S0, S1, S0, S1]
-        const int32x4_t v = vmulq_n_s32(vzip1q_s32(pr, pr), -8);
+        // One-row tiles hold row 0 in all four lanes (the A' operand of the asm below).
+        const int32x4_t v =
+            vmulq_n_s32(rows == 1 ? vdupq_laneq_s32(pr, 0) : vzip1q_s32(pr, pr), -8);
         for (int x = 0; x < 4; ++x) vst1q_s32(d + 16 * p + 4 * x, v);
       }
       d += np * 16;
@@ -123,7 +130,7 @@ const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a) {
 // group's k loop the code pointer is at block 0's scales; the group end adds its products to the
 // fp32 totals, loads the next group's start values (one ld1 per 4 accumulators, from the
 // init_sums pointer c, which steps cs bytes per row pair: 64, or 0 on a zero block for mxfp4)
-// and steps over the scales (sb bytes).
+// and steps over the scales (the post-index of block 0's scale load).
 #define Q4_MM(x, a, b) "smmla " x ".4s, " a ".16b, " b ".16b\n\t"
 #define Q4_UNP_I4(r) "and v12.16b, " r ".16b, %[mask].16b\n\t"
 #define Q4_UNP_I4_HI(r) r
@@ -183,7 +190,8 @@ const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a) {
       Q4_R4(U, "v9", "v0", "v1", "v2", "v3", 1, 3, 5, 7, 9, 11, 13, 15)                     \
           Q4_R4(U, "v10", "v4", "v5", "v6", "v7", 0, 2, 4, 6, 8, 10, 12, 14)                \
               Q4_R4(U, "v11", "v4", "v5", "v6", "v7", 1, 3, 5, 7, 9, 11, 13, 15)
-#define Q4_LOOP(S) "1:\n\t" S S "subs %[n], %[n], #1\n\tb.ne 1b\n\t"
+#define Q4_LOOP(S) "mov %[n], %[np2]\n1:\n\t" S S "subs %[n], %[n], #1\n\tb.ne 1b\n\t"
+#define Q4_LOOP_G32(S) S S  // a 32-k group (mxfp4's always) is one slice pair: no loop
 #define Q4_CLOB                                                                            \
   "v0", "v1", "v2", "v3", "v4", "v5", "v6", "v7", "v8", "v9", "v10", "v11", "v12", "v13", \
       "cc", "memory"
@@ -195,80 +203,114 @@ const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a) {
 #define Q4_CVH_I4(r) "scvtf " r ".4s, " r ".4s, #4\n\t"
 #define Q4_CVH_MX(r) Q4_CVL(r)
 
-// One-pair tiles (1-2 rows, 1-2 blocks: decode), totals in v24..: per group end and block, the
-// 8 scales into v1, v2 (int4: one ldp; mxfp4: mxfp4_scales' decode, its constants 2^-127 and 0.5
-// in v6, v7, free in one-pair tiles), then
-//   one row: 2 zip1 (row 0 of 4 columns out of two column-pair accumulators), (int4) 1 sub,
-//            2 scvtf, 2 fmul, 2 fadd into 2 totals per block (row 0 of columns 0-3, 4-7);
-//   two rows: (int4) 2 sub, per column pair a dup .d of its 2 scales, scvtf, fmul, fadd into 4
-//            totals per block (lanes as the accumulators).
-#define Q4_SC_I4(base) "ldp q1, q2, [" base "]\n\t"
-#define Q4_SC_MX(base)                                                                  \
-  "ldr d1, [" base "]\n\tushll v1.8h, v1.8b, #7\n\tshll2 v2.4s, v1.8h, #16\n\t"         \
-  "shll v1.4s, v1.4h, #16\n\tumax v1.4s, v1.4s, v6.4s\n\tumax v2.4s, v2.4s, v6.4s\n\t"  \
-  "fmul v3.4s, v1.4s, v7.4s\n\tfmul v5.4s, v2.4s, v7.4s\n\t"                            \
-  "fsub v1.4s, v1.4s, v3.4s\n\tfsub v2.4s, v2.4s, v5.4s\n\t"
-#define Q4_R1_END(F, base, a0, a1, a2, a3, f0, f1)                                        \
-  Q4_SC_##F(base) "zip1 v3.2d, " a0 ".2d, " a1 ".2d\n\tzip1 v5.2d, " a2 ".2d, " a3 ".2d\n\t" \
-  Q4_SUB_##F("v5", "v3") Q4_CVL("v3") Q4_CVH_##F("v5")                                     \
-  "fmul v3.4s, v3.4s, v1.4s\n\tfmul v5.4s, v5.4s, v2.4s\n\t"                              \
-  "fadd " f0 ".4s, " f0 ".4s, v3.4s\n\tfadd " f1 ".4s, " f1 ".4s, v5.4s\n\t"
+// One-pair tiles (one or two rows: decode), totals in v24..: per group end and block, the 8
+// scales into v1, v2 (int4: one ldp; mxfp4: one ldr of the bf16 scales, two shll), then
+//   one row (1-4 blocks, below): (int4) 1 sub, 2 scvtf, 2 fmul, 2 fadd into 2 totals per block
+//            (row 0 of columns 0-3, 4-7);
+//   two rows (1-2 blocks): (int4) 2 sub, per column pair a dup .d of its 2 scales, scvtf, fmul,
+//            fadd into 4 totals per block (lanes as the accumulators).
+// Block 0's scales are loaded with a post-index over them (the bytes of a group's 8 scales:
+// Q4_SB_*), block 1's at s = b + bsc (bsc = bs - those bytes), block j + 1's at s + bs.
+#define Q4_SB_I4 "#32"
+#define Q4_SB_MX "#16"
+#define Q4_SC_I4(addr) "ldp q1, q2, " addr "\n\t"
+#define Q4_SC_MX(addr) "ldr q1, " addr "\n\tshll2 v2.4s, v1.8h, #16\n\tshll v1.4s, v1.4h, #16\n\t"
+#define Q4_B0(F) "[%[b]], " Q4_SB_##F
 #define Q4_INIT1 "ld1 {v16.4s-v19.4s}, [%[c]], %[cs]\n\t"
 #define Q4_INIT2 "ld1 {v16.4s-v19.4s}, [%[c]]\n\tld1 {v20.4s-v23.4s}, [%[c]], %[cs]\n\t"
-#define Q4_R1_ENDS_1(F)                                                                 \
-  Q4_R1_END(F, "%[b]", "v16", "v17", "v18", "v19", "v24", "v25")                        \
-  "add %[b], %[b], %[sb]\n\t" Q4_INIT1
-#define Q4_R1_ENDS_2(F)                                                                 \
-  Q4_R1_END(F, "%[b]", "v16", "v17", "v18", "v19", "v24", "v25")                        \
-  "add %[s], %[b], %[bs]\n\t"                                                           \
-  Q4_R1_END(F, "%[s]", "v20", "v21", "v22", "v23", "v26", "v27")                        \
-  "add %[b], %[b], %[sb]\n\t" Q4_INIT2
 #define Q4_R2_HALF(CV, sc, a0, a1, f0, f1)                                              \
   "dup v3.2d, " sc ".d[0]\n\tdup v5.2d, " sc ".d[1]\n\t" CV(a0) CV(a1)                 \
   "fmul " a0 ".4s, " a0 ".4s, v3.4s\n\tfmul " a1 ".4s, " a1 ".4s, v5.4s\n\t"            \
   "fadd " f0 ".4s, " f0 ".4s, " a0 ".4s\n\tfadd " f1 ".4s, " f1 ".4s, " a1 ".4s\n\t"
-#define Q4_R2_END(F, base, a0, a1, a2, a3, f0, f1, f2, f3)                               \
-  Q4_SC_##F(base) Q4_SUB_##F(a2, a0) Q4_SUB_##F(a3, a1)                                  \
+#define Q4_R2_END(F, addr, a0, a1, a2, a3, f0, f1, f2, f3)                               \
+  Q4_SC_##F(addr) Q4_SUB_##F(a2, a0) Q4_SUB_##F(a3, a1)                                  \
   Q4_R2_HALF(Q4_CVL, "v1", a0, a1, f0, f1) Q4_R2_HALF(Q4_CVH_##F, "v2", a2, a3, f2, f3)
 #define Q4_R2_ENDS_1(F)                                                                 \
-  Q4_R2_END(F, "%[b]", "v16", "v17", "v18", "v19", "v24", "v25", "v26", "v27")          \
-  "add %[b], %[b], %[sb]\n\t" Q4_INIT1
+  Q4_R2_END(F, Q4_B0(F), "v16", "v17", "v18", "v19", "v24", "v25", "v26", "v27") Q4_INIT1
 #define Q4_R2_ENDS_2(F)                                                                 \
-  Q4_R2_END(F, "%[b]", "v16", "v17", "v18", "v19", "v24", "v25", "v26", "v27")          \
-  "add %[s], %[b], %[bs]\n\t"                                                           \
-  Q4_R2_END(F, "%[s]", "v20", "v21", "v22", "v23", "v28", "v29", "v30", "v31")          \
-  "add %[b], %[b], %[sb]\n\t" Q4_INIT2
-#define Q4_R1_INIT_I4 ""
-#define Q4_R1_INIT_MX "movi v6.4s, #0x40, lsl #16\n\tfmov v7.4s, #0.5\n\t"
-#define Q4_P1_ASM(ROWS, NB_, F, ST)                                                      \
+  Q4_R2_END(F, Q4_B0(F), "v16", "v17", "v18", "v19", "v24", "v25", "v26", "v27")        \
+  "add %[s], %[b], %[bsc]\n\t"                                                          \
+  Q4_R2_END(F, "[%[s]]", "v20", "v21", "v22", "v23", "v28", "v29", "v30", "v31") Q4_INIT2
+#define Q4_P1_ASM(NB_, F, LOOP, ST)                                                      \
   __asm__ volatile(                                                                      \
       "ld1 {v24.4s-v27.4s}, [%[z]]\n\tld1 {v28.4s-v31.4s}, [%[z]]\n\t" Q4_INIT##NB_       \
-      Q4_R1_INIT_##F "2:\n\tmov %[n], %[np2]\n\t" Q4_LOOP(Q4_S1x##NB_(Q4_UNP_##F))         \
-      Q4_R##ROWS##_ENDS_##NB_(F) "subs %[gn], %[gn], #1\n\tb.ne 2b\n\t" ST               \
+      "2:\n\t" LOOP(Q4_S1x##NB_(Q4_UNP_##F))                                              \
+      Q4_R2_ENDS_##NB_(F) "subs %[gn], %[gn], #1\n\tb.ne 2b\n\t" ST                      \
       : [a] "+r"(a), [b] "+r"(b), [gn] "+r"(gn), [n] "=&r"(n), [s] "=&r"(s), [o] "+r"(o), \
         [c] "+r"(c)                                                                      \
-      : [np2] "r"(np2), [s64] "r"(s64), [bs] "r"(bs), [back] "r"(back), [sb] "r"(sb),    \
+      : [np2] "r"(np2), [s64] "r"(s64), [bs] "r"(bs), [back] "r"(back), [bsc] "r"(bsc),  \
         [cs] "r"(cs), [mask] "w"(mask), [tab] "w"(tab), [z] "r"(kZeros)                  \
       : Q4_CLOB, "v16", "v17", "v18", "v19", "v20", "v21", "v22", "v23", "v24", "v25",   \
         "v26", "v27", "v28", "v29", "v30", "v31")
 #define Q4_ST1 "st1 {v24.4s-v25.4s}, [%[o]]\n\t"
 #define Q4_ST2 "st1 {v24.4s-v27.4s}, [%[o]]\n\t"
-#define Q4_ST8 "st1 {v24.4s-v27.4s}, [%[o]], #64\n\tst1 {v28.4s-v31.4s}, [%[o]]\n\t"
-#define Q4_P1_FMT(ROWS, NB_, ST)                                              \
-  if constexpr (F == W4Format::int4) Q4_P1_ASM(ROWS, NB_, I4, ST);            \
-  else Q4_P1_ASM(ROWS, NB_, MX, ST);
+#define Q4_ST3 "st1 {v24.4s-v27.4s}, [%[o]], #64\n\tst1 {v28.4s-v29.4s}, [%[o]]\n\t"
+#define Q4_ST4 "st1 {v24.4s-v27.4s}, [%[o]], #64\n\tst1 {v28.4s-v31.4s}, [%[o]]\n\t"
+#define Q4_P1_FMT(NB_, ST)                                                    \
+  if constexpr (F == W4Format::mxfp4) Q4_P1_ASM(NB_, MX, Q4_LOOP_G32, ST);    \
+  else if constexpr (kG32) Q4_P1_ASM(NB_, I4, Q4_LOOP_G32, ST);              \
+  else Q4_P1_ASM(NB_, I4, Q4_LOOP, ST);
+
+// One-row tiles (1-4 blocks). Row 0's half of an A slice is loaded alone (ldr d: A = [a, 0],
+// whatever row 1 holds), and A' = [0, a] (one ext) against column pair q + 1's operands
+// (registers 1 and 3 of a slice pair) puts row 0 of those columns in lanes 2, 3 of the same
+// accumulator as column pair q's (lanes 0, 1, against A): per block two accumulators, row 0 of
+// columns 0-3 (low nibbles) and 4-7 (high), so the group end needs no zip, and four blocks fit
+// (accumulators v16-v23, totals v24-v31) to share each A load. int4's start values are -8 S0 in
+// all four lanes (init_sums).
+#define Q4_O_LDA                                                                     \
+  "ldr d0, [%[a]], #64\n\tldr d4, [%[a]], #64\n\t"                                   \
+  "ext v1.16b, v0.16b, v0.16b, #8\n\text v5.16b, v4.16b, v4.16b, #8\n\t"
+#define Q4_O_BLK(U, l, h)                                                                    \
+  Q4_R1(U, "v8", "v0", l, h) Q4_R1(U, "v9", "v1", l, h) Q4_R1(U, "v10", "v4", l, h)          \
+      Q4_R1(U, "v11", "v5", l, h)
+#define Q4_O_S1(U) Q4_O_LDA Q4_LDB(back) Q4_O_BLK(U, 0, 1)
+#define Q4_O_S2(U) Q4_O_LDA Q4_LDB(bs) Q4_O_BLK(U, 0, 1) Q4_LDB(back) Q4_O_BLK(U, 2, 3)
+#define Q4_O_S3(U)                                                                            \
+  Q4_O_LDA Q4_LDB(bs) Q4_O_BLK(U, 0, 1) Q4_LDB(bs) Q4_O_BLK(U, 2, 3) Q4_LDB(back)            \
+      Q4_O_BLK(U, 4, 5)
+#define Q4_O_S4(U)                                                                            \
+  Q4_O_LDA Q4_LDB(bs) Q4_O_BLK(U, 0, 1) Q4_LDB(bs) Q4_O_BLK(U, 2, 3) Q4_LDB(bs)              \
+      Q4_O_BLK(U, 4, 5) Q4_LDB(back) Q4_O_BLK(U, 6, 7)
+#define Q4_O_END(F, addr, l, h, f0, f1)                                                     \
+  Q4_SC_##F(addr) Q4_SUB_##F(h, l) Q4_CVL(l) Q4_CVH_##F(h)                                  \
+  "fmul " l ".4s, " l ".4s, v1.4s\n\tfmul " h ".4s, " h ".4s, v2.4s\n\t"                    \
+  "fadd " f0 ".4s, " f0 ".4s, " l ".4s\n\tfadd " f1 ".4s, " f1 ".4s, " h ".4s\n\t"
+#define Q4_O_E0(F) Q4_O_END(F, Q4_B0(F), "v16", "v17", "v24", "v25")
+#define Q4_O_E1(F) "add %[s], %[b], %[bsc]\n\t" Q4_O_END(F, "[%[s]]", "v18", "v19", "v26", "v27")
+#define Q4_O_E2(F) "add %[s], %[s], %[bs]\n\t" Q4_O_END(F, "[%[s]]", "v20", "v21", "v28", "v29")
+#define Q4_O_E3(F) "add %[s], %[s], %[bs]\n\t" Q4_O_END(F, "[%[s]]", "v22", "v23", "v30", "v31")
+#define Q4_O_ENDS_1(F) Q4_O_E0(F) Q4_INIT1
+#define Q4_O_ENDS_2(F) Q4_O_E0(F) Q4_O_E1(F) Q4_INIT1
+#define Q4_O_ENDS_3(F) Q4_O_E0(F) Q4_O_E1(F) Q4_O_E2(F) Q4_INIT2
+#define Q4_O_ENDS_4(F) Q4_O_E0(F) Q4_O_E1(F) Q4_O_E2(F) Q4_O_E3(F) Q4_INIT2
+#define Q4_O_INIT_1 Q4_INIT1
+#define Q4_O_INIT_2 Q4_INIT1
+#define Q4_O_INIT_3 Q4_INIT2
+#define Q4_O_INIT_4 Q4_INIT2
+#define Q4_O_ASM(NB_, F, LOOP)                                                               \
+  __asm__ volatile(                                                                          \
+      "ld1 {v24.4s-v27.4s}, [%[z]]\n\tld1 {v28.4s-v31.4s}, [%[z]]\n\t" Q4_O_INIT_##NB_         \
+      "2:\n\t" LOOP(Q4_O_S##NB_(Q4_UNP_##F))                                                  \
+      Q4_O_ENDS_##NB_(F) "subs %[gn], %[gn], #1\n\tb.ne 2b\n\t" Q4_ST##NB_                    \
+      : [a] "+r"(a), [b] "+r"(b), [gn] "+r"(gn), [n] "=&r"(n), [s] "=&r"(s), [o] "+r"(o),     \
+        [c] "+r"(c)                                                                          \
+      : [np2] "r"(np2), [s64] "r"(s64), [bs] "r"(bs), [back] "r"(back), [bsc] "r"(bsc),      \
+        [cs] "r"(cs), [mask] "w"(mask), [tab] "w"(tab), [z] "r"(kZeros)                      \
+      : Q4_CLOB, "v16", "v17", "v18", "v19", "v20", "v21", "v22", "v23", "v24", "v25",       \
+        "v26", "v27", "v28", "v29", "v30", "v31")
+#define Q4_O_FMT(NB_)                                                \
+  if constexpr (F == W4Format::mxfp4) Q4_O_ASM(NB_, MX, Q4_LOOP_G32);  \
+  else if constexpr (kG32) Q4_O_ASM(NB_, I4, Q4_LOOP_G32);        \
+  else Q4_O_ASM(NB_, I4, Q4_LOOP);
 
 // Tiles of 2-4 pairs x 1 block: the totals in memory at t (4 per pair: one ld1 and one st1 per
-// pair and group, as the accumulators take v16..v31). Group end: the 8 scales into v8, v9 (mxfp4:
-// the decode, its constants made in v12, v13 first), the 4 column pairs' scales dup'ed into
-// v10-v13, then per pair: (int4) 2 sub, ld1 of its totals, per column pair scvtf, fmul, fadd, st1.
-#define Q4_M_SC_I4 "ldp q8, q9, [%[b]]\n\t"
-#define Q4_M_SC_MX                                                                          \
-  "movi v12.4s, #0x40, lsl #16\n\tfmov v13.4s, #0.5\n\tldr d8, [%[b]]\n\t"                 \
-  "ushll v8.8h, v8.8b, #7\n\tshll2 v9.4s, v8.8h, #16\n\tshll v8.4s, v8.4h, #16\n\t"        \
-  "umax v8.4s, v8.4s, v12.4s\n\tumax v9.4s, v9.4s, v12.4s\n\t"                              \
-  "fmul v10.4s, v8.4s, v13.4s\n\tfmul v11.4s, v9.4s, v13.4s\n\t"                            \
-  "fsub v8.4s, v8.4s, v10.4s\n\tfsub v9.4s, v9.4s, v11.4s\n\t"
+// pair and group, as the accumulators take v16..v31). Group end: the 8 scales into v8, v9 (as in
+// the one-pair tiles, post-indexed over them), the 4 column pairs' scales dup'ed into v10-v13,
+// then per pair: (int4) 2 sub, ld1 of its totals, per column pair scvtf, fmul, fadd, st1.
+#define Q4_M_SC_I4 "ldp q8, q9, [%[b]], " Q4_SB_I4 "\n\t"
+#define Q4_M_SC_MX \
+  "ldr q8, [%[b]], " Q4_SB_MX "\n\tshll2 v9.4s, v8.8h, #16\n\tshll v8.4s, v8.4h, #16\n\t"
 #define Q4_M_DUP \
   "dup v10.2d, v8.d[0]\n\tdup v11.2d, v8.d[1]\n\tdup v12.2d, v9.d[0]\n\tdup v13.2d, v9.d[1]\n\t"
 #define Q4_M_ACC(CV, x, t, sc) \
@@ -284,40 +326,47 @@ const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a) {
 #define Q4_M_Z2 "ld1 {v16.4s-v19.4s}, [%[c]], %[cs]\n\tld1 {v20.4s-v23.4s}, [%[c]], %[cs]\n\t"
 #define Q4_M_Z3 Q4_M_Z2 "ld1 {v24.4s-v27.4s}, [%[c]], %[cs]\n\t"
 #define Q4_M_Z4 Q4_M_Z3 "ld1 {v28.4s-v31.4s}, [%[c]], %[cs]\n\t"
-#define Q4_M_ASM(NP_, F)                                                                   \
+#define Q4_M_ASM(NP_, F, LOOP)                                                             \
   __asm__ volatile(                                                                        \
-      Q4_M_Z##NP_ "2:\n\tmov %[n], %[np2]\n\tmov %[t], %[tb]\n\t"                          \
-      Q4_LOOP(Q4_S##NP_##x1(Q4_UNP_##F)) Q4_M_SC_##F Q4_M_DUP Q4_M_END##NP_(F) Q4_M_Z##NP_  \
-      "add %[b], %[b], %[sb]\n\tsubs %[gn], %[gn], #1\n\tb.ne 2b\n\t"                      \
+      Q4_M_Z##NP_ "2:\n\tmov %[t], %[tb]\n\t"                                               \
+      LOOP(Q4_S##NP_##x1(Q4_UNP_##F)) Q4_M_SC_##F Q4_M_DUP Q4_M_END##NP_(F) Q4_M_Z##NP_     \
+      "subs %[gn], %[gn], #1\n\tb.ne 2b\n\t"                                                \
       : [a] "+r"(a), [b] "+r"(b), [gn] "+r"(gn), [n] "=&r"(n), [t] "=&r"(t), [c] "+r"(c)   \
-      : [np2] "r"(np2), [s64] "r"(s64), [back] "r"(back), [sb] "r"(sb), [cs] "r"(cs),      \
+      : [np2] "r"(np2), [s64] "r"(s64), [back] "r"(back), [cs] "r"(cs),                    \
         [mask] "w"(mask), [tab] "w"(tab), [tb] "r"(o)                                      \
       : Q4_CLOB, "v16", "v17", "v18", "v19", "v20", "v21", "v22", "v23", "v24", "v25",     \
         "v26", "v27", "v28", "v29", "v30", "v31")
-#define Q4_M_FMT(NP_)                                          \
-  if constexpr (F == W4Format::int4) Q4_M_ASM(NP_, I4);        \
-  else Q4_M_ASM(NP_, MX);
+#define Q4_M_FMT(NP_)                                              \
+  if constexpr (F == W4Format::mxfp4) Q4_M_ASM(NP_, MX, Q4_LOOP_G32);  \
+  else if constexpr (kG32) Q4_M_ASM(NP_, I4, Q4_LOOP_G32);        \
+  else Q4_M_ASM(NP_, I4, Q4_LOOP);
 
-// The fp32 totals of an NP x NB tile (NP == 1: NB <= 2; NP > 1: NB == 1) over all groups: a at
+// The fp32 totals of an NP x NB tile (one row: NB <= 4; two rows: NB <= 2; NP > 1: NB == 1)
+// over all groups: a at
 // the A block, b at block 0, c at the tile's start values (init_sums, or kZeros for mxfp4).
 // o: kOneRow: the 8 NB sums of row 0 (block j's columns at 8 j);
 // otherwise (pair p, block j)'s 4 column-pair totals [r c, r c+1, r+1 c, r+1 c+1] at
-// 16 (p NB + j) (o zeroed by the caller when NP > 1).
-template <int NP, int NB, W4Format F, bool kOneRow>
+// 16 (p NB + j) (o zeroed by the caller when NP > 1). kG32: int4 groups of 32 k (one slice pair
+// per group: no k loop); mxfp4 always is.
+template <int NP, int NB, W4Format F, bool kOneRow, bool kG32>
 void tile_sums(const Call& cl, const int8_t* a, const uint8_t* b, const int32_t* c, float* o) {
-  static_assert((NP == 1 && NB <= 2) || (NP <= 4 && NB == 1), "no such tile");
+  static_assert((NP == 1 && NB <= (kOneRow ? 4 : 2)) || (NP <= 4 && NB == 1), "no such tile");
   const int64_t bs = int64_t(cl.block_bytes), s64 = 64, back = 64 - (NB - 1) * bs;
-  const int64_t sb = cl.group_bytes - cl.codes_bytes, cs = cl.init_step;
+  // The scales' bytes per group (Packing::scales_bytes: 8 fp32 or bf16), the asm's post-index
+  // immediates (Q4_SB_*).
+  const int64_t sb = F == W4Format::int4 ? 32 : 16, bsc = bs - sb, cs = cl.init_step;
   const uint64_t np2 = uint64_t(cl.g) / 32;
   uint64_t gn = uint64_t(cl.groups), n;
   const uint8x16_t mask = vdupq_n_u8(0x0f);
   const int8x16_t tab = vld1q_s8(cl.table);
   if constexpr (NP == 1) {
     const uint8_t* s;
-    if constexpr (kOneRow && NB == 1) { Q4_P1_FMT(1, 1, Q4_ST1) }
-    else if constexpr (kOneRow) { Q4_P1_FMT(1, 2, Q4_ST2) }
-    else if constexpr (NB == 1) { Q4_P1_FMT(2, 1, Q4_ST2) }
-    else { Q4_P1_FMT(2, 2, Q4_ST8) }
+    if constexpr (kOneRow && NB == 1) { Q4_O_FMT(1) }
+    else if constexpr (kOneRow && NB == 2) { Q4_O_FMT(2) }
+    else if constexpr (kOneRow && NB == 3) { Q4_O_FMT(3) }
+    else if constexpr (kOneRow) { Q4_O_FMT(4) }
+    else if constexpr (NB == 1) { Q4_P1_FMT(1, Q4_ST2) }
+    else { Q4_P1_FMT(2, Q4_ST4) }
     (void)s;
   } else {
     float* t;
@@ -325,22 +374,23 @@ void tile_sums(const Call& cl, const int8_t* a, const uint8_t* b, const int32_t*
     else if constexpr (NP == 3) { Q4_M_FMT(3) }
     else { Q4_M_FMT(4) }
     (void)t;
-    (void)bs;
+    (void)bsc;
   }
   (void)n;
+  (void)np2;
 }
 
 // One tile: NP row pairs (rows valid rows, NP = (rows + 1) / 2; kOneRow: rows == 1) x NB blocks
 // (full or padded) over all groups. a: row pair 0's slice 0 (an A block start); b: block 0; out:
 // row 0, column 0 of the tile; c: the row tile's start values; nc: columns of the tile's last
 // block inside n (1..8).
-template <int NP, int NB, W4Format F, bool kOneRow>
+template <int NP, int NB, W4Format F, bool kOneRow, bool kG32>
 void tile(const Call& cl, const int8_t* a, const uint8_t* b, const int32_t* c, float* out,
           int64_t stride,
           int64_t rows, int64_t nc, const float* ls, const float* bias) {
   static_assert(!kOneRow || NP == 1, "one-row tiles have one row pair");
   alignas(16) float sums[16 * NP * NB] = {};
-  tile_sums<NP, NB, F, kOneRow>(cl, a, b, c, sums);
+  tile_sums<NP, NB, F, kOneRow, kG32>(cl, a, b, c, sums);
   for (int j = 0; j < NB; ++j) {
     const int64_t jc = j == NB - 1 ? nc : kNr;
     const float* bj = bias != nullptr ? bias + j * kNr : nullptr;
@@ -364,56 +414,62 @@ void tile(const Call& cl, const int8_t* a, const uint8_t* b, const int32_t* c, f
 
 // Blocks [jb, jb + nb) of the row tile at A block `a` (rows valid rows; c: its start values):
 // tiles of NB blocks, then the rest with NB - 1, ... 1.
-template <int NP, int NB, W4Format F, bool kOneRow>
+template <int NP, int NB, W4Format F, bool kOneRow, bool kG32>
 void blocks(const Call& cl, const int8_t* a, const int32_t* c, const uint8_t* b, int64_t jb,
             int64_t nb, int64_t n, float* d, int64_t stride, int64_t rows, const float* ls,
             const float* bias) {
   for (; nb >= NB; nb -= NB, jb += NB) {
     const int64_t j0 = jb * kNr;
     const int64_t nc = std::min<int64_t>(kNr, n - (j0 + (NB - 1) * kNr));
-    tile<NP, NB, F, kOneRow>(cl, a, b + size_t(jb) * cl.block_bytes, c, d + j0, stride, rows,
+    tile<NP, NB, F, kOneRow, kG32>(cl, a, b + size_t(jb) * cl.block_bytes, c, d + j0, stride, rows,
                              nc, ls, bias != nullptr ? bias + j0 : nullptr);
   }
   if constexpr (NB > 1) {
     if (nb > 0)
-      blocks<NP, NB - 1, F, kOneRow>(cl, a, c, b, jb, nb, n, d, stride, rows, ls, bias);
+      blocks<NP, NB - 1, F, kOneRow, kG32>(cl, a, c, b, jb, nb, n, d, stride, rows, ls, bias);
   }
 }
 
-template <W4Format F>
+template <W4Format F, bool kG32>
 void row_tile(const Call& cl, const int8_t* a, const int32_t* c, const uint8_t* b, int64_t jb,
               int64_t nb, int64_t n, float* d, int64_t stride, int64_t rows, const float* ls,
               const float* bias) {
   switch ((rows + 1) / 2) {
-    case 4: blocks<4, 1, F, false>(cl, a, c, b, jb, nb, n, d, stride, rows, ls, bias); break;
-    case 3: blocks<3, 1, F, false>(cl, a, c, b, jb, nb, n, d, stride, rows, ls, bias); break;
-    case 2: blocks<2, 1, F, false>(cl, a, c, b, jb, nb, n, d, stride, rows, ls, bias); break;
+    case 4: blocks<4, 1, F, false, kG32>(cl, a, c, b, jb, nb, n, d, stride, rows, ls, bias); break;
+    case 3: blocks<3, 1, F, false, kG32>(cl, a, c, b, jb, nb, n, d, stride, rows, ls, bias); break;
+    case 2: blocks<2, 1, F, false, kG32>(cl, a, c, b, jb, nb, n, d, stride, rows, ls, bias); break;
     default:
-      if (rows == 1) blocks<1, 2, F, true>(cl, a, c, b, jb, nb, n, d, stride, rows, ls, bias);
-      else blocks<1, 2, F, false>(cl, a, c, b, jb, nb, n, d, stride, rows, ls, bias);
+      if (rows == 1) blocks<1, 4, F, true, kG32>(cl, a, c, b, jb, nb, n, d, stride, rows, ls, bias);
+      else blocks<1, 2, F, false, kG32>(cl, a, c, b, jb, nb, n, d, stride, rows, ls, bias);
       break;
   }
 }
 
-template <W4Format F>
+template <W4Format F, bool kG32>
 void run(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs, const void* rhs,
          float* dst, int64_t stride, const Q4GemmEpilogue& ep) {
   constexpr bool kInt4 = F == W4Format::int4;
   const auto* a = static_cast<const int8_t*>(lhs);
   const auto* b = static_cast<const uint8_t*>(rhs);
   const int64_t groups = k / w.group;
-  const Call cl{w.group,         groups,
-                Packing::group_bytes(w), Packing::codes_bytes(w),
-                Packing::block_bytes(k, w), w4_decode_table(w.format), kInt4 ? 64 : 0};
+  const Call cl{w.group, groups, Packing::block_bytes(k, w), w4_decode_table(w.format),
+                kInt4 ? 64 : 0};
   const int32_t* init = kInt4 ? init_sums(m, k, w.group, a) : kZeros;
   const int64_t nblocks = (n + kNr - 1) / kNr;
   const int64_t step = m <= kMr ? nblocks : kStepBlocks;
   for (int64_t jb = 0; jb < nblocks; jb += step) {
     const int64_t nb = std::min(step, nblocks - jb);
     for (int64_t i0 = 0; i0 < m; i0 += kMr)
-      row_tile<F>(cl, a + i0 * k, kInt4 ? init + (i0 / kMr) * groups * 64 : init, b, jb, nb, n,
+      row_tile<F, kG32>(cl, a + i0 * k, kInt4 ? init + (i0 / kMr) * groups * 64 : init, b, jb, nb, n,
                   dst + i0 * stride, stride, std::min(kMr, m - i0), ep.lhs_scale + i0, ep.bias);
   }
+}
+
+// The int4 loops, with or without the k loop.
+void run_int4(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs, const void* rhs,
+              float* dst, int64_t stride, const Q4GemmEpilogue& ep) {
+  if (w.group == 32) run<W4Format::int4, true>(m, n, k, w, lhs, rhs, dst, stride, ep);
+  else run<W4Format::int4, false>(m, n, k, w, lhs, rhs, dst, stride, ep);
 }
 
 }  // namespace
@@ -421,6 +477,6 @@ void run(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs, co
 extern const Q4GemmUkernel q4gemm_qs8p8x8_q4cpo8x8_8x8_neon_i8mm =
     make_q4gemm<LhsPacking, Packing>("q4gemm_qs8p8x8_q4cpo8x8_8x8_neon_i8mm", Isa::neon_i8mm, kMr,
                                      pack_lhs, pack_rhs_q4<Packing, PairNibbles, OffsetLowInt4>,
-                                     q4_run_f32<run<W4Format::int4>, run<W4Format::mxfp4>>);
+                                     q4_run_f32<run_int4, run<W4Format::mxfp4, true>>);
 
 }  // namespace cpumoe
