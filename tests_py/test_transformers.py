@@ -507,3 +507,12 @@ def test_bench_model_option_and_presets():
                                 lambda name: calls.append("setup " + name), 0.0, 2)
     assert {n: len(t) for n, t in times.items()} == {"a": 2, "b": 2}  # one call per round
     assert calls[-4:] == ["setup b", "b", "setup a", "a"]  # the second round rotated
+
+
+@pytest.mark.parametrize("backend, inter, what", [
+    ("cpumoe_int4", 40, "none of the int4 group sizes 128, 64, 32 divides both H = 64 and I = 40"),
+    ("cpumoe_mxfp4", 48, "MXFP4 needs H = 64 and I = 48 to be multiples of 32")])
+def test_w4_backends_name_sizes_they_cannot_group(backend, inter, what):
+    model = _model("qwen3_moe", moe_intermediate_size=inter)
+    with pytest.raises(cmt.UnsupportedExperts, match=what):
+        cmt.prepare(model, backend)

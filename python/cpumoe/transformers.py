@@ -279,8 +279,8 @@ def _pack_w4(module: torch.nn.Module, lay: _Layout, kind: str, name: Optional[st
         return _ops.prepack_mxfp4(q13, t13, q2, t2, b13, b2)
     g = next((g for g in INT4_GROUPS if H % g == 0 and I % g == 0), None)
     if g is None:
-        _fail(module, name, f"int4 groups of {', '.join(map(str, INT4_GROUPS))} divide neither "
-                            f"H = {H} nor I = {I}")
+        _fail(module, name, f"none of the int4 group sizes {', '.join(map(str, INT4_GROUPS))} "
+                            f"divides both H = {H} and I = {I}")
     q13 = torch.empty((E, 2 * I, H), dtype=torch.int8)
     t13 = torch.empty((E, 2 * I, H // g), dtype=torch.float32)
     q2 = torch.empty((E, H, I), dtype=torch.int8)
@@ -323,6 +323,7 @@ def _pack(module: torch.nn.Module, kind: str, name: Optional[str], keep_float: b
                 w13[e], s13[e] = _quantize_rows(_w13_of(module, lay, e))
                 w2[e], s2[e] = _quantize_rows(_w2_of(module, lay, e))
             packed = _ops.prepack(w13, w2, s13, s2, b13, b2)
+            del w13, w2
         elif kind == "bf16":
             w13 = torch.empty((E, 2 * I, H), dtype=torch.bfloat16)
             w2 = torch.empty((E, H, I), dtype=torch.bfloat16)
@@ -330,6 +331,7 @@ def _pack(module: torch.nn.Module, kind: str, name: Optional[str], keep_float: b
                 w13[e] = _w13_of(module, lay, e)
                 w2[e] = _w2_of(module, lay, e)
             packed = _ops.prepack_bf16(w13, w2, b13, b2)
+            del w13, w2
         else:
             packed = _pack_w4(module, lay, kind, name, b13, b2)
     state = _State(kind, packed, lay.activation, name or "", not keep_float)
