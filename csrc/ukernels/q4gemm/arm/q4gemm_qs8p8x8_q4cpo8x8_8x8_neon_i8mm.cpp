@@ -231,25 +231,29 @@ const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a) {
   Q4_R2_END(F, Q4_B0(F), "v16", "v17", "v18", "v19", "v24", "v25", "v26", "v27")        \
   "add %[s], %[b], %[bsc]\n\t"                                                          \
   Q4_R2_END(F, "[%[s]]", "v20", "v21", "v22", "v23", "v28", "v29", "v30", "v31") Q4_INIT2
-#define Q4_P1_ASM(NB_, F, LOOP, ST)                                                      \
+// One pass of a one-pair tile over all groups: zeroed totals (v24-v31), the accumulators'
+// start values (INIT), per group the k steps (BODY) and the group end (ENDS), then the store.
+#define Q4_PAIR_ASM(INIT, BODY, ENDS, ST)                                                \
   __asm__ volatile(                                                                      \
-      "ld1 {v24.4s-v27.4s}, [%[z]]\n\tld1 {v28.4s-v31.4s}, [%[z]]\n\t" Q4_INIT##NB_       \
-      "2:\n\t" LOOP(Q4_S1x##NB_(Q4_UNP_##F))                                              \
-      Q4_R2_ENDS_##NB_(F) "subs %[gn], %[gn], #1\n\tb.ne 2b\n\t" ST                      \
+      "ld1 {v24.4s-v27.4s}, [%[z]]\n\tld1 {v28.4s-v31.4s}, [%[z]]\n\t" INIT                \
+      "2:\n\t" BODY ENDS "subs %[gn], %[gn], #1\n\tb.ne 2b\n\t" ST                        \
       : [a] "+r"(a), [b] "+r"(b), [gn] "+r"(gn), [n] "=&r"(n), [s] "=&r"(s), [o] "+r"(o), \
         [c] "+r"(c)                                                                      \
       : [np2] "r"(np2), [s64] "r"(s64), [bs] "r"(bs), [back] "r"(back), [bsc] "r"(bsc),  \
         [cs] "r"(cs), [mask] "w"(mask), [tab] "w"(tab), [z] "r"(kZeros)                  \
       : Q4_CLOB, "v16", "v17", "v18", "v19", "v20", "v21", "v22", "v23", "v24", "v25",   \
         "v26", "v27", "v28", "v29", "v30", "v31")
+#define Q4_P1_ASM(NB_, F, LOOP, ST) \
+  Q4_PAIR_ASM(Q4_INIT##NB_, LOOP(Q4_S1x##NB_(Q4_UNP_##F)), Q4_R2_ENDS_##NB_(F), ST)
+// The format / group-size variants of a one-pair tile (ASM: Q4_P1_ASM or Q4_O_ASM).
+#define Q4_PAIR_FMT(ASM, NB_, ST)                                       \
+  if constexpr (F == W4Format::mxfp4) ASM(NB_, MX, Q4_LOOP_G32, ST);     \
+  else if constexpr (kG32) ASM(NB_, I4, Q4_LOOP_G32, ST);               \
+  else ASM(NB_, I4, Q4_LOOP, ST);
 #define Q4_ST1 "st1 {v24.4s-v25.4s}, [%[o]]\n\t"
 #define Q4_ST2 "st1 {v24.4s-v27.4s}, [%[o]]\n\t"
 #define Q4_ST3 "st1 {v24.4s-v27.4s}, [%[o]], #64\n\tst1 {v28.4s-v29.4s}, [%[o]]\n\t"
 #define Q4_ST4 "st1 {v24.4s-v27.4s}, [%[o]], #64\n\tst1 {v28.4s-v31.4s}, [%[o]]\n\t"
-#define Q4_P1_FMT(NB_, ST)                                                    \
-  if constexpr (F == W4Format::mxfp4) Q4_P1_ASM(NB_, MX, Q4_LOOP_G32, ST);    \
-  else if constexpr (kG32) Q4_P1_ASM(NB_, I4, Q4_LOOP_G32, ST);              \
-  else Q4_P1_ASM(NB_, I4, Q4_LOOP, ST);
 
 // One-row tiles (1-4 blocks). Row 0's half of an A slice is loaded alone (ldr d: A = [a, 0],
 // whatever row 1 holds), and A' = [0, a] (one ext) against column pair q + 1's operands
@@ -288,21 +292,8 @@ const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a) {
 #define Q4_O_INIT_2 Q4_INIT1
 #define Q4_O_INIT_3 Q4_INIT2
 #define Q4_O_INIT_4 Q4_INIT2
-#define Q4_O_ASM(NB_, F, LOOP)                                                               \
-  __asm__ volatile(                                                                          \
-      "ld1 {v24.4s-v27.4s}, [%[z]]\n\tld1 {v28.4s-v31.4s}, [%[z]]\n\t" Q4_O_INIT_##NB_         \
-      "2:\n\t" LOOP(Q4_O_S##NB_(Q4_UNP_##F))                                                  \
-      Q4_O_ENDS_##NB_(F) "subs %[gn], %[gn], #1\n\tb.ne 2b\n\t" Q4_ST##NB_                    \
-      : [a] "+r"(a), [b] "+r"(b), [gn] "+r"(gn), [n] "=&r"(n), [s] "=&r"(s), [o] "+r"(o),     \
-        [c] "+r"(c)                                                                          \
-      : [np2] "r"(np2), [s64] "r"(s64), [bs] "r"(bs), [back] "r"(back), [bsc] "r"(bsc),      \
-        [cs] "r"(cs), [mask] "w"(mask), [tab] "w"(tab), [z] "r"(kZeros)                      \
-      : Q4_CLOB, "v16", "v17", "v18", "v19", "v20", "v21", "v22", "v23", "v24", "v25",       \
-        "v26", "v27", "v28", "v29", "v30", "v31")
-#define Q4_O_FMT(NB_)                                                \
-  if constexpr (F == W4Format::mxfp4) Q4_O_ASM(NB_, MX, Q4_LOOP_G32);  \
-  else if constexpr (kG32) Q4_O_ASM(NB_, I4, Q4_LOOP_G32);        \
-  else Q4_O_ASM(NB_, I4, Q4_LOOP);
+#define Q4_O_ASM(NB_, F, LOOP, ST) \
+  Q4_PAIR_ASM(Q4_O_INIT_##NB_, LOOP(Q4_O_S##NB_(Q4_UNP_##F)), Q4_O_ENDS_##NB_(F), ST)
 
 // Tiles of 2-4 pairs x 1 block: the totals in memory at t (4 per pair: one ld1 and one st1 per
 // pair and group, as the accumulators take v16..v31). Group end: the 8 scales into v8, v9 (as in
@@ -361,12 +352,12 @@ void tile_sums(const Call& cl, const int8_t* a, const uint8_t* b, const int32_t*
   const int8x16_t tab = vld1q_s8(cl.table);
   if constexpr (NP == 1) {
     const uint8_t* s;
-    if constexpr (kOneRow && NB == 1) { Q4_O_FMT(1) }
-    else if constexpr (kOneRow && NB == 2) { Q4_O_FMT(2) }
-    else if constexpr (kOneRow && NB == 3) { Q4_O_FMT(3) }
-    else if constexpr (kOneRow) { Q4_O_FMT(4) }
-    else if constexpr (NB == 1) { Q4_P1_FMT(1, Q4_ST2) }
-    else { Q4_P1_FMT(2, Q4_ST4) }
+    if constexpr (kOneRow && NB == 1) { Q4_PAIR_FMT(Q4_O_ASM, 1, Q4_ST1) }
+    else if constexpr (kOneRow && NB == 2) { Q4_PAIR_FMT(Q4_O_ASM, 2, Q4_ST2) }
+    else if constexpr (kOneRow && NB == 3) { Q4_PAIR_FMT(Q4_O_ASM, 3, Q4_ST3) }
+    else if constexpr (kOneRow) { Q4_PAIR_FMT(Q4_O_ASM, 4, Q4_ST4) }
+    else if constexpr (NB == 1) { Q4_PAIR_FMT(Q4_P1_ASM, 1, Q4_ST2) }
+    else { Q4_PAIR_FMT(Q4_P1_ASM, 2, Q4_ST4) }
     (void)s;
   } else {
     float* t;
