@@ -105,6 +105,13 @@ _PRESETS = {"w8a8": ("W8A8", 127, "int-quantized"), "w4a8": ("W4A8", 7, "int-qua
             "w4a16": ("W4A16", 7, "pack-quantized")}
 
 
+def _minmax_scales(w: torch.Tensor, groups: int, qmax: int) -> torch.Tensor:
+    """Symmetric scales [rows, groups] of a weight [rows, cols]: each group's max |w| / qmax
+    (one group: per channel), what a min-max observer sets."""
+    wg = w.float().reshape(w.shape[0], groups, -1)
+    return wg.abs().amax(dim=2).clamp_min(1e-12) / qmax
+
+
 def save_w8a8(src: PathLike, dst: PathLike) -> Path:
     """Writes ``dst``: the bf16 checkpoint ``src`` (per-expert ``experts.{e}.{proj}.weight`` keys,
     as transformers saves Qwen3-MoE and Mixtral) with every expert projection W8A8 int8 through
@@ -164,8 +171,7 @@ def _save_quantized(src: PathLike, dst: PathLike, kind: str,
         for m in root.modules():
             if hasattr(m, "weight_scale"):  # a minmax observer's scale (what calibration sets)
                 # [out, 1] per channel, [out, in / g] per group.
-                w = m.weight.reshape(m.weight.shape[0], m.weight_scale.shape[1], -1)
-                m.weight_scale.copy_(w.abs().amax(dim=2).clamp_min(1e-12) / qmax)
+                m.weight_scale.copy_(_minmax_scales(m.weight, m.weight_scale.shape[1], qmax))
     compressor = ModelCompressor.from_pretrained_model(root, quantization_format=fmt)
     compressor.compress_model(root)
     out = {k: v.contiguous() for k, v in root.state_dict().items()}
@@ -339,10 +345,10 @@ def save_qwen3_bench(folder: PathLike, quant: Optional[str] = None, num_layers: 
                 continue
             qmax = _PRESETS[quant][1]
             g = shape[1] if quant == "w8a8" else 128  # the preset's channel / group
+            scale = _minmax_scales(w, shape[1] // g, qmax)
             wg = w.float().reshape(shape[0], shape[1] // g, g)
-            scale = wg.abs().amax(dim=2, keepdim=True).clamp_min(1e-12) / qmax
-            q = torch.round(wg / scale).clamp(-qmax, qmax).to(torch.int8).reshape(shape)
-            out.append((q, scale.squeeze(2)))
+            q = torch.round(wg / scale[:, :, None]).clamp(-qmax, qmax).to(torch.int8)
+            out.append((q.reshape(shape), scale))
         return out
 
     weight_map: Dict[str, str] = {}
