@@ -11,7 +11,9 @@
 // the kernels' software prefetch distance, 1 KiB, in the same run, alternating with the kernels).
 //
 //   cpumoe_q4gemm_bench [--threads 2] [--m 1,16] [--n 1536] [--k 2048] [--mib 512] [--reps 7]
-//                       [--calls 200] [--kernel NAME]
+//                       [--calls 200] [--kernel NAME] [--formats int4:128,int4:32,mxfp4]
+//
+// --formats: the W4A8 weight formats, int4:G (group G, a multiple of 32 dividing k) or mxfp4.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -37,6 +39,7 @@ struct Args {
   int64_t n = 1536, k = 2048, mib = 512, calls = 200;
   int reps = 7;
   std::string kernel;
+  std::string formats = "int4:128,int4:32,mxfp4";
 };
 
 std::vector<int64_t> parse_list(const char* s) {
@@ -125,6 +128,7 @@ int main(int argc, char** argv) {
     else if (f == "--reps") a.reps = std::atoi(v);
     else if (f == "--calls") a.calls = std::atoll(v);
     else if (f == "--kernel") a.kernel = v;
+    else if (f == "--formats") a.formats = v;
     else { std::fprintf(stderr, "unknown flag %s\n", f.c_str()); return 2; }
   }
   const cpumoe::Q4GemmUkernel* q4 =
@@ -152,10 +156,26 @@ int main(int argc, char** argv) {
   std::vector<uint8_t> lhs8(q8->lhs_packed_size(max_m, k) + 64);
   q8->pack_lhs(max_m, k, rows.data(), lhs8.data());
 
-  struct Fmt { cpumoe::W4Layout w; const char* label; };
-  const Fmt fmts[] = {{{cpumoe::W4Format::int4, 128}, "int4 g=128"},
-                      {{cpumoe::W4Format::int4, 32}, "int4 g=32"},
-                      {{cpumoe::W4Format::mxfp4, 32}, "mxfp4"}};
+  struct Fmt { cpumoe::W4Layout w; std::string label; };
+  std::vector<Fmt> fmts;
+  for (size_t p = 0; p <= a.formats.size();) {
+    const size_t e = std::min(a.formats.find(',', p), a.formats.size());
+    const std::string f = a.formats.substr(p, e - p);
+    p = e + 1;
+    if (f == "mxfp4") {
+      fmts.push_back({{cpumoe::W4Format::mxfp4, 32}, "mxfp4"});
+    } else if (f.rfind("int4:", 0) == 0) {
+      const int64_t g = std::atoll(f.c_str() + 5);
+      if (g <= 0 || g % 32 != 0 || k % g != 0) {
+        std::fprintf(stderr, "--formats: group %lld is not a multiple of 32 dividing k\n", (long long)g);
+        return 2;
+      }
+      fmts.push_back({{cpumoe::W4Format::int4, g}, "int4 g=" + std::to_string(g)});
+    } else {
+      std::fprintf(stderr, "--formats: unknown format '%s' (int4:G or mxfp4)\n", f.c_str());
+      return 2;
+    }
+  }
   std::vector<uint8_t> lhs4(q4->lhs_packed_size(max_m, k) + 64);
   q4->pack_lhs(max_m, k, rows.data(), lhs4.data());
   std::vector<std::vector<float>> out(size_t(a.threads), std::vector<float>(size_t(max_m * n)));
@@ -170,11 +190,11 @@ int main(int argc, char** argv) {
     std::vector<uint8_t> one4(q4->rhs_packed_size(n, k, fm.w));
     q4->pack_rhs(n, k, fm.w, codes.data(), k, sc.data(), groups, one4.data());
     const ExpertBuffer buf4(one4.size(), a.mib, one4.data());
-    std::printf("%s: %lld experts of %.3f MB (int8: %lld of %.3f MB)\n", fm.label,
+    std::printf("%s: %lld experts of %.3f MB (int8: %lld of %.3f MB)\n", fm.label.c_str(),
                 (long long)buf4.experts, double(one4.size()) / 1e6, (long long)buf8.experts,
                 double(one8.size()) / 1e6);
     for (int64_t m : a.ms) {
-      Contender probe{"read probe (same bytes as " + std::string(fm.label) + ")", one4.size(), {}};
+      Contender probe{"read probe (same bytes as " + fm.label + ")", one4.size(), {}};
       Contender c4{std::string(q4->name) + " " + fm.label, one4.size(), {}};
       Contender c8{std::string(q8->name), one8.size(), {}};
       int64_t cur_p = 0, cur_4 = 0, cur_8 = 0;

@@ -104,8 +104,8 @@ struct Kernel : Q4X86Steps<kNr, kSmallRows, kSmallBlocks, kSmallRows, kSmallBloc
 };
 
 // Rows [i0, i0 + MR) of A x blocks [jb, jb + NB) of B (block b at bp + b * bstride).
-// G: the group size when known at compile time (32: mxfp4's and the common int4 one, its slice
-// loop and row sums unrolled), else 0 (w.group).
+// G: the group size when known at compile time (run_q4_f32's list: the slice loop's count and
+// the row sums fixed), else 0 (w.group).
 template <int MR, int NB, bool Mx, int G>
 void Kernel::tile(const Q4Call<Decode>& c, int64_t i0, int64_t jb) {
   const auto [a, bp, lda, bstride, g, groups, gbytes, cbytes] = q4_tile_span<kNr, G>(c, i0, jb);
