@@ -285,7 +285,7 @@ void run_f32(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs
              float* dst, int64_t dst_stride, const Q4GemmEpilogue& ep) {
   if (m <= 0 || n <= 0) return;
   if (m < kAmxMinRows) {
-    q4_vnni::run_f32(m, n, k, w, lhs, rhs, dst, dst_stride, ep);
+    q4_vnni::run_f32<true>(m, n, k, w, lhs, rhs, dst, dst_stride, ep);
     return;
   }
   const auto* a = static_cast<const uint8_t*>(lhs);

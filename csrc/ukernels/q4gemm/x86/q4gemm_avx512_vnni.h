@@ -30,8 +30,10 @@
 // accumulators (the exact order of q4gemm.h: no FMA). The int32 accumulators stay in registers
 // over the group; the fp32 ones, touched once per group, in L1 (so the register tile can be 8
 // rows). Decode (one row per expert) thus runs 4 independent weight streams with 1 (int4) or 5
-// (mxfp4) vector ops per 64 weight bytes besides the 2 vpdpbusd; software prefetch runs kPrefetch
-// bytes ahead in each stream.
+// (mxfp4) vector ops per 64 weight bytes besides the 2 vpdpbusd, left to the hardware prefetcher;
+// tiles of 3+ rows (one or two streams) prefetch kPrefetch bytes ahead in software. (On Zen 4 the
+// software prefetch in the 4 streams cost time: m = 1, cold weights, 2 threads, 0.71x -> 0.58x of
+// the W8A8 kernel's time without it; at m = 8 it still helps.)
 // Epilogue: * lhs_scale, + bias, masked tail stores (nothing past n is written).
 // Features used: AVX-512 F, BW, VL, VNNI.
 #pragma once
@@ -66,7 +68,7 @@ constexpr int64_t kQuadBytes = 64;  // 4 k of one block
 constexpr int64_t kMr = 8;
 constexpr int kSmallRows = 2, kSmallBlocks = 4, kMidRows = 3, kMidBlocks = 2, kRows = 8,
               kBlocks = 1;
-constexpr int64_t kPrefetch = 1024;  // bytes ahead in each block's stream
+constexpr int64_t kPrefetch = 1024;  // bytes ahead in each block's stream (tiles of 3+ rows)
 
 // Nibble position of column c's code kk of a group (the file comment's `q4cio32x4`).
 struct HalvesInNibbles {
@@ -140,6 +142,9 @@ inline void dpbusd(__m512i& acc, __m512i u, __m512i s) {
 }
 
 // The kernel as run_q4_f32 (q4gemm_x86_common.h) takes it: the walk's steps and the tile.
+// PfSmall: software prefetch in the 1-2-row tiles too (the AMX kernel's few-row calls, measured
+// on Sapphire Rapids with it; see the file comment for Zen 4).
+template <bool PfSmall>
 struct Kernel : Q4X86Steps<kNr, kSmallRows, kSmallBlocks, kMidRows, kMidBlocks, kRows, kBlocks,
                            Decode> {
   template <int MR, int NB, bool Mx, int G>
@@ -148,8 +153,9 @@ struct Kernel : Q4X86Steps<kNr, kSmallRows, kSmallBlocks, kMidRows, kMidBlocks, 
 
 // Rows [i0, i0 + MR) of A x blocks [jb, jb + NB) of B; G: the group size when known at compile
 // time (run_q4_f32's list: the quad loop's count and the row sums fixed), else 0.
+template <bool PfSmall>
 template <int MR, int NB, bool Mx, int G>
-void Kernel::tile(const Q4Call<Decode>& c, int64_t i0, int64_t jb) {
+void Kernel<PfSmall>::tile(const Q4Call<Decode>& c, int64_t i0, int64_t jb) {
   const auto [a, bp, lda, bstride, g, groups, gbytes, cbytes] = q4_tile_span<kNr, G>(c, i0, jb);
   const int64_t hbytes = kHalf * c.w.scale_bytes();  // the high half's scales after the low's
   // Start values per unit of the group's row sum: lo and hi (see the file comment).
@@ -173,7 +179,8 @@ void Kernel::tile(const Q4Call<Decode>& c, int64_t i0, int64_t jb) {
 #pragma GCC unroll 4
       for (int b = 0; b < NB; ++b) {
         const uint8_t* p = grp + b * bstride + q * kQuadBytes;
-        _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch), _MM_HINT_T0);
+        if constexpr (PfSmall || MR > kSmallRows)
+          _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch), _MM_HINT_T0);
         c.dec.template unpack<Mx>(p, dlo[b], dhi[b]);
       }
 #pragma GCC unroll 8
@@ -214,9 +221,10 @@ void Kernel::tile(const Q4Call<Decode>& c, int64_t i0, int64_t jb) {
     }
 }
 
+template <bool PfSmall = false>
 void run_f32(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs,
              const void* rhs, float* dst, int64_t dst_stride, const Q4GemmEpilogue& ep) {
-  run_q4_f32<Kernel>(m, n, k, w, lhs, rhs, dst, dst_stride, ep);
+  run_q4_f32<Kernel<PfSmall>>(m, n, k, w, lhs, rhs, dst, dst_stride, ep);
   if (ep.stream_dst) _mm_sfence();  // the non-temporal stores visible before the call returns
 }
 

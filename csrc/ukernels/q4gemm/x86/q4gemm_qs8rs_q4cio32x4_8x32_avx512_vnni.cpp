@@ -14,6 +14,6 @@ extern const Q4GemmUkernel q4gemm_qs8rs_q4cio32x4_8x32_avx512_vnni =
     make_q4gemm<Q4LhsRowSums, q4_vnni::Packing>(
         "q4gemm_qs8rs_q4cio32x4_8x32_avx512_vnni", Isa::avx512_vnni, q4_vnni::kMr, pack_lhs_qs8rs,
         pack_rhs_q4<q4_vnni::Packing, q4_vnni::HalvesInNibbles, q4_vnni::OffsetInt4>,
-        q4_vnni::run_f32);
+        q4_vnni::run_f32<false>);
 
 }  // namespace cpumoe
