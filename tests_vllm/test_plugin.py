@@ -14,6 +14,7 @@ from cpumoe import vllm_plugin
 from cpumoe.reference import (quantize_int4, quantize_mxfp4, quantize_per_channel,
                               ref_fused_moe_bf16, ref_fused_moe_int4, ref_fused_moe_int8,
                               ref_fused_moe_mxfp4)
+from cpumoe.vllm_plugin import experts, kinds
 from cpumoe.vllm_plugin import layer as L
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 
@@ -46,6 +47,15 @@ def test_install_replaces_routed_experts_and_model_subclasses():
     gpt = op_registry_oot["GptOssRoutedExperts"]
     from vllm.model_executor.models.gpt_oss import GptOssRoutedExperts
     assert issubclass(gpt, GptOssRoutedExperts) and issubclass(gpt, L._CpumoeLayer)
+
+
+def test_layer_module_reexports_the_public_names():
+    """cpumoe.vllm_plugin.layer still gives what lives in its sibling modules (README, serve.py)."""
+    assert L.stats is experts.stats and L.reset_counts is experts.reset_counts
+    assert L.layer_problem is kinds.layer_problem
+    for name in ("CpumoeInt8Experts", "CpumoeInt4Experts", "CpumoeMxfp4Experts",
+                 "CpumoeBf16Experts"):
+        assert getattr(L, name) is getattr(experts, name)
 
 
 def _moe(**over):
@@ -255,7 +265,7 @@ def test_compressed_tensors_schemes_cpumoe_takes(weights, acts, want, reason):
         CompressedTensorsConfig)
     fmt = "pack-quantized" if acts is None else "int-quantized"
     moe = types.SimpleNamespace(hidden_dim=2048, intermediate_size_per_partition=768)
-    kind, why = L._ct_kind(CompressedTensorsConfig, _ct_scheme(weights, acts, fmt), moe)
+    kind, why = kinds._ct_kind(CompressedTensorsConfig, _ct_scheme(weights, acts, fmt), moe)
     assert kind == want
     assert (reason in why) if reason else why == "", why
 
@@ -265,5 +275,5 @@ def test_w4a16_needs_pack_quantized():
         CompressedTensorsConfig)
     w = dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=128)
     moe = types.SimpleNamespace(hidden_dim=2048, intermediate_size_per_partition=768)
-    kind, why = L._ct_kind(CompressedTensorsConfig, _ct_scheme(w, None, "int-quantized"), moe)
+    kind, why = kinds._ct_kind(CompressedTensorsConfig, _ct_scheme(w, None, "int-quantized"), moe)
     assert kind is None and "format 'int-quantized'" in why

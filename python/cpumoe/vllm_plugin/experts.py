@@ -1,0 +1,301 @@
+"""cpumoe's experts classes for vLLM's modular MoE kernel (``FusedMoEExpertsModular``), one per
+weight format, and the bookkeeping of the layers they run (:func:`stats`).
+
+An experts object's ``process_weights_after_loading`` prepacks the layer's weights (and frees
+vLLM's copies) and records the layer; its ``apply`` calls the fused op with vLLM's top-k ids,
+weights and expert map, and counts the calls and tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+from vllm.logger import init_logger
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+from vllm.model_executor.layers.fused_moe.config import (FusedMoEConfig,
+                                                         FusedMoEParallelConfig,
+                                                         FusedMoEQuantConfig)
+from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceNoOP
+from vllm.model_executor.layers.quantization.utils.quant_utils import (QuantKey,
+                                                                       kInt8DynamicTokenSym,
+                                                                       kInt8StaticChannelSym)
+from vllm.model_executor.utils import replace_parameter
+from vllm.platforms import current_platform
+
+import cpumoe
+from cpumoe import ops as _ops
+
+from .kinds import _ACTIVATIONS, _SWIGLU
+
+# A child of vLLM's logger: vLLM's handler and format, and VLLM_LOGGING_LEVEL, apply.
+logger = init_logger("vllm.plugins.cpumoe")
+
+_lock = threading.Lock()
+#: This process's cpumoe layers: layer name -> {"kind", "path", "kernel", "calls", "tokens"}.
+_LAYERS: Dict[str, Dict[str, Any]] = {}
+
+
+def stats() -> Dict[str, Any]:
+    """What cpumoe did in this process: its pid and, per layer it took, the op kind, path,
+    kernel and the number of calls and tokens the kernel ran (for tests, e.g. through
+    ``vllm.LLM.apply_model``)."""
+    with _lock:
+        return {"pid": os.getpid(), "layers": {k: dict(v) for k, v in _LAYERS.items()}}
+
+
+def reset_counts() -> None:
+    """Zeroes the call and token counters of every layer (e.g. after a warm-up)."""
+    with _lock:
+        for v in _LAYERS.values():
+            v["calls"] = 0
+            v["tokens"] = 0
+
+
+class _CpumoeExperts(mk.FusedMoEExpertsModular):
+    """Shared part of cpumoe's experts: vLLM's modular-kernel interface around the fused op.
+
+    Standard activation format, unquantized inputs (cpumoe quantizes per token itself), the
+    top-k weighting and reduction done by the op (TopKWeightAndReduceNoOP), global ids with
+    vLLM's expert map.
+    """
+
+    kind = ""
+
+    def __init__(self, moe_config: FusedMoEConfig, quant_config: FusedMoEQuantConfig,
+                 max_num_tokens: Optional[int] = None, num_dispatchers: Optional[int] = None):
+        super().__init__(moe_config, quant_config, max_num_tokens, num_dispatchers)
+        self.packed: Any = None
+        self.layer_name = "?"
+        self._act = _ACTIVATIONS.get(moe_config.activation, "")
+        self._stats: Dict[str, Any] = {}
+        self._emap_src: Optional[torch.Tensor] = None
+        self._emap: Optional[torch.Tensor] = None
+
+    # -- capabilities (what vLLM's selection asks of an experts class)
+    @property
+    def expects_unquantized_inputs(self) -> bool:
+        return True
+
+    @staticmethod
+    def activation_format() -> mk.FusedMoEActivationFormat:
+        return mk.FusedMoEActivationFormat.Standard
+
+    @staticmethod
+    def _supports_current_device() -> bool:
+        return current_platform.is_cpu()
+
+    @staticmethod
+    def _supports_no_act_and_mul() -> bool:
+        return False
+
+    @staticmethod
+    def _supports_activation(activation: MoEActivation) -> bool:
+        return activation in _ACTIVATIONS
+
+    @staticmethod
+    def _supports_parallel_config(moe_parallel_config: FusedMoEParallelConfig) -> bool:
+        return True
+
+    def supports_expert_map(self) -> bool:
+        return True
+
+    # -- weights
+    def _prepack(self, layer: torch.nn.Module) -> Any:
+        raise NotImplementedError
+
+    def _format_name(self) -> str:
+        """The layer's format in the log line."""
+        return {"int8": "W8A8 int8", "bf16": "bf16"}[self.kind]
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        self.layer_name = getattr(layer, "layer_name", "?")
+        self.packed = p = self._prepack(layer)
+        # vLLM's copies are no longer read: keep 3-D placeholders of the right E and H (the
+        # modular kernel and the layer's repr read their shapes; moe_problem_size below does
+        # not), and let the weights' memory go. (A W4A16 layer has none until here.)
+        for name in ("w13_weight", "w2_weight"):
+            old = getattr(layer, name, None)
+            empty = torch.empty((p.num_experts, 0, p.hidden),
+                                dtype=torch.int8 if old is None else old.dtype)
+            if old is None:
+                layer.register_parameter(name, torch.nn.Parameter(empty, requires_grad=False))
+            else:
+                replace_parameter(layer, name, empty)
+        self._stats = {"kind": self.kind, "path": p.path, "kernel": p.kernel, "calls": 0,
+                       "tokens": 0}
+        with _lock:
+            _LAYERS[self.layer_name] = self._stats
+        logger.info("cpumoe: %s runs on cpumoe (%s, path %s, kernel %s; E=%d H=%d I=%d top-%d "
+                    "%s%s)", self.layer_name, self._format_name(), p.path, p.kernel,
+                    p.num_experts, p.hidden, p.intermediate,
+                    self.moe_config.experts_per_token, self._act,
+                    ", expert map" if getattr(layer, "expert_map", None) is not None else "")
+
+    # -- forward
+    def moe_problem_size(self, a1: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                         topk_ids: torch.Tensor) -> Tuple[int, int, int, int, int]:
+        p = self.packed
+        return p.num_experts, a1.size(0), 2 * p.intermediate, p.hidden, topk_ids.size(1)
+
+    def workspace_shapes(self, M: int, N: int, K: int, topk: int, global_num_experts: int,
+                         local_num_experts: int,
+                         expert_tokens_meta: Optional[mk.ExpertTokensMetadata],
+                         activation: MoEActivation):
+        # The op keeps its own per-thread scratch; only the output is vLLM's.
+        return (0,), (0,), (M, K)
+
+    def finalize_weight_and_reduce_impl(self) -> mk.TopKWeightAndReduce:
+        return TopKWeightAndReduceNoOP()
+
+    def _expert_map(self, expert_map: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if expert_map is None:
+            return None
+        if expert_map is not self._emap_src:  # converted once per map tensor
+            self._emap_src = expert_map
+            self._emap = expert_map.to(torch.int32).contiguous()
+        return self._emap
+
+    def apply(self, output: torch.Tensor, hidden_states: torch.Tensor, w1: torch.Tensor,
+              w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              activation: MoEActivation, global_num_experts: int,
+              expert_map: Optional[torch.Tensor], a1q_scale: Optional[torch.Tensor],
+              a2_scale: Optional[torch.Tensor], workspace13: torch.Tensor,
+              workspace2: torch.Tensor, expert_tokens_meta: Optional[mk.ExpertTokensMetadata],
+              apply_router_weight_on_input: bool) -> None:
+        act = _ACTIVATIONS.get(activation)
+        if act is None:
+            raise ValueError(f"cpumoe ({self.layer_name}): activation {activation.value!r}")
+        if topk_weights.dtype != torch.float32:
+            topk_weights = topk_weights.float()
+        # apply_router_weight_on_input (top-1): vLLM's prepare step already scaled x by the
+        # router weight, so the op must not weight again (its skip_weighted).
+        # Every weight format but bf16 runs on the int8 op (int8 activations).
+        fn = cpumoe.fused_moe_bf16 if self.kind == "bf16" else cpumoe.fused_moe_int8
+        fn(hidden_states, self.packed, topk_weights.contiguous(), topk_ids.contiguous(), act,
+           bool(apply_router_weight_on_input), out=output,
+           expert_map=self._expert_map(expert_map))
+        st = self._stats
+        st["calls"] += 1
+        st["tokens"] += hidden_states.size(0)
+
+
+def _bias(layer: torch.nn.Module, name: str) -> Optional[torch.Tensor]:
+    b = getattr(layer, name, None)
+    return None if b is None else b.data
+
+
+class CpumoeInt8Experts(_CpumoeExperts):
+    """W8A8 int8 experts (int8 per-channel weights, dynamic per-token int8 activations) on
+    cpumoe's int8 op."""
+
+    kind = "int8"
+
+    @staticmethod
+    def _supports_quant_scheme(weight_key: Optional[QuantKey],
+                               activation_key: Optional[QuantKey]) -> bool:
+        return (weight_key, activation_key) == (kInt8StaticChannelSym, kInt8DynamicTokenSym)
+
+    def _prepack(self, layer: torch.nn.Module) -> Any:
+        return _ops.prepack(layer.w13_weight.data, layer.w2_weight.data,
+                            layer.w13_weight_scale.data, layer.w2_weight_scale.data,
+                            _bias(layer, "w13_bias"), _bias(layer, "w2_bias"))
+
+
+class CpumoeInt4Experts(_CpumoeExperts):
+    """W4A8 experts (int4 weights with a scale per group of inputs, dynamic per-token int8
+    activations) on cpumoe's int8 op: the layer's ``w13_weight`` / ``w2_weight`` hold the int4
+    values as int8 (compressed-tensors' int-quantized W4A8, as vLLM's W4A8 int8 method loads
+    them), the scales [E, N, K / g] give the group size."""
+
+    kind = "int4"
+
+    @staticmethod
+    def _supports_quant_scheme(weight_key: Optional[QuantKey],
+                               activation_key: Optional[QuantKey]) -> bool:
+        from vllm.model_executor.layers.quantization.utils import quant_utils as qu
+        keys = [getattr(qu, f"kInt4W4A8StaticGroup{g}Sym") for g in ("32", "64", "128", "")]
+        return activation_key is None and weight_key in keys
+
+    def _prepack(self, layer: torch.nn.Module) -> Any:
+        s13, s2 = layer.w13_weight_scale.data, layer.w2_weight_scale.data
+        words = getattr(layer, "w13_weight_packed", None)
+        if words is not None and words.dtype == torch.int32 and words.numel():
+            # W4A16 pack-quantized: int32 words of eight values + 8 each (vLLM's WNA16 names).
+            from cpumoe.checkpoint_w4 import unpack_int4
+            self.source = "W4A16 checkpoint, int8 activations"
+            E, N13, H = s13.size(0), s13.size(1), words.size(2) * 8
+            N2, I = s2.size(1), layer.w2_weight_packed.size(2) * 8
+            w13 = torch.from_numpy(unpack_int4(words.numpy().reshape(E * N13, -1), H))
+            w2 = torch.from_numpy(unpack_int4(layer.w2_weight_packed.data.numpy()
+                                              .reshape(E * N2, -1), I))
+            w13, w2 = w13.reshape(E, N13, H), w2.reshape(E, N2, I)
+            for name in ("w13_weight_packed", "w2_weight_packed"):
+                replace_parameter(layer, name, torch.empty(0, dtype=torch.int32))
+        else:
+            w13, w2 = layer.w13_weight.data, layer.w2_weight.data
+        return _ops.prepack_int4(w13, w2, s13.float(), s2.float(), _bias(layer, "w13_bias"),
+                                 _bias(layer, "w2_bias"),
+                                 group_size=w13.size(2) // max(1, s13.size(2)))
+
+    def _format_name(self) -> str:
+        src = getattr(self, "source", "")
+        return f"W4A8 int4 g{self.packed.group_size}" + (f" ({src})" if src else "")
+
+
+class CpumoeMxfp4Experts(_CpumoeExperts):
+    """gpt-oss's MXFP4 experts (E2M1 weights, an E8M0 scale per 32 inputs, bf16 biases) on
+    cpumoe's int8 op: the activations are quantized to int8 per token (the checkpoint is
+    W4A16; vLLM's own CPU MXFP4 experts, bf16 activations, need AMX)."""
+
+    kind = "mxfp4"
+
+    @staticmethod
+    def _supports_quant_scheme(weight_key: Optional[QuantKey],
+                               activation_key: Optional[QuantKey]) -> bool:
+        from vllm.model_executor.layers.quantization.utils.quant_utils import kMxfp4Static
+        return (weight_key, activation_key) == (kMxfp4Static, None)
+
+    def _prepack(self, layer: torch.nn.Module) -> Any:
+        # vLLM's parameters: uint8 [E, N, K / 2] (two codes a byte, low nibble first) and
+        # [E, N, K / 32]: gpt-oss's blocks [E, N, K / 32, 16] with the last two dims merged.
+        qc = self.quant_config
+        consts = (qc.gemm1_alpha, qc.gemm1_beta, qc.gemm1_clamp_limit)
+        want = (_SWIGLU["swiglu_alpha"], _SWIGLU["swiglu_beta"], _SWIGLU["swiglu_limit"])
+        if self._act == "swigluoai" and any(c is not None and abs(c - w) > 1e-6
+                                            for c, w in zip(consts, want)):
+            raise ValueError(f"cpumoe ({self.layer_name}): swigluoai alpha/beta/limit "
+                             f"{consts}, cpumoe's are fixed at {want}")
+        w13, w2 = layer.w13_weight.data, layer.w2_weight.data
+        E, N13, H = w13.size(0), w13.size(1), w13.size(2) * 2
+        I = w2.size(2) * 2
+        return _ops.prepack_mxfp4(w13.view(E, N13, H // 32, 16), layer.w13_weight_scale.data,
+                                  w2.view(E, H, I // 32, 16), layer.w2_weight_scale.data,
+                                  _bias(layer, "w13_bias"), _bias(layer, "w2_bias"))
+
+    def _format_name(self) -> str:
+        return "W4A8 mxfp4 (W4A16 checkpoint, int8 activations)"
+
+
+class CpumoeBf16Experts(_CpumoeExperts):
+    """Unquantized bf16 experts on cpumoe's BF16 op."""
+
+    kind = "bf16"
+
+    @staticmethod
+    def _supports_quant_scheme(weight_key: Optional[QuantKey],
+                               activation_key: Optional[QuantKey]) -> bool:
+        return (weight_key, activation_key) == (None, None)
+
+    def _prepack(self, layer: torch.nn.Module) -> Any:
+        return _ops.prepack_bf16(layer.w13_weight.data, layer.w2_weight.data,
+                                 _bias(layer, "w13_bias"), _bias(layer, "w2_bias"))
+
+
+#: Experts classes swapped into a method vLLM built (_plan's kinds; the quantized layers get
+#: cpumoe's methods instead).
+_EXPERTS = {"bf16": CpumoeBf16Experts}

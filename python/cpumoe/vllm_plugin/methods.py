@@ -1,0 +1,148 @@
+"""cpumoe's quantized MoE methods, by kind: vLLM's compressed-tensors W8A8 int8, W4A8 int8 and
+WNA16 methods and its gpt-oss MXFP4 method (their parameters and weight loading) with cpumoe's
+experts, made without vLLM's backend selection. Their ``process_weights_after_loading`` builds
+vLLM's modular kernel around cpumoe's experts (:func:`_modular_kernel`).
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import Any, Dict, Optional
+
+import torch
+
+import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+from vllm.model_executor.layers.fused_moe.config import (FUSED_MOE_UNQUANTIZED_CONFIG,
+                                                         FusedMoEConfig,
+                                                         FusedMoEQuantConfig)
+from vllm.model_executor.layers.fused_moe.oracle.int8 import Int8MoeBackend
+from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+from .experts import CpumoeInt4Experts, CpumoeInt8Experts, CpumoeMxfp4Experts
+
+
+def _modular_kernel(method: Any, layer: RoutedExperts) -> mk.FusedMoEKernel:
+    """vLLM's modular kernel of ``method`` (its quant config) around cpumoe's experts class:
+    vLLM's prepare/finalize for the layer (no quantization of the inputs: cpumoe's experts
+    expect them unquantized), then the experts prepack the layer's weights."""
+    from vllm.model_executor.layers.fused_moe.all2all_utils import maybe_make_prepare_finalize
+    method.moe_quant_config = method.get_fused_moe_quant_config(layer)
+    prepare_finalize = maybe_make_prepare_finalize(
+        moe=method.moe, quant_config=method.moe_quant_config,
+        routing_tables=layer._expert_routing_tables(), allow_new_interface=True,
+        use_monolithic=False)
+    assert prepare_finalize is not None
+    experts = method.experts_cls(moe_config=method.moe, quant_config=method.moe_quant_config)
+    kernel = mk.FusedMoEKernel(prepare_finalize, experts)
+    experts.process_weights_after_loading(layer)
+    return kernel
+
+
+def _method_classes() -> Dict[str, type]:
+    """cpumoe's quantized MoE methods, by kind: vLLM's compressed-tensors W8A8 int8, W4A8 int8
+    and WNA16 methods and its gpt-oss MXFP4 method (their parameters and weight loading) with
+    cpumoe's experts, made without vLLM's backend selection (which finds no W8A8 kernel on x86
+    CPUs without AMX, none for swigluoai or an expert map, no W4A8 kernel on x86 and no W4A16 or
+    MXFP4 kernel on x86 without AMX)."""
+    global _METHODS
+    if _METHODS:
+        return _METHODS
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
+        CompressedTensorsMoEMethod)
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe\
+        .compressed_tensors_moe_w4a8_int8 import CompressedTensorsW4A8Int8MoEMethod
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe\
+        .compressed_tensors_moe_w8a8_int8 import CompressedTensorsW8A8Int8MoEMethod
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe\
+        .compressed_tensors_moe_wna16 import CompressedTensorsWNA16MoEMethod
+    from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
+    from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend
+    from vllm.model_executor.layers.quantization.mxfp4 import GptOssMxfp4MoEMethod
+
+    class CpumoeW8A8Int8MoEMethod(CompressedTensorsW8A8Int8MoEMethod):
+        def __init__(self, weight_quant: Any, input_quant: Any, moe: FusedMoEConfig):
+            CompressedTensorsMoEMethod.__init__(self, moe)
+            self.weight_quant = weight_quant
+            self.input_quant = input_quant
+            self.static_input_scales = False
+            self.int8_backend = Int8MoeBackend.CPU  # no layout conversion, CPU quant config
+            self.experts_cls = CpumoeInt8Experts
+
+    class _Fp32Scales:
+        def create_weights(self, layer: torch.nn.Module, *args: Any, **kw: Any) -> None:
+            super().create_weights(layer, *args, **kw)
+            # vLLM keeps int4 group scales in bf16 (for its kernels); cpumoe's are fp32, so a
+            # checkpoint's fp32 scales load without rounding. Same loader attributes.
+            for name in ("w13_weight_scale", "w2_weight_scale"):
+                old = getattr(layer, name)
+                new = torch.nn.Parameter(old.data.float(), requires_grad=False)
+                new.__dict__.update(old.__dict__)
+                layer.register_parameter(name, new)
+
+    class _Modular:
+        """cpumoe's experts in vLLM's modular kernel, built after loading."""
+
+        def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> FusedMoEQuantConfig:
+            # cpumoe's experts read the layer's weights, scales and biases themselves and take
+            # unquantized inputs: nothing for vLLM's prepare step to do.
+            return FUSED_MOE_UNQUANTIZED_CONFIG
+
+        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+            self.moe_kernel = _modular_kernel(self, layer)
+
+        def apply(self, layer: RoutedExperts, x: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, shared_experts: Any,
+                  shared_experts_input: Optional[torch.Tensor]) -> torch.Tensor:
+            return self.moe_kernel.apply(
+                x, layer.w13_weight, layer.w2_weight, topk_weights=topk_weights,
+                topk_ids=topk_ids, activation=layer.activation,
+                global_num_experts=layer.global_num_experts, expert_map=layer.expert_map,
+                apply_router_weight_on_input=layer.apply_router_weight_on_input,
+                shared_experts=shared_experts, shared_experts_input=shared_experts_input)
+
+    class CpumoeW4A8Int8MoEMethod(_Fp32Scales, _Modular, CompressedTensorsW4A8Int8MoEMethod):
+        def __init__(self, weight_quant: Any, input_quant: Any, moe: FusedMoEConfig):
+            CompressedTensorsMoEMethod.__init__(self, moe)
+            self.has_bias = moe.has_bias
+            self.weight_quant = weight_quant
+            self.input_quant = input_quant
+            self.static_input_scales = False
+            self.group_size = weight_quant.group_size
+            self.backend = None
+            self.experts_cls = CpumoeInt4Experts
+
+    class CpumoeW4A16Int4MoEMethod(_Fp32Scales, _Modular, CompressedTensorsWNA16MoEMethod):
+        def __init__(self, weight_quant: Any, input_quant: Any, moe: FusedMoEConfig):
+            CompressedTensorsMoEMethod.__init__(self, moe)
+            self.weight_quant = weight_quant
+            self.input_quant = input_quant
+            self.symmetric = True
+            self.num_bits = 4
+            self.packed_factor = Fraction(32, 4)
+            self.strategy = weight_quant.strategy
+            self.group_size = weight_quant.group_size
+            self.wna16_backend = None
+            self.is_marlin = self.is_transposed = False
+            self.input_dtype = torch.bfloat16
+            self.experts_cls = CpumoeInt4Experts
+
+    class CpumoeGptOssMxfp4MoEMethod(_Modular, GptOssMxfp4MoEMethod):
+        def __init__(self, weight_quant: Any, input_quant: Any, moe: FusedMoEConfig):
+            FusedMoEMethodBase.__init__(self, moe)  # vLLM's __init__ selects its backend
+            self.weight_dtype = "gpt_oss_mxfp4"  # read by GptOssRoutedExperts.weight_loader
+            self.mxfp4_backend = Mxfp4MoeBackend.CPU  # its layout: H, I rounded up to 32
+            self.experts_cls = CpumoeMxfp4Experts
+            self.max_capture_size = moe.max_capture_size
+            self._cache_permute_indices = {}
+            self.moe_kernel = None
+            self.w13_precision_config = self.w2_precision_config = None
+
+        def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> FusedMoEQuantConfig:
+            return GptOssMxfp4MoEMethod.get_fused_moe_quant_config(self, layer)
+
+    _METHODS.update(int8=CpumoeW8A8Int8MoEMethod, int4=CpumoeW4A8Int8MoEMethod,
+                    int4_a16=CpumoeW4A16Int4MoEMethod, mxfp4=CpumoeGptOssMxfp4MoEMethod)
+    return _METHODS
+
+
+_METHODS: Dict[str, type] = {}
