@@ -268,7 +268,7 @@ TEST(MoeW4, BadWeightsAreArgumentErrors) {
   {
     W4Data w = base;
     w.v13[77] = 8;  // outside [-8, 7]
-    expect_bad(w.weights(), "w13: int4 values");
+    expect_bad(w.weights(), "w13: int4 values must be in [-8, 7] (element 77 is 8)");
     w = base;
     w.v2[3] = -9;
     expect_bad(w.weights(), "w2: int4 values");

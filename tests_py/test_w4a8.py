@@ -181,6 +181,11 @@ def test_int4_bad_inputs_are_clear_errors():
     v = v2.copy()
     v[1, 0, 0] = -9
     bad(ValueError, r"^w2: int4 values", v13, v, s13, s2)
+    (w13, w2b, t13, t2), _ = w4_weights("int4", 8, 128, 64, 32)
+    v = w13.copy()
+    v[7, 127, 127] = 8  # the last of 131072 values: past the range check's first 64 K chunk
+    bad(ValueError, r"^w13: int4 values must be in \[-8, 7\] \(element 131071 is 8\)", v, w2b,
+        t13, t2)
     bad(ValueError, "^group_size: 128 must divide I = 64", v13, v2, s13, s2, group_size=128)
     bad(ValueError, "^group_size: must be a positive multiple of 32", v13, v2, s13, s2,
         group_size=48)
