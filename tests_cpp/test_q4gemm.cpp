@@ -108,7 +108,7 @@ TEST_P(Q4GemmKernelTest, LongGroups) {
 }
 
 // Packing writes every byte of the packed size: the result depends neither on what the buffer
-// held before nor on anything past k / k / g in the rows.
+// held before, nor on anything past k / k / g in the rows, nor on the codes' high 4 bits.
 TEST_P(Q4GemmKernelTest, PackingIsFullyDetermined) {
   std::mt19937 rng(5);
   for (const Fmt& fm : kFormats) {
@@ -120,6 +120,7 @@ TEST_P(Q4GemmKernelTest, PackingIsFullyDetermined) {
       for (auto& v : sc) v = uint8_t(60 + rng() % 8);  // positive finite floats / E8M0
       std::vector<uint8_t> codes2 = codes, sc2 = sc;
       for (int64_t j = 0; j < n; ++j) {
+        for (int64_t x = 0; x < k; ++x) codes2[size_t(j * ldc + x)] |= uint8_t(rng() & 0xf0);
         for (int64_t x = k; x < ldc; ++x) codes2[size_t(j * ldc + x)] = uint8_t(rng());
         for (int64_t x = 2 * sb; x < lds * sb; ++x) sc2[size_t(j * lds * sb + x)] = uint8_t(rng());
       }
@@ -128,7 +129,8 @@ TEST_P(Q4GemmKernelTest, PackingIsFullyDetermined) {
       kernel().pack_rhs(n, k, w, codes.data(), ldc, sc.data(), lds, r0.data());
       kernel().pack_rhs(n, k, w, codes2.data(), ldc, sc2.data(), lds, r1.data());
       EXPECT_EQ(r0, r1) << cpumoe::w4_format_name(fm.f) << " n=" << n
-                        << ": pack_rhs left bytes unwritten or read past the group scales";
+                        << ": pack_rhs left bytes unwritten, read past the group scales or "
+                           "read a code's high bits";
     }
   }
 }

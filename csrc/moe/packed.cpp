@@ -251,25 +251,27 @@ struct W4Packer final : RhsPacker {
     return k->rhs_packed_size(2 * w.intermediate, w.hidden, layout);
   }
   size_t w2_bytes() const override { return k->rhs_packed_size(w.hidden, w.intermediate, layout); }
-  // Matrix e of [E, n, depth]: codes, then the kernel's packing.
+  // Matrix e of [E, n, depth]: codes, then the kernel's packing. int4 values (int8, two's
+  // complement) are their own codes (pack_rhs reads the low 4 bits); mxfp4's two codes per byte
+  // are spread one per byte first.
   void pack_one(const void* src, const void* scales, int64_t e, int64_t n, int64_t depth,
                 void* dst) const {
     const size_t count = size_t(n) * size_t(depth);
-    std::vector<uint8_t> codes(count);  // one matrix (a few MB), freed with the call
+    std::vector<uint8_t> codes;  // mxfp4 only: one matrix (a few MB), freed with the call
+    const uint8_t* c = static_cast<const uint8_t*>(src) + size_t(e) * count;
     if (layout.format == W4Format::mxfp4) {
+      codes.resize(count);
       const uint8_t* b = static_cast<const uint8_t*>(src) + size_t(e) * count / 2;
       for (size_t x = 0; x < count / 2; ++x) {  // low nibble: the even k
         codes[2 * x] = b[x] & 15;
         codes[2 * x + 1] = b[x] >> 4;
       }
-    } else {
-      const int8_t* v = static_cast<const int8_t*>(src) + size_t(e) * count;
-      for (size_t x = 0; x < count; ++x) codes[x] = uint8_t(v[x]) & 15;
+      c = codes.data();
     }
     const int64_t groups = depth / layout.group;
     const auto* sc = static_cast<const uint8_t*>(scales) +
                      size_t(e) * size_t(n) * size_t(groups) * size_t(layout.scale_bytes());
-    k->pack_rhs(n, depth, layout, codes.data(), depth, sc, groups, dst);
+    k->pack_rhs(n, depth, layout, c, depth, sc, groups, dst);
   }
   void pack(int64_t e, void* d13, void* d2) const override {
     pack_one(w.w13, w.s13, e, 2 * w.intermediate, w.hidden, d13);

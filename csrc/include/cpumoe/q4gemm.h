@@ -99,7 +99,8 @@ struct Q4GemmUkernel {
   size_t (*rhs_packed_size)(int64_t n, int64_t k, const W4Layout& w);
   /// Byte offset of output column @p n_idx (a multiple of nr) in packed B.
   size_t (*rhs_packed_offset)(int64_t n_idx, int64_t k, const W4Layout& w);
-  /// Packs B: column j's codes (one per byte, 0..15) at codes + j * code_stride, its k / group
+  /// Packs B: column j's codes (one per byte, its low 4 bits: the high ones are ignored, so int4
+  /// values given as two's-complement int8 are their own codes) at codes + j * code_stride, its k / group
   /// scales at scales + j * scale_stride * w.scale_bytes() bytes (fp32 for int4, E8M0 bytes for
   /// mxfp4). Every column's codes and scales are read, nothing else.
   void (*pack_rhs)(int64_t n, int64_t k, const W4Layout& w, const uint8_t* codes,
