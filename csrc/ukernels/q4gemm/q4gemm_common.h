@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 #include "cpumoe/q4gemm.h"
@@ -91,8 +90,8 @@ void pack_rhs_q4(int64_t n, int64_t k, const W4Layout& w, const uint8_t* codes,
   const auto* sc = static_cast<const uint8_t*>(scales);
   auto* dst = static_cast<uint8_t*>(packed);
   if (n <= 0 || groups <= 0) return;
-  // from[position] = c * g + kk, or nib (an extra zero byte of `cols` that is not recoded) where
-  // no code goes.
+  // from[position] = c * g + kk, or nib where no code goes: cols[nib] holds 16, which rec maps to
+  // 0 in both nibbles (the position stays 0, not recoded).
   std::vector<int32_t> from(static_cast<size_t>(nib), static_cast<int32_t>(nib));
   for (int64_t c = 0; c < Nr; ++c)
     for (int64_t kk = 0; kk < g; ++kk) from[size_t(Arrange::index(c, kk, g))] = int32_t(c * g + kk);
