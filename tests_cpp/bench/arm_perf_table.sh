@@ -45,12 +45,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-counter=""
-for c in "$src/../shared/tools/qemu-insn-count/qemu-insn-count" \
-         /work/shared/tools/qemu-insn-count/qemu-insn-count; do
-  [ -x "$c" ] && { counter=$c; break; }
-done
-[ -n "$counter" ] || { echo "qemu-insn-count not found (../shared/tools)" >&2; exit 1; }
+. "$here/qemu_counter.sh" "$src"  # sets counter
 
 if [ -z "$build" ]; then
   build=/tmp/cpumoe-arm-perf-build

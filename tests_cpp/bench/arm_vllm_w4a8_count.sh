@@ -38,12 +38,7 @@ done
 t0=$(date +%s)
 log() { printf '[arm_vllm_w4a8_count] %s\n' "$*" >&2; }
 
-counter=""
-for c in "$src/../shared/tools/qemu-insn-count/qemu-insn-count" \
-         /work/shared/tools/qemu-insn-count/qemu-insn-count; do
-  [ -x "$c" ] && { counter=$c; break; }
-done
-[ -n "$counter" ] || { echo "qemu-insn-count not found (../shared/tools)" >&2; exit 1; }
+. "$here/qemu_counter.sh" "$src"  # sets counter
 
 eval "$(bash "$src/ci/setup_aarch64_python.sh" | grep -E '^(SYSROOT|SITE)=')"
 
