@@ -143,6 +143,38 @@ def test_bench_contenders_cold_warm_json(backend, capsys, tmp_path):
         assert doc["vllm"]["schemas"]["fused_experts_cpu"].startswith("_C::fused_experts_cpu(")
 
 
+def test_bench_4bit_contenders(backend, capsys, tmp_path):
+    # cpumoe's W4A8 and vLLM's 4-bit kernels on one layer whose H and I take groups of 32 and
+    # 128; each checked against its own reference, timed, and compared with the int8 op.
+    js = tmp_path / "w4.json"
+    names = ["cpumoe-int8", "cpumoe-int4", "cpumoe-int4-g32", "cpumoe-mxfp4", "vllm-int4",
+             "vllm-int4-g32", "vllm-mxfp4"]
+    argv = ["bench", "--experts", "4", "--topk", "2", "--hidden", "256", "--inter", "128",
+            "--threads", "1", "--backend", backend.name, "--tokens", "1,3", "--iters", "1",
+            "--warmup", "0", "--probe-mib", "8", "--contenders", ",".join(names),
+            "--weights", "cold", "--no-progress", "--json", str(js)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    want = [n for n in names if n.startswith("cpumoe-") or _vllm_runs(backend)]
+    assert "FAIL" not in out and out.count("  check  ") == len(want)
+    for n in names:
+        if n not in want:
+            assert f"skip   {n}" in out
+    doc = json.loads(js.read_text())
+    got = sorted((r["T"], r["contender"]) for r in doc["results"])
+    assert got == sorted((t, n) for t in (1, 3) for n in want)
+    rows = {(r["T"], r["contender"]): r for r in doc["results"]}
+    for (T, n), r in rows.items():
+        assert r["check_ok"] and r["pct_probe"] > 0
+        if n != "cpumoe-int8":  # 4-bit weights: fewer bytes per call than int8's
+            assert r["weight_bytes"] < rows[(T, "cpumoe-int8")]["weight_bytes"]
+    pairs = {(r["a"], r["b"]) for r in doc["ratios"]}
+    assert ("cpumoe-int4", "cpumoe-int8") in pairs and ("cpumoe-mxfp4", "cpumoe-int8") in pairs
+    if _vllm_runs(backend):
+        assert {("cpumoe-int4", "vllm-int4"), ("cpumoe-int4-g32", "vllm-int4-g32"),
+                ("cpumoe-mxfp4", "vllm-mxfp4")} <= pairs
+        assert "vLLM's int4 g128 reference" in out and "bf16 of mxfp4 reference" in out
+
 def test_bench_targets_and_presets(backend, capsys):
     # Two presets shrunk to the small shape; gpt-oss keeps swigluoai and its biases, which
     # vLLM's int8 kernel does not compute.

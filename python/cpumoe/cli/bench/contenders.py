@@ -15,9 +15,11 @@ from . import vllm_cpu
 
 INT8_CONTENDERS = ("cpumoe-int8", "vllm-int8")
 BF16_CONTENDERS = ("cpumoe-bf16", "vllm-bf16", "vllm-bf16-sgl")
-# W4A8 (4-bit weights, int8 activations): (format, group size) of each.
+# 4-bit weights: (format, group size) of each. cpumoe's are W4A8 (int8 activations), vLLM's
+# int4 too, its mxfp4 W4A16; the ones of one (format, group) get the same 4-bit weights.
 W4_CONTENDERS = {"cpumoe-int4": ("int4", 128), "cpumoe-int4-g32": ("int4", 32),
-                 "cpumoe-mxfp4": ("mxfp4", 32)}
+                 "cpumoe-mxfp4": ("mxfp4", 32), "vllm-int4": ("int4", 128),
+                 "vllm-int4-g32": ("int4", 32), "vllm-mxfp4": ("mxfp4", 32)}
 CONTENDERS = ("cpumoe-int8", "cpumoe-bf16", "vllm-int8", "vllm-bf16", "vllm-bf16-sgl",
               *W4_CONTENDERS)
 ALL_CONTENDERS = ("cpumoe-int8", "cpumoe-bf16", "vllm-int8", "vllm-bf16")
@@ -97,19 +99,30 @@ def _cpumoe_w4(layer, name: str, q13, t13, q2, t2, b13, b2) -> Contender:
 
 
 def _w4_reference(name, x, q13, t13, q2, t2, b13, b2, used, wts, local_ids, act):
+    """The reference of a 4-bit contender (its own semantics: see vllm_cpu for vLLM's) and what
+    it is called in the check's line."""
     from ... import reference as R
     fmt, g = W4_CONTENDERS[name]
     sub = [a[used] for a in (q13, t13, q2, t2)]
     bias = dict(b13=_subset(b13, used), b2=_subset(b2, used))
+    if name == "vllm-mxfp4":
+        w13, w2 = R.dequantize_mxfp4(sub[0], sub[1]), R.dequantize_mxfp4(sub[2], sub[3])
+        return R.ref_fused_moe_bf16(x, w13, w2, wts, local_ids, act, **bias), "bf16 of mxfp4"
+    if name.startswith("vllm-"):
+        return vllm_cpu.ref_int4(x, *sub, wts, local_ids, act), f"vLLM's int4 g{g}"
     if fmt == "mxfp4":
-        return R.ref_fused_moe_mxfp4(x, *sub, wts, local_ids, act, **bias)
+        return R.ref_fused_moe_mxfp4(x, *sub, wts, local_ids, act, **bias), "mxfp4"
     return R.ref_fused_moe_int4(x, sub[0], sub[2], sub[1], sub[3], wts, local_ids, act,
-                                group_size=g, **bias)
+                                group_size=g, **bias), f"int4 g{g}"
 
 
 def _vllm(name: str, layer, x_dtype, weights) -> Contender:
     k = vllm_cpu.KERNELS[name](*weights, activation=layer.activation, x_dtype=x_dtype)
-    return Contender(name, name, k.path, k.kernel, 1 if name in INT8_CONTENDERS else 2, k,
+    if name in W4_CONTENDERS:  # bytes per weight: codes, scales (and int4's zero points)
+        per_weight = k.bytes / (layer.E * 3 * layer.H * layer.I)
+    else:
+        per_weight = 1 if name in INT8_CONTENDERS else 2
+    return Contender(name, name, k.path, k.kernel, per_weight, k,
                      "bf16" if name in BF16_CONTENDERS else "int8")
 
 
@@ -194,17 +207,26 @@ def build_contenders(layer, names: List[str], paths: List[str], out
             c = vllm_or_skip("vllm-int8", (w13, w2, s13, s2, b13, b2))
             conts += [c] if c is not None else []
         _run_checks(layer, conts, ref, x, ids, wts)
-    for name in (n for n in names if n in W4_CONTENDERS):
-        fmt, g = W4_CONTENDERS[name]
+    w4_names = [n for n in names if n in W4_CONTENDERS]
+    for fmt, g in dict.fromkeys(W4_CONTENDERS[n] for n in w4_names):
+        group = [n for n in w4_names if W4_CONTENDERS[n] == (fmt, g)]
         if (layer.H % g or layer.I % g) and fmt == "int4":
-            skipped.append((name, f"group {g} does not divide H = {layer.H} and I = {layer.I}"))
+            skipped += [(n, f"group {g} does not divide H = {layer.H} and I = {layer.I}")
+                        for n in group]
             continue
         q = _w4_weights(layer, fmt, g, w13, w2, s13, s2)
-        ref = _w4_reference(name, x, *q, b13, b2, used, wts, local_ids, layer.activation)
-        c = _cpumoe_w4(layer, name, *q, b13, b2)
+        for name in group:
+            if name.startswith("vllm-"):
+                c = vllm_or_skip(name, (*q, b13, b2))
+                if c is None:
+                    continue
+            else:
+                c = _cpumoe_w4(layer, name, *q, b13, b2)
+            ref, c.ref = _w4_reference(name, x, *q, b13, b2, used, wts, local_ids,
+                                       layer.activation)
+            _run_checks(layer, [c], ref, x, ids, wts)
+            conts.append(c)
         del q
-        _run_checks(layer, [c], ref, x, ids, wts)
-        conts.append(c)
     bf16_names = [n for n in names if n in BF16_CONTENDERS]
     if bf16_names:
         w13b, w2b = _dequant_bf16(lib, w13, s13), _dequant_bf16(lib, w2, s2)

@@ -9,7 +9,9 @@ from typing import Any, Dict, List, Optional, Tuple
 #: Speed-ups printed (a over b: median time of b / median time of a) when both ran.
 RATIOS = (("cpumoe-int8", "vllm-int8"), ("cpumoe-int8", "cpumoe-bf16"),
           ("cpumoe-bf16", "vllm-bf16"), ("cpumoe-int8", "vllm-bf16"),
-          ("cpumoe-bf16", "vllm-bf16-sgl"))
+          ("cpumoe-bf16", "vllm-bf16-sgl"), ("cpumoe-int4", "cpumoe-int8"),
+          ("cpumoe-mxfp4", "cpumoe-int8"), ("cpumoe-int4", "vllm-int4"),
+          ("cpumoe-int4-g32", "vllm-int4-g32"), ("cpumoe-mxfp4", "vllm-mxfp4"))
 
 
 def _medians(rows) -> Dict[Tuple[str, str, int], Dict[str, float]]:

@@ -169,7 +169,8 @@ def row(layer, mode: str, T: int, c: Contender, times: List[float], experts: flo
         "probe_gbs": probe_gbs,
         "pct_probe": 100 * gbs / probe_gbs if probe_gbs and T else None,
         "gops": 6 * T * layer.k * layer.H * layer.I / med / 1e9 if med > 0 else 0.0,
-        "experts_read": experts, "calls": len(times), "pct_peak": None,
+        "experts_read": experts, "weight_bytes": c.weight_bytes, "calls": len(times),
+        "pct_peak": None,
         "check_rel": None if c.check is None else c.check[1],
         "check_ok": None if c.check is None else c.check[0],
     }

