@@ -12,7 +12,7 @@ import pytest
 
 import cpumoe
 from cpumoe import reference as R
-from cpumoe.checkpoint import UnsupportedCheckpoint
+from cpumoe.checkpoint import UnsupportedCheckpoint, load_float_tensor
 from cpumoe.checkpoint_w4 import load_int4_moe_layer, load_mxfp4_moe_layer
 from conftest import BACKEND_NAME, assert_moe_close, random_topk_ids, random_topk_weights
 
@@ -86,6 +86,11 @@ def test_compressed_tensors_int4_checkpoint(tmp_path, preset, g):
     theirs = unpack_from_int32(st[key + ".weight_packed"], 4, torch.Size([I, H])).numpy()
     assert np.array_equal(lw.w13[2, I:], theirs)
     assert np.array_equal(lw.s13[2, I:], st[key + ".weight_scale"].float().numpy())
+    # A pack-quantized Linear read as a float weight (what an engine runs in float, e.g. an
+    # int4 checkpoint's attention): its values times its group scales.
+    got = load_float_tensor(tmp_path, key + ".weight")
+    assert got.dtype == np.float32 and got.shape == (I, H)
+    assert np.array_equal(got, R.dequantize_int4(theirs, lw.s13[2, I:], g))
     # ... and dequantize back close to the float weights (int4: within half a step of the group).
     deq = R.dequantize_int4(lw.w2, lw.s2, g)
     step = np.repeat(lw.s2, g, axis=-1)
@@ -118,6 +123,8 @@ def test_int4_checkpoint_errors(tmp_path):
         load_int4_moe_layer(tmp_path, 1, group_size=64)
     with pytest.raises(UnsupportedCheckpoint, match="no int4"):
         load_int4_moe_layer(tmp_path, 0)
+    with pytest.raises(UnsupportedCheckpoint, match="missing model.layers.1.mlp.experts.9"):
+        load_float_tensor(tmp_path, "model.layers.1.mlp.experts.9.up_proj.weight")
     q = cfg["quantization_config"]
     q["config_groups"]["group_0"]["weights"]["symmetric"] = False
     (tmp_path / "config.json").write_text(json.dumps(cfg))
@@ -185,3 +192,21 @@ def test_mxfp4_decoding_matches_transformers_gpt_oss():
                                             dtype=torch.float32)  # [E, K, N]
     ours = R.dequantize_mxfp4(blocks, scales)                      # [E, N, K]
     assert np.array_equal(ours, theirs.transpose(1, 2).numpy())
+
+
+def test_int4_linear_as_float_errors(tmp_path):
+    pytest.importorskip("safetensors")
+    from safetensors.numpy import save_file
+    words = np.full((4, 2), 0x77777777 + 0x11111111, np.uint32).view(np.int32)  # all 8 -> 0
+    save_file({"a.weight_packed": words, "a.weight_scale": np.ones((4, 3), np.float32),
+               "b.weight_packed": words, "b.weight_scale": np.ones((4, 2), np.float32),
+               "b.weight_zero_point": np.ones((4, 2), np.int8),
+               "c.weight_packed": words, "c.weight_scale": np.full((4, 2), 0.5, np.float32)},
+              str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(UnsupportedCheckpoint, match="3 groups do not divide in = 16"):
+        load_float_tensor(tmp_path, "a.weight")
+    with pytest.raises(UnsupportedCheckpoint, match="nonzero zero points"):
+        load_float_tensor(tmp_path, "b.weight")
+    w = load_float_tensor(tmp_path, "c.weight")
+    assert w.shape == (4, 16) and not w.any()  # code 8 is the value 0

@@ -488,6 +488,65 @@ def test_load_w8a8_refuses_a_float_checkpoint(tmp_path):
         cmt.load_w8a8(tmp_path)
 
 
+
+def test_load_w4a8_compressed_tensors_int4_checkpoint(tmp_path):
+    """An llm-compressor style W4A16 checkpoint (compressed-tensors pack-quantized, group 32):
+    the experts packed at 4 bits straight from the int4 words, never in float."""
+    from cpumoe.vllm_plugin import models as ckpts
+    eager = _model("qwen3_moe")
+    _snap_to_w4(eager, "cpumoe_int4")  # the checkpoint then holds the model's weights exactly
+    eager.save_pretrained(str(tmp_path / "float"))
+    dst = ckpts.save_w4a16(tmp_path / "float", tmp_path / "w4a16", group_size=32)
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(5))
+    model = cmt.load_w4a8(dst, dtype=torch.float32)
+    assert model.config._experts_implementation == "cpumoe_int4"
+    (_, m), = cmt.experts_modules(model)
+    st = m._cpumoe_state["int4"]
+    assert m.gate_up_proj.numel() == 0 and set(m._cpumoe_state) == {"int4"}
+    assert st.packed.weight_format == "int4" and st.packed.group_size == 32
+    with torch.no_grad():
+        err = _rel(model(ids).logits, eager(ids).logits)
+        assert err <= TOL["cpumoe"], err  # only the int8 activations differ
+        # The same layer as the 4-bit backend packs from the float model.
+        own = copy.deepcopy(eager)
+        cmt.prepare(own, "cpumoe_int4")
+        x, tw, top = torch.randn(12, 64), torch.rand(12, 2), torch.randint(0, 8, (12, 2))
+        a = cmt.experts_modules(own)[0][1](x, top, tw)
+        b = m(x, top, tw)
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-6 * float(a.abs().max()))
+
+
+def test_load_w4a8_gpt_oss_mxfp4_checkpoint(tmp_path):
+    """gpt-oss's MXFP4 release layout: the experts packed from the codes and E8M0 scales (with
+    their biases, swigluoai), the rest bf16; eager on the dequantized checkpoint differs only by
+    the int8 activations."""
+    from cpumoe.vllm_plugin import models as ckpts
+    _model("gpt_oss").save_pretrained(str(tmp_path / "float"))
+    dst = ckpts.save_mxfp4(tmp_path / "float", tmp_path / "mxfp4")
+    deq = ckpts.save_mxfp4_dequantized(dst, tmp_path / "dequantized")
+    eager = AutoModelForCausalLM.from_pretrained(str(deq), dtype=torch.float32).eval()
+    model = cmt.load_w4a8(dst, dtype=torch.float32)
+    assert model.config._experts_implementation == "cpumoe_mxfp4"
+    (_, m), = cmt.experts_modules(model)
+    st = m._cpumoe_state["mxfp4"]
+    assert st.packed.weight_format == "mxfp4" and st.activation == "swigluoai"
+    assert m.gate_up_proj_bias.numel() == 0  # the biases are packed with the layer
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        err = _rel(model(ids).logits, eager(ids).logits)
+    assert err <= TOL["cpumoe"], err
+
+
+def test_load_w4a8_refuses_other_checkpoints(tmp_path):
+    from cpumoe.checkpoint import UnsupportedCheckpoint
+    eager = _model("qwen3_moe")
+    eager.save_pretrained(str(tmp_path / "float"))
+    with pytest.raises(UnsupportedCheckpoint, match="not compressed-tensors int4 or mxfp4"):
+        cmt.load_w4a8(tmp_path / "float")
+    _save_w8a8_checkpoint(eager, tmp_path)
+    with pytest.raises(UnsupportedCheckpoint, match="no int4"):
+        cmt.load_w4a8(tmp_path)
+
 # ---------------------------------------------------------------------------- the bench hook
 def test_bench_model_option_and_presets():
     """`cpumoe bench --model` parses, and each preset's transformers config has the layer shape

@@ -135,6 +135,10 @@ def test_int4_refuses_what_it_does_not_compute():
         vllm_cpu.Int4(w13, s13, w2, s2, p["b13"], p["b2"])
     with pytest.raises(vllm_cpu.Unsupported, match="bf16 or fp16"):
         vllm_cpu.Int4(w13, s13, w2, s2, x_dtype=torch.float32)
+    with pytest.raises(ValueError, match="one group size"):  # w2's scales of groups of 64
+        vllm_cpu.Int4(w13, s13, w2, s2[:, :, ::2])
+    with pytest.raises(ValueError, match=r"\[-8, 7\]"):
+        vllm_cpu.Int4(w13 * 2, s13, w2, s2)
     # Why: the op takes biases, alpha and limit, and its int4 path ignores all of them.
     k = vllm_cpu.Int4(w13, s13, w2, s2)
     with_bias = torch.zeros_like(p["x"])
@@ -156,3 +160,5 @@ def test_mxfp4_computes_the_bf16_layer_of_its_weights(activation, bias):
     assert_moe_close(get_backend(), _run(k, p), ref)
     with pytest.raises(vllm_cpu.Unsupported, match="silu or swigluoai"):
         vllm_cpu.Mxfp4(b13, s13, b2, s2, activation="gelu")
+    with pytest.raises(ValueError, match="gpt-oss"):  # w2's blocks and scales swapped
+        vllm_cpu.Mxfp4(b13, s13, s2, b2)

@@ -32,8 +32,8 @@ from . import ops as _ops
 from .checkpoint import (LAYOUTS, Checkpoint, PathLike, UnsupportedCheckpoint, _open,
                          _targets_module, expert_ids_of, expert_map_of)
 
-__all__ = ["W4LayerWeights", "int4_scheme_problem", "load_int4_moe_layer",
-           "load_mxfp4_moe_layer", "unpack_int4"]
+__all__ = ["W4LayerWeights", "dequantize_int4_linear", "int4_scheme_problem",
+           "load_int4_moe_layer", "load_mxfp4_moe_layer", "unpack_int4"]
 
 _FLOAT = ("F32", "F16", "BF16", "F64")
 
@@ -150,6 +150,34 @@ def unpack_int4(words: np.ndarray, cols: int) -> np.ndarray:
     nib = np.stack([b & 15, b >> 4], axis=-1).reshape(words.shape[0], -1)[:, :cols]
     return (nib.astype(np.int16) - 8).astype(np.int8)
 
+
+def dequantize_int4_linear(path: Union[PathLike, Checkpoint], module: str) -> np.ndarray:
+    """The float32 weight [out, in] of the compressed-tensors int4 (pack-quantized) Linear
+    ``module``: its values times its group scales, the group size read from the scales' shape
+    (for the Linears an engine runs in float, e.g. the attention of an int4 checkpoint)."""
+    ck = _open(path)
+    packed, scale, sh = (module + s for s in (".weight_packed", ".weight_scale",
+                                              ".weight_shape"))
+    for name in (packed, scale):
+        if name not in ck:
+            raise UnsupportedCheckpoint(f"checkpoint: missing {name}")
+    if len(ck.shape(packed)) != 2 or len(ck.shape(scale)) != 2:
+        raise UnsupportedCheckpoint(f"{module}: weight_packed / weight_scale of shapes "
+                                    f"{list(ck.shape(packed))} / {list(ck.shape(scale))}, "
+                                    f"expected 2-D")
+    n, k = ck.shape(packed)[0], ck.shape(packed)[1] * 8
+    if sh in ck:
+        n, k = (int(v) for v in np.asarray(ck.get(sh)).reshape(-1)[:2])
+    groups = ck.shape(scale)[1]
+    if groups < 1 or k % groups:
+        raise UnsupportedCheckpoint(f"{scale}: {groups} groups do not divide in = {k}")
+    _need(ck, packed, ("I32",), (n, (k + 7) // 8))
+    _need(ck, scale, _FLOAT, (n, groups))
+    zp = module + ".weight_zero_point"
+    if zp in ck and np.any(ck.get(zp) != 0):
+        raise UnsupportedCheckpoint(f"{zp}: nonzero zero points (asymmetric) are not supported")
+    values = unpack_int4(ck.get(packed), k).astype(np.float32)
+    return values * np.repeat(ck.get_float32(scale), k // groups, axis=1)
 
 def load_int4_moe_layer(path: Union[PathLike, Checkpoint], layer: int, *,
                         experts: Optional[Sequence[int]] = None, activation: str = "silu",

@@ -37,7 +37,10 @@ and the reason (an activation it lacks, H or I not a multiple of 8, no gate, exp
 parallelism, a post-expert norm, non-float or non-CPU weights); there is no fallback.
 
 :func:`load_w8a8` builds the model of a compressed-tensors W8A8 checkpoint with its experts read
-from the int8 tensors straight into packed layers.
+from the int8 tensors straight into packed layers; :func:`load_w4a8` that of a compressed-tensors
+int4 (pack-quantized) or gpt-oss MXFP4 checkpoint, the experts packed at 4 bits from the
+checkpoint's codes and scales (no float copy of them: what lets a 4-bit model load in the memory
+its 4-bit weights take).
 
 Inference only: the backward of a cpumoe call raises. ``torch.compile`` of the model works
 once its experts are packed (call :func:`quantize` / :func:`pack_bf16`, or run it once, before
@@ -62,6 +65,7 @@ __all__ = [
     "BACKENDS",
     "UnsupportedExperts",
     "experts_modules",
+    "load_w4a8",
     "load_w8a8",
     "pack_bf16",
     "prepare",
@@ -481,11 +485,15 @@ _CHECKPOINT_ALIASES = ((".mlp.", ".block_sparse_moe."),)
 
 
 def _checkpoint_name(ck, key: str) -> Optional[str]:
-    if key in ck:
+    """The checkpoint's name of the model tensor ``key`` (an int4 Linear's ``.weight`` is there
+    as ``.weight_packed``, which load_float_tensor dequantizes), or None."""
+    def there(name: str) -> bool:
+        return name in ck or (name.endswith(".weight") and name + "_packed" in ck)
+    if there(key):
         return key
     for ours, theirs in _CHECKPOINT_ALIASES:
         alt = key.replace(ours, theirs)
-        if alt != key and alt in ck:
+        if alt != key and there(alt):
             return alt
     return None
 
@@ -509,20 +517,78 @@ def load_w8a8(path, *, dtype: torch.dtype = torch.bfloat16, model_class: Any = N
     for a checkpoint that is not W8A8 int8 or lacks a tensor, UnsupportedExperts for experts
     cpumoe cannot take.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
     from . import checkpoint as _ck
-
     ck = _ck.Checkpoint(path)
-    qcfg = ck.quantization_config
-    if not qcfg or qcfg.get("quant_method") != "compressed-tensors":
+    if (ck.quantization_config or {}).get("quant_method") != "compressed-tensors":
         raise _ck.UnsupportedCheckpoint(f"{path}: config.json has no compressed-tensors "
                                         f"quantization_config")
+    return _load_quantized(ck, "int8", dtype, model_class)
+
+
+def load_w4a8(path, *, dtype: torch.dtype = torch.bfloat16, model_class: Any = None):
+    """A model of a 4-bit MoE checkpoint with its experts packed at 4 bits, as
+    :func:`load_w8a8` does for W8A8 (the experts never exist in float: a bf16 copy would take
+    four times their bytes), on the backend of the checkpoint's format:
+
+    - ``"cpumoe_int4"``: a compressed-tensors int4 checkpoint (``format: pack-quantized``,
+      symmetric group scales: llm-compressor's W4A16, or W4A8), the experts read by
+      :func:`cpumoe.checkpoint_w4.load_int4_moe_layer` with the config's group size; other
+      int4 Linears (attention, if the recipe quantized it) dequantized into ``dtype``;
+    - ``"cpumoe_mxfp4"``: a gpt-oss MXFP4 checkpoint (``quant_method: mxfp4``, the release
+      layout), read by :func:`cpumoe.checkpoint_w4.load_mxfp4_moe_layer`.
+
+    The experts run W4A8 (:func:`cpumoe.fused_moe_int8`: per-token int8 activations, also for
+    a W4A16 checkpoint). Raises UnsupportedCheckpoint (a ValueError) for another format or a
+    missing tensor, UnsupportedExperts for experts cpumoe cannot take.
+    """
+    from . import checkpoint as _ck
+    ck = _ck.Checkpoint(path)
+    method = (ck.quantization_config or {}).get("quant_method")
+    if method not in ("compressed-tensors", "mxfp4"):
+        raise _ck.UnsupportedCheckpoint(f"{path}: config.json's quantization_config is not "
+                                        f"compressed-tensors int4 or mxfp4 (quant_method "
+                                        f"{method!r})")
+    return _load_quantized(ck, "mxfp4" if method == "mxfp4" else "int4", dtype, model_class)
+
+
+def _experts_of_checkpoint(ck, kind: str, layer: int, lay: _Layout, name: str):
+    """One layer's routed experts read from the checkpoint, in the form whose ``prepack``
+    packs them (shapes checked against the model's experts module)."""
+    from . import checkpoint as _ck
+    from . import checkpoint_w4 as _ck4
+    if kind == "int8":
+        w = _ck.load_moe_layer(ck, layer, activation=lay.activation)
+    elif kind == "int4":
+        w = _ck4.load_int4_moe_layer(ck, layer, activation=lay.activation)
+    else:
+        w = _ck4.load_mxfp4_moe_layer(ck, layer)
+        if w.activation != lay.activation:
+            raise _ck.UnsupportedCheckpoint(
+                f"{name}: the checkpoint's MXFP4 experts are {w.activation} (gate and up "
+                f"interleaved); the model's gate with {lay.activation}")
+    H, I = w.w2.shape[1], w.w13.shape[1] // 2
+    if (w.num_experts, H, I) != (lay.E, lay.H, lay.I):
+        raise _ck.UnsupportedCheckpoint(
+            f"{name}: the checkpoint's experts are E, H, I = {w.num_experts}, {H}, {I}; the "
+            f"config says {lay.E}, {lay.H}, {lay.I}")
+    if w.b13 is not None and not lay.has_bias:
+        raise _ck.UnsupportedCheckpoint(f"{name}: the checkpoint has expert biases the model "
+                                        f"does not")
+    return w
+
+
+def _load_quantized(ck, kind: str, dtype: torch.dtype, model_class: Any):
+    """load_w8a8 / load_w4a8: the model built on the meta device, each experts module packed
+    from the checkpoint (``kind``: int8, int4 or mxfp4), the other tensors copied in."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from . import checkpoint as _ck
+    backend = next(b for b, k in BACKENDS.items() if k == kind)
     config = AutoConfig.from_pretrained(str(ck.root))
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # cpumoe runs the experts; the rest is dequantized
     cls = model_class or AutoModelForCausalLM
     with torch.device("meta"):
-        model = cls.from_config(config, experts_implementation="cpumoe", dtype=dtype)
+        model = cls.from_config(config, experts_implementation=backend, dtype=dtype)
     mods = experts_modules(model)
     if not mods:
         raise UnsupportedExperts(f"{type(model).__name__}: no experts module dispatching "
@@ -533,14 +599,7 @@ def load_w8a8(path, *, dtype: torch.dtype = torch.bfloat16, model_class: Any = N
         found = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
         if found is None:
             _fail(m, name, "no decoder layer index in its name (expected ...layers.<L>....)")
-        w = _ck.load_moe_layer(ck, int(found.group(1)), activation=lay.activation)
-        if (w.num_experts, w.hidden, w.intermediate) != (lay.E, lay.H, lay.I):
-            raise _ck.UnsupportedCheckpoint(
-                f"{name}: the checkpoint's experts are E, H, I = {w.num_experts}, {w.hidden}, "
-                f"{w.intermediate}; the config says {lay.E}, {lay.H}, {lay.I}")
-        if w.b13 is not None and not lay.has_bias:
-            raise _ck.UnsupportedCheckpoint(f"{name}: the checkpoint has expert biases the "
-                                            f"model does not")
+        w = _experts_of_checkpoint(ck, kind, int(found.group(1)), lay, name)
         packed = w.prepack()
         del w
         for pname in _EXPERT_PARAMS:
@@ -548,8 +607,7 @@ def load_w8a8(path, *, dtype: torch.dtype = torch.bfloat16, model_class: Any = N
                 m._parameters[pname] = torch.nn.Parameter(torch.empty((0,), dtype=dtype),
                                                           requires_grad=False)
                 skip.add(f"{name}.{pname}")
-        object.__setattr__(m, _STATE, {"int8": _State("int8", packed, lay.activation, name,
-                                                      True)})
+        object.__setattr__(m, _STATE, {kind: _State(kind, packed, lay.activation, name, True)})
     model.to_empty(device="cpu")
     model.initialize_weights()  # non-persistent buffers (rotary inv_freq), recomputed
     tied = set(getattr(model, "all_tied_weights_keys", {}) or {})

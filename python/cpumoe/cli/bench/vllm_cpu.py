@@ -293,8 +293,17 @@ class Int4:
 
     def __init__(self, w13, s13, w2, s2, b13=None, b2=None, activation: str = "silu",
                  x_dtype: Any = None):
-        _, _, H = _check_silu_no_bias(w13, b13, b2, activation, x_dtype)
-        self.group_size = H // s13.shape[-1]
+        E, two_i, H = _check_silu_no_bias(w13, b13, b2, activation, x_dtype)
+        g = H // max(s13.shape[-1], 1)
+        want = ((E, H, two_i // 2), (E, two_i, H // g), (E, H, two_i // 2 // g))
+        if (tuple(w2.shape), tuple(s13.shape), tuple(s2.shape)) != want or H % g or g % 8:
+            raise ValueError(f"w2 / s13 / s2: shapes {tuple(w2.shape)} / {tuple(s13.shape)} / "
+                             f"{tuple(s2.shape)} are not {want[0]} / [E, 2I, H / g] / "
+                             f"[E, H, I / g] of one group size g (a multiple of 8)")
+        for w in (w13, w2):
+            if np.asarray(w).min() < -8 or np.asarray(w).max() > 7:
+                raise ValueError("w13 / w2: int4 values must be in [-8, 7]")
+        self.group_size = g
         packed = [self._pack(w, s) for w, s in ((w13, s13), (w2, s2))]
         (self.w13, self.z13, self.s13), (self.w2, self.z2, self.s2) = packed
         self.bytes = sum(t.nbytes for p in packed for t in p)  # codes, zero points and scales
@@ -355,9 +364,13 @@ class Mxfp4:
         why = load()
         if why is not None:
             raise Unsupported(why)
-        E, two_i, _, _ = w13_blocks.shape
-        _check_common(x_dtype if x_dtype is not None else torch.bfloat16, w2_blocks.shape[1],
-                      two_i // 2)
+        E, two_i, kb, _ = w13_blocks.shape
+        H, I = kb * 32, two_i // 2
+        want = ((E, two_i, H // 32, 16), (E, two_i, H // 32), (E, H, I // 32, 16), (E, H, I // 32))
+        got = tuple(tuple(a.shape) for a in (w13_blocks, w13_scales, w2_blocks, w2_scales))
+        if got != want:
+            raise ValueError(f"blocks / scales: shapes {got} are not gpt-oss's {want}")
+        _check_common(x_dtype if x_dtype is not None else torch.bfloat16, H, I)
         if activation == "silu":
             self.alpha = self.limit = None
         elif activation == "swigluoai":
