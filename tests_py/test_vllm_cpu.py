@@ -162,3 +162,16 @@ def test_mxfp4_computes_the_bf16_layer_of_its_weights(activation, bias):
         vllm_cpu.Mxfp4(b13, s13, b2, s2, activation="gelu")
     with pytest.raises(ValueError, match="gpt-oss"):  # w2's blocks and scales swapped
         vllm_cpu.Mxfp4(b13, s13, s2, b2)
+    # fp16 activations abort the process inside the op: refused before.
+    with pytest.raises(vllm_cpu.Unsupported, match="must be bf16"):
+        vllm_cpu.Mxfp4(b13, s13, b2, s2, x_dtype=torch.float16)
+
+
+def test_int4_takes_fp16_activations():
+    p = _w4_problem(5, "int4", 32)
+    p["x"] = p["x"].to(torch.float16)
+    w13, s13, w2, s2 = p["q"]
+    got = _run(vllm_cpu.Int4(w13, s13, w2, s2, x_dtype=torch.float16), p)
+    assert got.dtype == torch.float16
+    assert_moe_close(get_backend(), got, vllm_cpu.ref_int4(p["x"], w13, s13, w2, s2, p["wts"],
+                                                           p["ids"]))

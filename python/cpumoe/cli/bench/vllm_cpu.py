@@ -353,7 +353,7 @@ class Mxfp4:
     ``convert_weight_packed`` of the codes and ``convert_scale_packed`` of the E8M0 scales: the
     same blocks and scales as ``cpumoe.prepack_mxfp4`` takes. Activations stay bf16 (no int8
     step): it computes the bf16 layer of the dequantized weights (cpumoe.reference's bf16 op on
-    them, within 0.6% of the output scale). silu ([gate; up]) or swigluoai (interleaved, alpha 1.702, limit 7), with
+    them, within 0.6% of the output scale); bf16 activations only. silu ([gate; up]) or swigluoai (interleaved, alpha 1.702, limit 7), with
     or without biases (fp32)."""
 
     name = "vllm-mxfp4"
@@ -370,7 +370,9 @@ class Mxfp4:
         got = tuple(tuple(a.shape) for a in (w13_blocks, w13_scales, w2_blocks, w2_scales))
         if got != want:
             raise ValueError(f"blocks / scales: shapes {got} are not gpt-oss's {want}")
-        _check_common(x_dtype if x_dtype is not None else torch.bfloat16, H, I)
+        if x_dtype not in (None, torch.bfloat16):  # fp16 aborts the process (in its OpenMP loop)
+            raise Unsupported(f"activations must be bf16, not {x_dtype}")
+        _check_common(torch.bfloat16, H, I)
         if activation == "silu":
             self.alpha = self.limit = None
         elif activation == "swigluoai":
