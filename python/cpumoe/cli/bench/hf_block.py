@@ -2,7 +2,8 @@
 
 One MoE block (the model's own class, router included) of the preset's real shapes with random
 bf16 weights, called as the model calls it, once per experts_implementation: transformers'
-``eager`` and ``grouped_mm`` and cpumoe's ``cpumoe`` (W8A8) and ``cpumoe_bf16``, at each T
+``eager`` and ``grouped_mm`` and cpumoe's ``cpumoe`` (W8A8), ``cpumoe_bf16`` and the W4A8
+``cpumoe_int4`` / ``cpumoe_mxfp4`` (the weights re-rounded to 4 bits), at each T
 (default 1, 16, 128, 512). Plus, as the yardsticks of the backend's own cost, ``router+op``: the
 block's router and :func:`cpumoe.fused_moe_int8` called by hand on the same packed layer, and
 ``experts`` / ``op``: the experts module on the "cpumoe" backend and the op alone, both on one
@@ -41,7 +42,9 @@ MODEL_CONFIGS = {
         hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
         num_attention_heads=32, num_key_value_heads=8)),
 }
-BACKENDS = ("eager", "grouped_mm", "cpumoe", "cpumoe_bf16")
+#: cpumoe's backends, each packed once up front (the float weights kept for the others).
+CPUMOE_BACKENDS = ("cpumoe", "cpumoe_bf16", "cpumoe_int4", "cpumoe_mxfp4")
+BACKENDS = ("eager", "grouped_mm", *CPUMOE_BACKENDS)
 BY_HAND = "router+op"
 EXPERTS = "experts"  # the experts module alone on the "cpumoe" backend
 OP = "op"  # cpumoe.fused_moe_int8 alone
@@ -126,7 +129,7 @@ def _print_rows(rows: List[Dict[str, Any]], out) -> None:
 
 def _block_points(preset, tokens, args, torch, transformers, cmt, cpumoe, out):
     model = _build(preset, 1, 256, torch, transformers)
-    for backend in ("cpumoe", "cpumoe_bf16"):  # both packed up front; floats kept for the rest
+    for backend in CPUMOE_BACKENDS:
         cmt.prepare(model, backend, keep_float_weights=True)
     block = model.model.layers[0].mlp
     experts = block.experts
@@ -170,7 +173,7 @@ def _block_points(preset, tokens, args, torch, transformers, cmt, cpumoe, out):
 
 def _model_points(preset, args, torch, transformers, cmt, out):
     model = _build(preset, 2, args.vocab, torch, transformers)
-    for backend in ("cpumoe", "cpumoe_bf16"):
+    for backend in CPUMOE_BACKENDS:
         cmt.prepare(model, backend, keep_float_weights=True)
     rng = torch.Generator().manual_seed(2)
     prompt = torch.randint(0, args.vocab, (1, PROMPT), generator=rng)
@@ -253,7 +256,8 @@ def add_args(p) -> None:
                    default=None,
                    help="time one transformers MoE block (router included) of these presets "
                         "(comma-separated or all) per experts backend: eager, grouped_mm, "
-                        "cpumoe, cpumoe_bf16, at T=1,16,128,512 (or --tokens), and a 2-layer "
+                        "cpumoe, cpumoe_bf16, cpumoe_int4, cpumoe_mxfp4, at T=1,16,128,512 "
+                        "(or --tokens), and a 2-layer "
                         "model's decode step and 128-token prefill (needs transformers)")
     p.add_argument("--vocab", type=problem.positive_int, default=4096,
                    help="--model: vocabulary of the 2-layer model (default: 4096, so the head "
