@@ -489,11 +489,14 @@ def test_load_w8a8_refuses_a_float_checkpoint(tmp_path):
 
 
 
-def test_load_w4a8_compressed_tensors_int4_checkpoint(tmp_path):
-    """An llm-compressor style W4A16 checkpoint (compressed-tensors pack-quantized, group 32):
-    the experts packed at 4 bits straight from the int4 words, never in float."""
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_load_w4a8_compressed_tensors_int4_checkpoint(tmp_path, family):
+    """An llm-compressor style W4A16 checkpoint (compressed-tensors pack-quantized, group 32;
+    Mixtral's with its original block_sparse_moe names, DeepSeek-V3's with a dense first layer
+    and shared experts): the experts packed at 4 bits straight from the int4 words, never in
+    float; the model generates."""
     from cpumoe.vllm_plugin import models as ckpts
-    eager = _model("qwen3_moe")
+    eager = _model(family)
     _snap_to_w4(eager, "cpumoe_int4")  # the checkpoint then holds the model's weights exactly
     eager.save_pretrained(str(tmp_path / "float"))
     dst = ckpts.save_w4a16(tmp_path / "float", tmp_path / "w4a16", group_size=32)
@@ -510,10 +513,14 @@ def test_load_w4a8_compressed_tensors_int4_checkpoint(tmp_path):
         # The same layer as the 4-bit backend packs from the float model.
         own = copy.deepcopy(eager)
         cmt.prepare(own, "cpumoe_int4")
-        x, tw, top = torch.randn(12, 64), torch.rand(12, 2), torch.randint(0, 8, (12, 2))
+        x, tw = torch.randn(12, 64), torch.rand(12, 2)
+        top = torch.randint(0, m.num_experts, (12, 2))
         a = cmt.experts_modules(own)[0][1](x, top, tw)
         b = m(x, top, tw)
+        seq = model.generate(ids[:1, :6], max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                             pad_token_id=0)
     torch.testing.assert_close(a, b, rtol=0, atol=1e-6 * float(a.abs().max()))
+    assert seq.shape == (1, 12)
 
 
 def test_load_w4a8_gpt_oss_mxfp4_checkpoint(tmp_path):
