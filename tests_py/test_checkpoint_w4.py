@@ -12,8 +12,9 @@ import pytest
 
 import cpumoe
 from cpumoe import reference as R
-from cpumoe.checkpoint import UnsupportedCheckpoint, load_float_tensor
-from cpumoe.checkpoint_w4 import load_int4_moe_layer, load_mxfp4_moe_layer
+from cpumoe.checkpoint import UnsupportedCheckpoint
+from cpumoe.checkpoint_w4 import (dequantize_int4_linear, load_int4_moe_layer,
+                                  load_mxfp4_moe_layer)
 from conftest import BACKEND_NAME, assert_moe_close, random_topk_ids, random_topk_weights
 
 # The compressed-tensors writer and transformers' decoder are torch code: the numpy backend's run
@@ -88,7 +89,7 @@ def test_compressed_tensors_int4_checkpoint(tmp_path, preset, g):
     assert np.array_equal(lw.s13[2, I:], st[key + ".weight_scale"].float().numpy())
     # A pack-quantized Linear read as a float weight (what an engine runs in float, e.g. an
     # int4 checkpoint's attention): its values times its group scales.
-    got = load_float_tensor(tmp_path, key + ".weight")
+    got = dequantize_int4_linear(tmp_path, key)
     assert got.dtype == np.float32 and got.shape == (I, H)
     assert np.array_equal(got, R.dequantize_int4(theirs, lw.s13[2, I:], g))
     # ... and dequantize back close to the float weights (int4: within half a step of the group).
@@ -124,7 +125,7 @@ def test_int4_checkpoint_errors(tmp_path):
     with pytest.raises(UnsupportedCheckpoint, match="no int4"):
         load_int4_moe_layer(tmp_path, 0)
     with pytest.raises(UnsupportedCheckpoint, match="missing model.layers.1.mlp.experts.9"):
-        load_float_tensor(tmp_path, "model.layers.1.mlp.experts.9.up_proj.weight")
+        dequantize_int4_linear(tmp_path, "model.layers.1.mlp.experts.9.up_proj")
     q = cfg["quantization_config"]
     q["config_groups"]["group_0"]["weights"]["symmetric"] = False
     (tmp_path / "config.json").write_text(json.dumps(cfg))
@@ -194,7 +195,7 @@ def test_mxfp4_decoding_matches_transformers_gpt_oss():
     assert np.array_equal(ours, theirs.transpose(1, 2).numpy())
 
 
-def test_int4_linear_as_float_errors(tmp_path):
+def test_int4_linear_as_float(tmp_path):
     pytest.importorskip("safetensors")
     from safetensors.numpy import save_file
     words = np.full((4, 2), 0x77777777 + 0x11111111, np.uint32).view(np.int32)  # all 8 -> 0
@@ -205,8 +206,8 @@ def test_int4_linear_as_float_errors(tmp_path):
               str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(UnsupportedCheckpoint, match="3 groups do not divide in = 16"):
-        load_float_tensor(tmp_path, "a.weight")
+        dequantize_int4_linear(tmp_path, "a")
     with pytest.raises(UnsupportedCheckpoint, match="nonzero zero points"):
-        load_float_tensor(tmp_path, "b.weight")
-    w = load_float_tensor(tmp_path, "c.weight")
+        dequantize_int4_linear(tmp_path, "b")
+    w = dequantize_int4_linear(tmp_path, "c")
     assert w.shape == (4, 16) and not w.any()  # code 8 is the value 0

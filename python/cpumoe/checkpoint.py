@@ -653,15 +653,10 @@ def load_packed_moe_layer(path: Union[PathLike, Checkpoint], layer: int, *,
 def load_float_tensor(path: Union[PathLike, Checkpoint], name: str) -> np.ndarray:
     """A tensor of the checkpoint as float32: a float tensor widened, or the ``.weight`` of a
     W8A8-quantized Linear (int8 with ``.weight_scale`` per output channel) dequantized as
-    ``weight * weight_scale`` (for the layers an engine runs in float: attention, dense MLPs),
-    or that of an int4 pack-quantized one (``.weight_packed``:
-    :func:`cpumoe.checkpoint_w4.dequantize_int4_linear`). Raises UnsupportedCheckpoint for a
-    missing tensor or an int tensor that is not such a weight.
+    ``weight * weight_scale`` (for the layers an engine runs in float: attention, dense MLPs).
+    Raises UnsupportedCheckpoint for a missing tensor or an int tensor that is not such a weight.
     """
     ck = _open(path)
-    if name not in ck and name.endswith(".weight") and name + "_packed" in ck:
-        from .checkpoint_w4 import dequantize_int4_linear
-        return dequantize_int4_linear(ck, name[:-len(".weight")])
     if name not in ck:
         raise UnsupportedCheckpoint(f"checkpoint: missing {name}")
     dt = ck.dtype(name)

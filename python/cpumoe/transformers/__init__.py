@@ -1,0 +1,71 @@
+"""cpumoe as an experts backend of Hugging Face ``transformers`` (version 5 and later).
+
+``import cpumoe.transformers`` registers four backends with transformers' own registry
+(``transformers.integrations.moe.ExpertsInterface``)::
+
+    import cpumoe.transformers
+    model = AutoModelForCausalLM.from_pretrained(name, experts_implementation="cpumoe")
+    out = model.generate(**inputs)
+
+``"cpumoe"``
+    W8A8: the fused ``gate_up_proj`` / ``down_proj`` weights of each experts module are quantized
+    per output channel (symmetric int8, fp32 scales), packed with :func:`cpumoe.prepack` the
+    first time the module runs (or at :func:`quantize`), and the float copies released; each
+    call runs :func:`cpumoe.fused_moe_int8` (per-token int8 activations).
+``"cpumoe_bf16"``
+    :func:`cpumoe.fused_moe_bf16` on the model's weights (rounded to bf16 if the model is fp32),
+    packed once (:func:`pack_bf16`); the float copies are released the same way.
+``"cpumoe_int4"`` / ``"cpumoe_mxfp4"``
+    W4A8: the experts quantized round-to-nearest to int4 (a scale per group of 128, else 64 or
+    32 inputs: the first dividing H and I) or to MXFP4, packed at 4 bits per weight, run by
+    :func:`cpumoe.fused_moe_int8` (per-token int8 activations). A gpt-oss model loaded from its
+    MXFP4 checkpoint (transformers dequantizes the experts on a CPU) gets the checkpoint's
+    values back exactly with ``"cpumoe_mxfp4"``: half the bytes of W8A8 and no extra error in
+    the weights.
+
+Any model whose experts class uses transformers' ``@use_experts_implementation`` works if its
+experts are gated (a fused ``gate_up_proj``) and their gating is one of cpumoe's activations:
+the gating is recognised by running the module's own ``_apply_gate`` on probe values, which
+also tells whether gate and up are concatenated halves or interleaved, so Qwen2/3-MoE,
+Mixtral, OLMoE, DeepSeek-V2/V3 (``act_fn`` silu) and gpt-oss (clamped swiglu with
+alpha 1.702 and limit 7.0: cpumoe's ``swigluoai``) are taken as they are, biases included.
+The router stays the model's (cpumoe gets its ``top_k_index`` / ``top_k_weights``), and so do
+shared experts (DeepSeek's ``shared_experts`` are a separate MLP of the MoE block).
+
+Experts cpumoe cannot take raise :class:`UnsupportedExperts` (a ValueError) naming the module
+and the reason (an activation it lacks, H or I not a multiple of 8, no gate, expert
+parallelism, a post-expert norm, non-float or non-CPU weights); there is no fallback.
+
+:func:`load_w8a8` builds the model of a compressed-tensors W8A8 checkpoint with its experts read
+from the int8 tensors straight into packed layers; :func:`load_w4a8` that of a compressed-tensors
+int4 (pack-quantized) or gpt-oss MXFP4 checkpoint, the experts packed at 4 bits from the
+checkpoint's codes and scales (no float copy of them: what lets a 4-bit model load in the memory
+its 4-bit weights take).
+
+Inference only: the backward of a cpumoe call raises. ``torch.compile`` of the model works
+once its experts are packed (call :func:`quantize` / :func:`pack_bf16`, or run it once, before
+compiling): the op is one node of the graph.
+
+The package's files: ``layout`` (which experts modules cpumoe takes and how their weights map to
+the op's), ``packing`` (a module's packed layers, per weight format), ``backends`` (the
+registered forwards and :func:`prepare`), ``checkpoints`` (:func:`load_w8a8`, :func:`load_w4a8`).
+"""
+
+from __future__ import annotations
+
+from .backends import experts_modules, pack_bf16, prepare, quantize  # registers the backends
+from .checkpoints import load_w4a8, load_w8a8
+from .layout import UnsupportedExperts
+from .packing import BACKENDS, INT4_GROUPS
+
+__all__ = [
+    "BACKENDS",
+    "INT4_GROUPS",
+    "UnsupportedExperts",
+    "experts_modules",
+    "load_w4a8",
+    "load_w8a8",
+    "pack_bf16",
+    "prepare",
+    "quantize",
+]

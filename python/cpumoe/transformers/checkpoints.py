@@ -1,0 +1,168 @@
+"""Models of quantized checkpoints on cpumoe's backends, their experts packed from the
+checkpoint's integer weights without a float copy: compressed-tensors W8A8 (:func:`load_w8a8`),
+compressed-tensors int4 and gpt-oss MXFP4 (:func:`load_w4a8`)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+
+import torch
+
+from .. import checkpoint as _ck
+from .. import checkpoint_w4 as _ck4
+from .backends import experts_modules
+from .layout import UnsupportedExperts, _fail, _Layout, _layout
+from .packing import _EXPERT_PARAMS, _STATE, BACKENDS, _State
+
+# The checkpoint names a model tensor may have besides its own: Mixtral's original MoE block
+# name (transformers renames ".block_sparse_moe." to ".mlp." when it loads such checkpoints).
+_CHECKPOINT_ALIASES = ((".mlp.", ".block_sparse_moe."),)
+
+
+def _checkpoint_name(ck, key: str) -> Optional[str]:
+    """The checkpoint's name of the model tensor ``key`` (an int4 Linear's ``.weight`` is there
+    as ``.weight_packed``: the name returned is the ``.weight``), or None."""
+    def there(name: str) -> bool:
+        return name in ck or (name.endswith(".weight") and name + "_packed" in ck)
+    if there(key):
+        return key
+    for ours, theirs in _CHECKPOINT_ALIASES:
+        alt = key.replace(ours, theirs)
+        if alt != key and there(alt):
+            return alt
+    return None
+
+
+def load_w8a8(path, *, dtype: torch.dtype = torch.bfloat16, model_class: Any = None):
+    """A model of a compressed-tensors W8A8 int8 checkpoint (``quant_method:
+    compressed-tensors``, int8 per-channel weights, dynamic per-token activations; one Linear
+    per expert projection, as llm-compressor saves MoE models) on the ``"cpumoe"`` backend.
+
+    The routed experts go from the checkpoint's int8 weights and scales straight into packed
+    layers (:func:`cpumoe.checkpoint.load_moe_layer`: no float copy of the experts is ever
+    made); every other tensor is loaded in ``dtype`` (quantized Linears such as the attention
+    projections dequantized, since transformers runs them in float). The model is built on the
+    meta device from ``config.json`` (without its quantization_config) and materialised
+    without the float experts. Other tensors are matched by name: the module names of the
+    transformers model (Qwen2/3-MoE, OLMoE, DeepSeek checkpoints), or Mixtral's original
+    ``...block_sparse_moe...`` for the model's ``...mlp...`` (its router, as transformers itself
+    renames it on loading).
+
+    model_class: default ``AutoModelForCausalLM``. Raises UnsupportedCheckpoint (a ValueError)
+    for a checkpoint that is not W8A8 int8 or lacks a tensor, UnsupportedExperts for experts
+    cpumoe cannot take.
+    """
+    ck = _ck.Checkpoint(path)
+    if (ck.quantization_config or {}).get("quant_method") != "compressed-tensors":
+        raise _ck.UnsupportedCheckpoint(f"{path}: config.json has no compressed-tensors "
+                                        f"quantization_config")
+    return _load_quantized(ck, "int8", dtype, model_class)
+
+
+def load_w4a8(path, *, dtype: torch.dtype = torch.bfloat16, model_class: Any = None):
+    """A model of a 4-bit MoE checkpoint with its experts packed at 4 bits, as
+    :func:`load_w8a8` does for W8A8 (the experts never exist in float: a bf16 copy would take
+    four times their bytes), on the backend of the checkpoint's format:
+
+    - ``"cpumoe_int4"``: a compressed-tensors int4 checkpoint (``format: pack-quantized``,
+      symmetric group scales: llm-compressor's W4A16, or W4A8), the experts read by
+      :func:`cpumoe.checkpoint_w4.load_int4_moe_layer` with the config's group size; other
+      int4 Linears (attention, if the recipe quantized it) dequantized into ``dtype``;
+    - ``"cpumoe_mxfp4"``: a gpt-oss MXFP4 checkpoint (``quant_method: mxfp4``, the release
+      layout), read by :func:`cpumoe.checkpoint_w4.load_mxfp4_moe_layer`.
+
+    The experts run W4A8 (:func:`cpumoe.fused_moe_int8`: per-token int8 activations, also for
+    a W4A16 checkpoint). Raises UnsupportedCheckpoint (a ValueError) for another format or a
+    missing tensor, UnsupportedExperts for experts cpumoe cannot take.
+    """
+    ck = _ck.Checkpoint(path)
+    method = (ck.quantization_config or {}).get("quant_method")
+    if method not in ("compressed-tensors", "mxfp4"):
+        raise _ck.UnsupportedCheckpoint(f"{path}: config.json's quantization_config is not "
+                                        f"compressed-tensors int4 or mxfp4 (quant_method "
+                                        f"{method!r})")
+    return _load_quantized(ck, "mxfp4" if method == "mxfp4" else "int4", dtype, model_class)
+
+
+def _experts_of_checkpoint(ck, kind: str, layer: int, lay: _Layout, name: str):
+    """One layer's routed experts read from the checkpoint, in the form whose ``prepack``
+    packs them (shapes checked against the model's experts module)."""
+    if kind == "int8":
+        w = _ck.load_moe_layer(ck, layer, activation=lay.activation)
+    elif kind == "int4":
+        w = _ck4.load_int4_moe_layer(ck, layer, activation=lay.activation)
+    else:
+        w = _ck4.load_mxfp4_moe_layer(ck, layer)
+        if w.activation != lay.activation:
+            raise _ck.UnsupportedCheckpoint(
+                f"{name}: the checkpoint's MXFP4 experts are {w.activation} (gate and up "
+                f"interleaved); the model's gate with {lay.activation}")
+    H, I = w.w2.shape[1], w.w13.shape[1] // 2
+    if (w.num_experts, H, I) != (lay.E, lay.H, lay.I):
+        raise _ck.UnsupportedCheckpoint(
+            f"{name}: the checkpoint's experts are E, H, I = {w.num_experts}, {H}, {I}; the "
+            f"config says {lay.E}, {lay.H}, {lay.I}")
+    if w.b13 is not None and not lay.has_bias:
+        raise _ck.UnsupportedCheckpoint(f"{name}: the checkpoint has expert biases the model "
+                                        f"does not")
+    return w
+
+
+def _load_quantized(ck, kind: str, dtype: torch.dtype, model_class: Any):
+    """load_w8a8 / load_w4a8: the model built on the meta device, each experts module packed
+    from the checkpoint (``kind``: int8, int4 or mxfp4), the other tensors copied in."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    backend = next(b for b, k in BACKENDS.items() if k == kind)
+    config = AutoConfig.from_pretrained(str(ck.root))
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # cpumoe runs the experts; the rest is dequantized
+    cls = model_class or AutoModelForCausalLM
+    with torch.device("meta"):
+        model = cls.from_config(config, experts_implementation=backend, dtype=dtype)
+    mods = experts_modules(model)
+    if not mods:
+        raise UnsupportedExperts(f"{type(model).__name__}: no experts module dispatching "
+                                 f"through transformers' ExpertsInterface")
+    skip = set()
+    for name, m in mods:
+        lay = _layout(m, name, meta_ok=True)
+        found = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+        if found is None:
+            _fail(m, name, "no decoder layer index in its name (expected ...layers.<L>....)")
+        w = _experts_of_checkpoint(ck, kind, int(found.group(1)), lay, name)
+        packed = w.prepack()
+        del w
+        for pname in _EXPERT_PARAMS:
+            if m._parameters.get(pname) is not None:
+                m._parameters[pname] = torch.nn.Parameter(torch.empty((0,), dtype=dtype),
+                                                          requires_grad=False)
+                skip.add(f"{name}.{pname}")
+        object.__setattr__(m, _STATE, {kind: _State(kind, packed, lay.activation, name, True)})
+    model.to_empty(device="cpu")
+    model.initialize_weights()  # non-persistent buffers (rotary inv_freq), recomputed
+    tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
+    missing = []
+    with torch.no_grad():
+        for key, t in model.state_dict().items():
+            if key in skip:
+                continue
+            src = _checkpoint_name(ck, key)
+            if src is None and key in tied:
+                continue  # tied to another tensor (tie_weights below)
+            if src is None:
+                missing.append(key)
+                continue
+            if src in ck:
+                arr = _ck.load_float_tensor(ck, src)  # float, or a W8A8 Linear's int8 weight
+            else:  # an int4 Linear's (weight_packed)
+                arr = _ck4.dequantize_int4_linear(ck, src[:-len(".weight")])
+            if tuple(arr.shape) != tuple(t.shape):
+                raise _ck.UnsupportedCheckpoint(f"{key}: shape {list(arr.shape)} in the "
+                                                f"checkpoint, {list(t.shape)} in the model")
+            t.copy_(torch.from_numpy(arr))
+    if missing:
+        raise _ck.UnsupportedCheckpoint(f"checkpoint: missing {len(missing)} tensor(s) of the "
+                                        f"model: {', '.join(missing[:8])}")
+    model.tie_weights()
+    return model.eval()
