@@ -179,6 +179,7 @@ def dequantize_int4_linear(path: Union[PathLike, Checkpoint], module: str) -> np
     values = unpack_int4(ck.get(packed), k).astype(np.float32)
     return values * np.repeat(ck.get_float32(scale), k // groups, axis=1)
 
+
 def load_int4_moe_layer(path: Union[PathLike, Checkpoint], layer: int, *,
                         experts: Optional[Sequence[int]] = None, activation: str = "silu",
                         layout: Optional[str] = None, group_size: Optional[int] = None,

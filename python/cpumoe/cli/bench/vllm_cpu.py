@@ -159,6 +159,7 @@ def _check_silu_no_bias(w13, b13, b2, activation: str, x_dtype: Any) -> Tuple[in
         raise Unsupported("biases are ignored by the kernel")
     return E, two_i, H
 
+
 class Int8:
     """``fused_experts_cpu`` INT8 W8A8 after ``convert_weight_packed`` (``CPUExpertsInt8``).
 
@@ -353,8 +354,8 @@ class Mxfp4:
     ``convert_weight_packed`` of the codes and ``convert_scale_packed`` of the E8M0 scales: the
     same blocks and scales as ``cpumoe.prepack_mxfp4`` takes. Activations stay bf16 (no int8
     step): it computes the bf16 layer of the dequantized weights (cpumoe.reference's bf16 op on
-    them, within 0.6% of the output scale); bf16 activations only. silu ([gate; up]) or swigluoai (interleaved, alpha 1.702, limit 7), with
-    or without biases (fp32)."""
+    them, within 0.6% of the output scale); bf16 activations only. silu ([gate; up]) or
+    swigluoai (interleaved, alpha 1.702, limit 7), with or without biases (fp32)."""
 
     name = "vllm-mxfp4"
 
