@@ -191,15 +191,19 @@ def test_bench_targets_and_presets(backend, capsys):
         assert "skip   vllm-int8: silu only, not swigluoai" in out
 
 
+def _bench_targets(backend, capsys, tmp_path, flag: str, tokens: str):
+    """One quick bench run of an issue's matrix (``flag``) on the small shape: (stdout, JSON)."""
+    js = tmp_path / "t.json"
+    argv = ["bench", *_args(backend, "--tokens", tokens, "--iters", "1", "--warmup", "0",
+                            "--probe-mib", "8", flag, "--no-progress", "--json", str(js))]
+    assert cli.main(argv) == 0
+    return capsys.readouterr().out, json.loads(js.read_text())
+
+
 def test_bench_amx_targets(backend, capsys, tmp_path):
     # The issue-15 matrix on the small shape and two T: the AMX peak line, a %peak per row where
     # the CPU has AMX, and the five AMX targets, each with a verdict.
-    js = tmp_path / "a.json"
-    argv = ["bench", *_args(backend, "--tokens", "1,32", "--iters", "1", "--warmup", "0",
-                            "--probe-mib", "8", "--amx-targets", "--no-progress",
-                            "--json", str(js))]
-    assert cli.main(argv) == 0
-    out = capsys.readouterr().out
+    out, doc = _bench_targets(backend, capsys, tmp_path, "--amx-targets", "1,32")
     peak = cpumoe._C.amx_peak(1, 0.01)
     assert ("probe    amx peak int8 " in out) == (peak is not None)
     if peak is None:
@@ -208,13 +212,50 @@ def test_bench_amx_targets(backend, capsys, tmp_path):
         assert peak["int8_ops"] > peak["bf16_flops"] > 0
     lines = out[out.index("targets  (issue 15"):].splitlines()[1:6]
     assert all(ln.split()[0] in ("PASS", "FAIL", "n/a") for ln in lines)
-    doc = json.loads(js.read_text())
     assert (doc["probe"]["amx_peak"] is None) == (peak is None)
     for r in doc["results"]:
         assert (r["pct_peak"] is None) == (peak is None or r["T"] == 0)
         if r["pct_peak"] is not None:
             assert 0 < r["pct_peak"] < 100
 
+
+def test_bench_w4_targets(backend, capsys, tmp_path):
+    # The issue-14 matrix on the small shape (H = 64, I = 32: int4 g128 does not divide them and
+    # is skipped, g32 and mxfp4 run) and one T: three targets and the g32 line, each a verdict.
+    out, doc = _bench_targets(backend, capsys, tmp_path, "--w4-targets", "1")
+    assert "skip   cpumoe-int4: group 128 does not divide H = 64 and I = 32" in out
+    assert "FAIL (vs" not in out  # every contender that ran passed its check
+    # The targets are the real Qwen3 layer's: this shrunk one measures none of them.
+    lines = out[out.index("targets  (issue 14, W4A8"):].splitlines()[1:5]
+    assert [ln.split()[0] for ln in lines] == ["n/a", "n/a", "info", "n/a"]
+    assert len(doc["targets"]) == 4
+    assert {r["contender"] for r in doc["results"]} >= {"cpumoe-int8", "cpumoe-int4-g32",
+                                                        "cpumoe-mxfp4"}
+
+
+def test_w4_targets_verdicts():
+    # The verdicts on made-up rows of the Qwen3 layer: time against W8A8's at the same point
+    # (int4 g128 and mxfp4), the g32 line reported without a verdict, the reads against the probe.
+    from cpumoe.cli.bench.report import w4_targets
+
+    def row(name, T, ms, pct, preset="qwen3-30b-a3b"):
+        return {"preset": preset, "weights": "cold", "T": T, "contender": name,
+                "ms_median": ms, "weights_gbs": 25.0, "pct_probe": pct}
+    rows = []
+    for T, int8, int4, mx, g32 in ((1, 1.0, 0.54, 0.55, 0.6), (16, 10.0, 5.0, 5.6, 6.0),
+                                   (128, 20.0, 13.0, 12.0, 15.0)):
+        rows += [row("cpumoe-int8", T, int8, 95), row("cpumoe-int4", T, int4, 92),
+                 row("cpumoe-mxfp4", T, mx, 91), row("cpumoe-int4-g32", T, g32, 80)]
+    rows.append(row("cpumoe-int4", 1, 0.1, 99, preset="qwen3-30b-a3b (modified)"))  # ignored
+    t = w4_targets(rows)
+    assert [x["ok"] for x in t] == [False, True, None, True]  # mxfp4 T=16: 0.56x > 0.55x
+    assert "int4 T=1 0.54x" in t[0]["detail"] and "mxfp4 T=16 0.56x" in t[0]["detail"]
+    assert t[1]["detail"] == "int4 T=128 0.65x, mxfp4 T=128 0.60x"
+    assert t[2]["info"] and "int4-g32 T=128 0.75x" in t[2]["detail"]
+    rows[-2]["pct_probe"] = 89  # cpumoe-int4-g32 at T = 128: not a read target
+    rows[1]["pct_probe"] = 89   # cpumoe-int4 at T = 1
+    assert w4_targets(rows)[3]["ok"] is False
+    assert [x["ok"] for x in w4_targets([])] == [None, None, None, None]
 
 def test_amx_peak_arguments():
     for bad in ((0, 0.1), (1, 0.0), (1, 61.0)):

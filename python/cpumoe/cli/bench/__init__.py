@@ -25,7 +25,9 @@ experts a call reads, in the contender's weight format, / median time) and its s
 probe's read bandwidth at that point, and GOP/s (2 x multiply-adds: 6 T k H I per call). Then
 ratios of median times (speed-ups) and, with ``--targets``, the issue-4 targets with a verdict.
 ``--targets`` alone runs the issue's matrix: every preset, T = 1, 16, 128, 512, all contenders,
-cold and warm weights.
+cold and warm weights. ``--amx-targets`` (issue 15) and ``--w4-targets`` (issue 14: the W4A8
+ops' time against W8A8's on the Qwen3 layer, T = 1, 16, 128, with vLLM's 4-bit kernels beside
+them) run their issues' matrices and verdicts the same way.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ from .. import problem
 from . import hf_block, vllm_cpu
 from .contenders import (ALL_CONTENDERS, BF16_CONTENDERS, CHECK_TOKENS, CONTENDERS,
                          build_contenders)
-from .report import amx_targets, fmt_ratios, plot_results, progress, ratios, targets
+from .report import (amx_targets, fmt_ratios, plot_results, progress, ratios, targets,
+                     w4_targets)
 from .timing import (MAX_CALLS, MIN_CALLS, TABLE_HEAD, ReadProbe, amx_peak, fmt_peak, fmt_row,
                      gemm_probe, l3_bytes, pct_of_peak, time_point)
 
@@ -53,6 +56,10 @@ TARGET_TOKENS = [1, 16, 128, 512]
 #: The issue-15 (AMX) matrix: decode to long prefill on the Qwen3 layer.
 AMX_TOKENS = [1, 16, 128, 512, 2048, 4096]
 AMX_CONTENDERS = ["cpumoe-int8", "cpumoe-bf16", "vllm-int8", "vllm-bf16"]
+#: The issue-14 (W4A8) matrix: cpumoe's W8A8 and W4A8 ops and vLLM's 4-bit kernels.
+W4_TOKENS = [1, 16, 128]
+W4_TARGET_CONTENDERS = ["cpumoe-int8", "cpumoe-int4", "cpumoe-int4-g32", "cpumoe-mxfp4",
+                        "vllm-int4", "vllm-int4-g32", "vllm-mxfp4"]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -89,6 +96,10 @@ def parser() -> argparse.ArgumentParser:
                    help="the issue-15 matrix (preset qwen3-30b-a3b, T=1,16,128,512,2048,4096, "
                         f"contenders {','.join(AMX_CONTENDERS)}, cold, unless given) and its "
                         "targets' verdicts, against the AMX peak measured in the same run")
+    p.add_argument("--w4-targets", action="store_true",
+                   help="the issue-14 matrix (preset qwen3-30b-a3b, T=1,16,128, contenders "
+                        f"{','.join(W4_TARGET_CONTENDERS)}, cold, unless given) and its targets' "
+                        "verdicts (W4A8 time against W8A8's, weight reads against the probe)")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     p.add_argument("--plot", metavar="FILE", help="plot tokens/s vs T per contender (matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -136,6 +147,11 @@ def run(args: argparse.Namespace) -> int:
         args.preset = args.preset or [problem.DEFAULT_PRESET]
         args.tokens = AMX_TOKENS if args.tokens is problem.BENCH_TOKENS else args.tokens
         args.contenders = args.contenders or list(AMX_CONTENDERS)
+        args.weights = args.weights or ["cold"]
+    if args.w4_targets:
+        args.preset = args.preset or [problem.DEFAULT_PRESET]
+        args.tokens = W4_TOKENS if args.tokens is problem.BENCH_TOKENS else args.tokens
+        args.contenders = args.contenders or list(W4_TARGET_CONTENDERS)
         args.weights = args.weights or ["cold"]
     names = args.contenders or ["cpumoe-int8"]
     modes = args.weights or ["cold"]
@@ -204,12 +220,15 @@ def run(args: argparse.Namespace) -> int:
     amx = bool(cpumoe.cpu_features().get("amx_int8"))
     tgts = targets(results, rats, gemm_int8, amx) if args.targets else []
     amx_tgts = amx_targets(results, rats, peak) if args.amx_targets else []
-    for issue, ts in (("issue 4", tgts), ("issue 15, AMX", amx_tgts)):
+    w4_tgts = w4_targets(results) if args.w4_targets else []
+    for issue, ts in (("issue 4", tgts), ("issue 15, AMX", amx_tgts),
+                      ("issue 14, W4A8", w4_tgts)):
         if not ts:
             continue
         print(f"targets  ({issue}; {layers[0].threads} threads)", file=out)
         for t in ts:
-            verdict = {True: "PASS", False: "FAIL", None: "n/a"}[t["ok"]]
+            verdict = "info" if t.get("info") else {True: "PASS", False: "FAIL",
+                                                     None: "n/a"}[t["ok"]]
             print(f"  {verdict:<5} {t['target']}: {t['detail']}", file=out)
     if args.json:
         L = layers[0]
@@ -221,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
                          "gemm_int8_gops": gemm_int8, "gemm_bf16_gflops": gemm_bf16,
                          "amx_peak": peak},
                "vllm": vllm_info, "contenders": contender_info, "results": results,
-               "ratios": rats, "targets": tgts + amx_tgts}
+               "ratios": rats, "targets": tgts + amx_tgts + w4_tgts}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
         print(f"json     {args.json}", file=out)

@@ -1,4 +1,5 @@
-"""The summaries of ``cpumoe bench``: speed-up ratios, the issue-4 targets, progress bar, plot."""
+"""The summaries of ``cpumoe bench``: speed-up ratios, the targets of issues 4, 14 (W4A8) and 15
+(AMX), progress bar, plot."""
 
 from __future__ import annotations
 
@@ -127,6 +128,39 @@ def amx_targets(rows, rats, peak: Optional[Dict[str, float]]) -> List[Dict[str, 
                 "ok": all(r["pct_peak"] >= 30 for r in big) if big else None})
     return res
 
+
+
+def w4_targets(rows) -> List[Dict[str, Any]]:
+    """The issue-14 (W4A8) targets on the Qwen3 layer, cold weights, each {target, detail, ok}
+    (ok None: not measured here; ``info``: reported without a target): each 4-bit op's median
+    time over the int8 op's at the same point, and its weight reads against the probe."""
+    qwen = "qwen3-30b-a3b"
+    pts = {T: m for (p, w, T), m in _medians(rows).items() if p == qwen and w == "cold" and T}
+
+    def time_ratio(text: str, names, tokens, need: float) -> Dict[str, Any]:
+        sel = [(n, T, pts[T][n] / pts[T]["cpumoe-int8"]) for n in names for T in sorted(pts)
+               if T in tokens and n in pts[T] and pts[T].get("cpumoe-int8")]
+        return {"target": text,
+                "detail": ", ".join(f"{n[len('cpumoe-'):]} T={T} {r:.2f}x" for n, T, r in sel)
+                or "not measured", "ok": all(r <= need for *_, r in sel) if sel else None}
+
+    w4 = ("cpumoe-int4", "cpumoe-mxfp4")
+    res = [time_ratio("W4A8 (int4 g128, mxfp4) time <= 0.55x W8A8's at T = 1 and 16", w4,
+                      (1, 16), 0.55),
+           time_ratio("W4A8 (int4 g128, mxfp4) time <= 0.65x W8A8's at T = 128", w4, (128,),
+                      0.65)]
+    g32 = time_ratio("int4 g32 time against W8A8's (reported beside them)",
+                     ("cpumoe-int4-g32",), (1, 16, 128), 0.0)
+    res.append(dict(g32, ok=None, info=True))
+    reads = [r for r in rows if r["preset"] == qwen and r["weights"] == "cold"
+             and r["contender"] in w4 and 0 < r["T"] <= 16 and r["pct_probe"] is not None]
+    res.append({"target": "W4A8 weight reads (4-bit bytes and the scales) >= 90% of the probe "
+                          "at T <= 16",
+                "detail": ", ".join(f"{r['contender'][len('cpumoe-'):]} T={r['T']} "
+                                    f"{r['weights_gbs']:.1f} GB/s = {r['pct_probe']:.0f}%"
+                                    for r in reads) or "not measured",
+                "ok": all(r["pct_probe"] >= 90 for r in reads) if reads else None})
+    return res
 
 # ---------------------------------------------------------------------------- output helpers
 def progress(total: int, enabled: bool):
