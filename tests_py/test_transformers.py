@@ -551,8 +551,12 @@ def test_load_w4a8_refuses_other_checkpoints(tmp_path):
     with pytest.raises(UnsupportedCheckpoint, match="not compressed-tensors int4 or mxfp4"):
         cmt.load_w4a8(tmp_path / "float")
     _save_w8a8_checkpoint(eager, tmp_path)
-    with pytest.raises(UnsupportedCheckpoint, match="no int4"):
+    with pytest.raises(UnsupportedCheckpoint, match="format 'int-quantized'.*load_w8a8"):
         cmt.load_w4a8(tmp_path)
+    from cpumoe.vllm_plugin import models as ckpts  # W4A8 as compressed-tensors stores it
+    dst = ckpts.save_w4a8(tmp_path / "float", tmp_path / "w4a8", group_size=32)
+    with pytest.raises(UnsupportedCheckpoint, match="format 'int-quantized'.*vLLM plugin"):
+        cmt.load_w4a8(dst)
 
 # ---------------------------------------------------------------------------- the bench hook
 def test_bench_model_option_and_presets():

@@ -65,23 +65,30 @@ def load_w4a8(path, *, dtype: torch.dtype = torch.bfloat16, model_class: Any = N
     :func:`load_w8a8` does for W8A8 (the experts never exist in float: a bf16 copy would take
     four times their bytes), on the backend of the checkpoint's format:
 
-    - ``"cpumoe_int4"``: a compressed-tensors int4 checkpoint (``format: pack-quantized``,
-      symmetric group scales: llm-compressor's W4A16, or W4A8), the experts read by
+    - ``"cpumoe_int4"``: a compressed-tensors int4 checkpoint in the ``pack-quantized`` format
+      (symmetric group scales: llm-compressor's W4A16 layout; W4A8 in it too), the experts read by
       :func:`cpumoe.checkpoint_w4.load_int4_moe_layer` with the config's group size; other
       int4 Linears (attention, if the recipe quantized it) dequantized into ``dtype``;
     - ``"cpumoe_mxfp4"``: a gpt-oss MXFP4 checkpoint (``quant_method: mxfp4``, the release
       layout), read by :func:`cpumoe.checkpoint_w4.load_mxfp4_moe_layer`.
 
     The experts run W4A8 (:func:`cpumoe.fused_moe_int8`: per-token int8 activations, also for
-    a W4A16 checkpoint). Raises UnsupportedCheckpoint (a ValueError) for another format or a
-    missing tensor, UnsupportedExperts for experts cpumoe cannot take.
+    a W4A16 checkpoint). Raises UnsupportedCheckpoint (a ValueError) for another format (such
+    as compressed-tensors' ``int-quantized``, the int4 values stored as int8, which cpumoe's vLLM
+    plugin serves) or a missing tensor, UnsupportedExperts for experts cpumoe cannot take.
     """
     ck = _ck.Checkpoint(path)
-    method = (ck.quantization_config or {}).get("quant_method")
+    qcfg = ck.quantization_config or {}
+    method = qcfg.get("quant_method")
     if method not in ("compressed-tensors", "mxfp4"):
         raise _ck.UnsupportedCheckpoint(f"{path}: config.json's quantization_config is not "
                                         f"compressed-tensors int4 or mxfp4 (quant_method "
                                         f"{method!r})")
+    if method == "compressed-tensors" and qcfg.get("format") not in (None, "pack-quantized"):
+        raise _ck.UnsupportedCheckpoint(
+            f"{path}: compressed-tensors format {qcfg.get('format')!r}; load_w4a8 reads int4 "
+            f"in the 'pack-quantized' format (W8A8 int8: load_w8a8; int4 stored as int8, "
+            f"'int-quantized' W4A8: cpumoe's vLLM plugin serves it)")
     return _load_quantized(ck, "mxfp4" if method == "mxfp4" else "int4", dtype, model_class)
 
 
