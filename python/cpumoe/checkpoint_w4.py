@@ -29,8 +29,8 @@ from typing import List, Optional, Sequence, Union
 import numpy as np
 
 from . import ops as _ops
-from .checkpoint import (LAYOUTS, Checkpoint, PathLike, UnsupportedCheckpoint, _open,
-                         _targets_module, expert_ids_of, expert_map_of)
+from .checkpoint import (LAYOUTS, Checkpoint, PathLike, UnsupportedCheckpoint, _check_zero_point,
+                         _open, _targets_module, expert_ids_of, expert_map_of)
 
 __all__ = ["W4LayerWeights", "dequantize_int4_linear", "int4_scheme_problem",
            "load_int4_moe_layer", "load_mxfp4_moe_layer", "unpack_int4"]
@@ -173,9 +173,7 @@ def dequantize_int4_linear(path: Union[PathLike, Checkpoint], module: str) -> np
         raise UnsupportedCheckpoint(f"{scale}: {groups} groups do not divide in = {k}")
     _need(ck, packed, ("I32",), (n, (k + 7) // 8))
     _need(ck, scale, _FLOAT, (n, groups))
-    zp = module + ".weight_zero_point"
-    if zp in ck and np.any(ck.get(zp) != 0):
-        raise UnsupportedCheckpoint(f"{zp}: nonzero zero points (asymmetric) are not supported")
+    _check_zero_point(ck, module)
     values = unpack_int4(ck.get(packed), k).astype(np.float32)
     return values * np.repeat(ck.get_float32(scale), k // groups, axis=1)
 
@@ -241,10 +239,7 @@ def load_int4_moe_layer(path: Union[PathLike, Checkpoint], layer: int, *,
             _need(ck, m + ".weight_scale", _FLOAT, (n, k // g))
             if has_bias:
                 _need(ck, m + ".bias", _FLOAT, (n,))
-            zp = m + ".weight_zero_point"
-            if zp in ck and np.any(ck.get(zp) != 0):
-                raise UnsupportedCheckpoint(f"{zp}: nonzero zero points (asymmetric) are not "
-                                            f"supported")
+            _check_zero_point(ck, m)
             sh = m + ".weight_shape"
             if sh in ck and tuple(int(v) for v in np.asarray(ck.get(sh)).reshape(-1)) != (n, k):
                 raise UnsupportedCheckpoint(f"{sh}: {list(np.asarray(ck.get(sh)))}, expected "

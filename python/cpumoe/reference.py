@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import sys
+from typing import Optional
 
 import numpy as np
 
@@ -418,7 +419,10 @@ def _w4_linear(q, s, v, gs, g, b):
 
 
 def _ref_w4(x, v13, v2, gs13, gs2, g, topk_weights, topk_ids, activation, b13, b2,
-            skip_weighted):
+            skip_weighted, round_gemm1: Optional[str] = None):
+    """The W4A8 op on 4-bit values and float32 group scales. round_gemm1: a dtype each GEMM1
+    output is rounded to before the activation (not cpumoe's op, which keeps fp32: the bench's
+    model of vLLM's int4 kernel)."""
     _check_activation(activation)
     dtype_name = _dtype_name(x)
     b13n = _to_numpy(b13, float32=True)
@@ -428,6 +432,8 @@ def _ref_w4(x, v13, v2, gs13, gs2, g, topk_weights, topk_ids, activation, b13, b
         inter = w2n.shape[2]
         qx, sx = _quantize_rows_np(x_rows, TOKEN_AMAX_FLOOR)
         h = _w4_linear(qx, sx, w13n[e], gs13[e], g, None if b13n is None else b13n[e])
+        if round_gemm1 is not None:
+            h = round_to_dtype(h, round_gemm1)
         a = round_to_dtype(_activation(activation, h, inter), dtype_name)
         qa, sa = _quantize_rows_np(a, TOKEN_AMAX_FLOOR)
         return _w4_linear(qa, sa, w2n[e], gs2[e], g, None if b2n is None else b2n[e])

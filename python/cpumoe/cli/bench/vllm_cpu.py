@@ -144,13 +144,26 @@ def _check_common(x_dtype: Any, H: int, I: int) -> None:
         raise Unsupported(f"H and I must be multiples of 32 (H={H}, I={I})")
 
 
+def _require_library() -> None:
+    why = load()
+    if why is not None:
+        raise Unsupported(why)
+
+
+def _alpha_limit(activation: str):
+    """(alpha, limit) of the op for silu (none) or swigluoai (gpt-oss's); Unsupported else."""
+    if activation == "silu":
+        return None, None
+    if activation == "swigluoai":
+        return SWIGLU_ALPHA, SWIGLU_LIMIT
+    raise Unsupported(f"silu or swigluoai only, not {activation}")
+
+
 def _check_silu_no_bias(w13, b13, b2, activation: str, x_dtype: Any) -> Tuple[int, int, int]:
     """The checks of the quantized kernels whose op ignores biases, alpha and limit: the library,
     the activations' dtype and shape, silu, no biases. Returns w13's (E, 2I, H)."""
     import torch
-    why = load()
-    if why is not None:
-        raise Unsupported(why)
+    _require_library()
     E, two_i, H = w13.shape
     _check_common(x_dtype if x_dtype is not None else torch.bfloat16, H, two_i // 2)
     if activation != "silu":
@@ -200,9 +213,7 @@ class Bf16:
 
     def __init__(self, w13, w2, b13=None, b2=None, activation: str = "silu", x_dtype: Any = None):
         import torch
-        why = load()
-        if why is not None:
-            raise Unsupported(why)
+        _require_library()
         if x_dtype not in (None, torch.bfloat16):
             raise Unsupported(f"activations must be bf16, not {x_dtype}")
         E, two_i, H = w13.shape
@@ -236,19 +247,12 @@ class Bf16Sgl:
 
     def __init__(self, w13, w2, b13=None, b2=None, activation: str = "silu", x_dtype: Any = None):
         import torch
-        why = load()
-        if why is not None:
-            raise Unsupported(why)
+        _require_library()
         E, two_i, H = w13.shape
         _check_common(x_dtype if x_dtype is not None else torch.bfloat16, H, two_i // 2)
-        if activation == "silu":
-            if b13 is not None or b2 is not None:
-                raise Unsupported("biases only with swigluoai")
-            self.alpha = self.limit = None
-        elif activation == "swigluoai":
-            self.alpha, self.limit = SWIGLU_ALPHA, SWIGLU_LIMIT
-        else:
-            raise Unsupported(f"silu or swigluoai only, not {activation}")
+        self.alpha, self.limit = _alpha_limit(activation)
+        if activation == "silu" and (b13 is not None or b2 is not None):
+            raise Unsupported("biases only with swigluoai")
         self.w13 = torch.ops._C.convert_weight_packed(w13)
         self.w2 = torch.ops._C.convert_weight_packed(w2)
         self.b13 = None if b13 is None else b13.to(torch.float32).contiguous()
@@ -301,8 +305,8 @@ class Int4:
             raise ValueError(f"w2 / s13 / s2: shapes {tuple(w2.shape)} / {tuple(s13.shape)} / "
                              f"{tuple(s2.shape)} are not {want[0]} / [E, 2I, H / g] / "
                              f"[E, H, I / g] of one group size g (a multiple of 8)")
-        for w in (w13, w2):
-            if np.asarray(w).min() < -8 or np.asarray(w).max() > 7:
+        for w in (np.asarray(w13), np.asarray(w2)):
+            if w.min() < -8 or w.max() > 7:
                 raise ValueError("w13 / w2: int4 values must be in [-8, 7]")
         self.group_size = g
         packed = [self._pack(w, s) for w, s in ((w13, s13), (w2, s2))]
@@ -337,16 +341,8 @@ def ref_int4(x, w13, s13, w2, s2, topk_weights, topk_ids, activation: str = "sil
     from ... import reference as R
     g = w13.shape[-1] // s13.shape[-1]
     gs13, gs2 = (R.round_to_dtype(np.asarray(s, np.float32), "bfloat16") for s in (s13, s2))
-    out_dtype = R._dtype_name(x)
-
-    def ffn(e, x_rows, w13n, w2n):
-        qx, sx = R._quantize_rows_np(x_rows, R.TOKEN_AMAX_FLOOR)
-        h = R.round_to_dtype(R._w4_linear(qx, sx, w13n[e], gs13[e], g, None), "bfloat16")
-        a = R.round_to_dtype(R._activation(activation, h, w2n.shape[2]), out_dtype)
-        qa, sa = R._quantize_rows_np(a, R.TOKEN_AMAX_FLOOR)
-        return R._w4_linear(qa, sa, w2n[e], gs2[e], g, None)
-
-    return R._run_moe(x, np.asarray(w13), np.asarray(w2), topk_weights, topk_ids, False, ffn)
+    return R._ref_w4(x, np.asarray(w13), np.asarray(w2), gs13, gs2, g, topk_weights, topk_ids,
+                     activation, None, None, False, round_gemm1="bfloat16")
 
 
 class Mxfp4:
@@ -362,9 +358,7 @@ class Mxfp4:
     def __init__(self, w13_blocks, w13_scales, w2_blocks, w2_scales, b13=None, b2=None,
                  activation: str = "silu", x_dtype: Any = None):
         import torch
-        why = load()
-        if why is not None:
-            raise Unsupported(why)
+        _require_library()
         E, two_i, kb, _ = w13_blocks.shape
         H, I = kb * 32, two_i // 2
         want = ((E, two_i, H // 32, 16), (E, two_i, H // 32), (E, H, I // 32, 16), (E, H, I // 32))
@@ -374,12 +368,7 @@ class Mxfp4:
         if x_dtype not in (None, torch.bfloat16):  # fp16 aborts the process (in its OpenMP loop)
             raise Unsupported(f"activations must be bf16, not {x_dtype}")
         _check_common(torch.bfloat16, H, I)
-        if activation == "silu":
-            self.alpha = self.limit = None
-        elif activation == "swigluoai":
-            self.alpha, self.limit = SWIGLU_ALPHA, SWIGLU_LIMIT
-        else:
-            raise Unsupported(f"silu or swigluoai only, not {activation}")
+        self.alpha, self.limit = _alpha_limit(activation)
 
         def codes(b):  # [E, N, K / 32, 16] -> [E, N, K / 2], the checkpoint's own layout
             return torch.as_tensor(np.ascontiguousarray(b)).reshape(b.shape[0], b.shape[1], -1)
