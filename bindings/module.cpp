@@ -42,12 +42,35 @@ DType parse_dtype(const std::string& name, const char* what) {
                        name);
 }
 
-Activation parse_act(const std::string& name) {
-  Activation a;
-  if (!parse_activation(name.c_str(), &a))
-    throw ArgumentError("activation: must be one of silu, gelu, gelu_tanh, swigluoai; got '" + name +
-                        "'");
-  return a;
+// An activation spec ("silu", "silu_clamp(limit=10)", ...): parsed and checked, or an
+// ArgumentError that says why.
+ActivationSpec parse_act(const std::string& text) {
+  ActivationSpec spec;
+  std::string why;
+  if (!parse_activation_spec(text, &spec, &why)) throw ArgumentError("activation: " + why);
+  why = activation_spec_problem(spec);
+  if (!why.empty()) throw ArgumentError("activation: " + why);
+  return spec;
+}
+
+// The activation table (activation.h) for Python: one dict per activation.
+py::list activations_list() {
+  py::list out;
+  for (const ActivationInfo& info : kActivationTable) {
+    py::dict d;
+    d["name"] = info.name;
+    d["interleaved"] = info.interleaved;
+    py::dict params;
+    auto dflt = [](float v) -> py::object {
+      return std::isnan(v) ? py::object(py::none()) : py::object(py::float_(v));
+    };
+    if (info.has_limit) params["limit"] = dflt(info.default_limit);
+    if (info.has_alpha) params["alpha"] = dflt(info.default_alpha);
+    d["params"] = params;  // name -> default (None: required)
+    d["formula"] = info.formula;
+    out.append(d);
+  }
+  return out;
 }
 
 // The chain (kernel, row ops, tile policy) of a family that prepack builds under the cap `isa`:
@@ -283,6 +306,18 @@ PYBIND11_MODULE(_C, m) {
   // Raised for bad argument values; a ValueError to Python callers.
   py::register_exception<ArgumentError>(m, "ArgumentError", PyExc_ValueError);
 
+  m.def("activations", &activations_list,
+        "The op's activations: name, interleaved (gate/up at even/odd columns), params (name -> "
+        "default, None when required), formula.");
+  m.def(
+      "parse_activation",
+      [](const std::string& text) {
+        const ActivationSpec s = parse_act(text);
+        return py::make_tuple(activation_name(s.kind), activation_spec_str(s), s.limit, s.alpha);
+      },
+      py::arg("spec"),
+      "(name, canonical spec, limit, alpha) of an activation spec such as 'silu' or "
+      "'silu_clamp(limit=10)' (limit and alpha as fp32); ValueError when it cannot run.");
   m.def("cpu_features", &features_dict, "Features of the running CPU that cpumoe kernels use.");
   m.def("target_arch", &target_arch);
   m.def("isa_ladder", [] {

@@ -13,6 +13,7 @@
 #include <random>
 #include <vector>
 
+#include "activation_specs.h"
 #include "cpumoe/moe.h"
 #include "reference/reference.h"
 
@@ -29,7 +30,7 @@ struct MoeShape {
 struct MoeData {
   MoeShape s{};
   DType dtype = DType::f32;
-  Activation act = Activation::silu;
+  cpumoe::ActivationSpec act = Activation::silu;
   bool skip_weighted = false;
   // Row strides (elements): all larger than the row, so stride handling is always exercised.
   int64_t x_stride = 0, out_stride = 0, w_stride = 0, id_stride = 0;
@@ -89,7 +90,8 @@ struct MoeData {
 
 /// Random weights and inputs. Scales are chosen so GEMM1 outputs spread over about [-8, 8]
 /// (every region of every activation, the swigluoai clamp included) and outputs are O(1).
-inline MoeData make_moe_data(MoeShape s, DType dtype, Activation act, bool bias, uint32_t seed,
+inline MoeData make_moe_data(MoeShape s, DType dtype, const cpumoe::ActivationSpec& act, bool bias,
+                             uint32_t seed,
                              DType bias_dtype = DType::f32) {
   MoeData d;
   d.s = s;

@@ -1,5 +1,6 @@
-// activation.h: scalar:: against the formulas in double, vec:: against scalar::, the layouts and
-// the name parser.
+// activation.h: scalar:: against the formulas in double, vec:: against scalar::, the layouts, the
+// table and the spec parser. Every activation of the table is swept, the clamped ones at limits
+// where their clamps fire inside the sweep and at limits where they do not.
 //
 // Error model: every activation is g * f(g) * u (swigluoai: g' * f(g') * (u' + 1)) with f a
 // sigmoid or normal CDF in [0, 1]. The approximations of f have an *absolute* error, so the error
@@ -11,17 +12,20 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "cpumoe/activation.h"
+#include "activation_specs.h"
 #include "reference/reference.h"
 
 namespace {
 
 using cpumoe::Activation;
+using cpumoe::ActivationSpec;
 
-constexpr Activation kAll[] = {Activation::silu, Activation::gelu, Activation::gelu_tanh,
-                               Activation::swigluoai};
+using cpumoe_test::spec_name;
+const std::vector<ActivationSpec>& kAll = cpumoe_test::activation_specs();
 
 // scalar:: is the formula in fp32 with libm (<= 1 ulp each): about 4 roundings of 6e-8 relative to
 // |g u| (measured worst case 1.7e-7 over the sweep below).
@@ -33,9 +37,15 @@ constexpr double kVecTol = 1e-6;
 // A floor for results that are themselves fp32 subnormals, where one ulp is 1.4e-45.
 constexpr double kSubnormalFloor = 8 * double(std::numeric_limits<float>::denorm_min());
 
-double magnitude(Activation a, double g, double u) {
-  if (a == Activation::swigluoai) return std::fabs(std::fmin(g, 7.0) * (std::fmin(std::fmax(u, -7.0), 7.0) + 1.0));
-  return std::fabs(g * u);
+double magnitude(const ActivationSpec& a, double g, double u) {
+  const double L = a.limit;
+  const double uc = std::fmin(std::fmax(u, -L), L);
+  switch (a.kind) {
+    case Activation::swigluoai: return std::fabs(std::fmin(g, L) * (uc + 1.0));
+    case Activation::silu_clamp: return std::fabs(std::fmin(g, L) * uc);
+    case Activation::silu_clamp_post: return std::fabs(g * uc);
+    default: return std::fabs(g * u);
+  }
 }
 
 // Gates: a dense sweep of [-20, 20] (step 1e-3 hits every region of every f) plus large and small
@@ -50,12 +60,12 @@ std::vector<float> gate_values() {
   }
   return g;
 }
-constexpr float kUps[] = {1.0f, -0.37f, 3.0f, 6.99f, 7.0f, 8.5f, -9.0f, 0.0f};
+constexpr float kUps[] = {1.0f, -0.37f, 3.0f, 6.99f, 7.0f, 8.5f, -9.0f, 0.0f, 12.0f, -25.0f};
 
 TEST(Activation, ScalarMatchesFormulasInDouble) {
   const std::vector<float> gates = gate_values();
-  for (Activation a : kAll) {
-    SCOPED_TRACE(cpumoe::activation_name(a));
+  for (const ActivationSpec& a : kAll) {
+    SCOPED_TRACE(spec_name(a));
     for (float u : kUps) {
       for (float g : gates) {
         const double want = cpumoe_ref::activation(a, g, u);
@@ -69,8 +79,8 @@ TEST(Activation, ScalarMatchesFormulasInDouble) {
 
 TEST(Activation, VecMatchesScalar) {
   const std::vector<float> gates = gate_values();
-  for (Activation a : kAll) {
-    SCOPED_TRACE(cpumoe::activation_name(a));
+  for (const ActivationSpec& a : kAll) {
+    SCOPED_TRACE(spec_name(a));
     for (float u : kUps) {
       for (float g : gates) {
         const float want = cpumoe::scalar::apply(a, g, u);
@@ -85,8 +95,8 @@ TEST(Activation, VecMatchesScalar) {
 
 TEST(Activation, NanPropagates) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
-  for (Activation a : kAll) {
-    SCOPED_TRACE(cpumoe::activation_name(a));
+  for (const ActivationSpec& a : kAll) {
+    SCOPED_TRACE(spec_name(a));
     for (auto [g, u] : {std::pair<float, float>{nan, 1.0f}, {1.0f, nan}, {nan, nan}, {0.0f, nan},
                         {-3.0f, nan}, {nan, 20.0f}}) {
       EXPECT_TRUE(std::isnan(cpumoe::scalar::apply(a, g, u))) << g << " " << u;
@@ -130,8 +140,8 @@ TEST(Activation, GatedArrayEqualsElementwiseBitForBit) {
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> dist(-12.0f, 12.0f);
   const int64_t n = 1003;  // not a multiple of any vector width
-  for (Activation a : kAll) {
-    SCOPED_TRACE(cpumoe::activation_name(a));
+  for (const ActivationSpec& a : kAll) {
+    SCOPED_TRACE(spec_name(a));
     for (int64_t stride : {1, 2, 3}) {
       std::vector<float> gate(size_t(n * stride)), up(size_t(n * stride)), out(static_cast<size_t>(n));
       for (auto& v : gate) v = dist(rng);
@@ -151,7 +161,8 @@ TEST(Activation, GateUpLayout) {
     EXPECT_EQ(s.gate_offset, 0);
     EXPECT_EQ(s.up_offset, 1);
     EXPECT_EQ(s.stride, 2);
-    for (Activation a : {Activation::silu, Activation::gelu, Activation::gelu_tanh}) {
+    for (Activation a : {Activation::silu, Activation::gelu, Activation::gelu_tanh,
+                         Activation::silu_clamp, Activation::silu_clamp_post}) {
       const cpumoe::GateUpLayout l = cpumoe::gate_up_layout(a, inter);
       EXPECT_EQ(l.gate_offset, 0);
       EXPECT_EQ(l.up_offset, inter);
@@ -166,12 +177,12 @@ TEST(Activation, GatedRowReadsTheDocumentedColumns) {
   const int64_t inter = 24;
   std::vector<float> row(size_t(2 * inter));
   for (int64_t c = 0; c < 2 * inter; ++c) row[size_t(c)] = 0.25f * float(c) - 5.0f;
-  for (Activation a : kAll) {
-    SCOPED_TRACE(cpumoe::activation_name(a));
+  for (const ActivationSpec& a : kAll) {
+    SCOPED_TRACE(spec_name(a));
     std::vector<float> out(static_cast<size_t>(inter));
     cpumoe::vec::gated_row(a, row.data(), inter, out.data());
     for (int64_t i = 0; i < inter; ++i) {
-      const bool even_odd = a == Activation::swigluoai;
+      const bool even_odd = a.kind == Activation::swigluoai;
       const float g = row[size_t(even_odd ? 2 * i : i)];
       const float u = row[size_t(even_odd ? 2 * i + 1 : inter + i)];
       const float want = cpumoe::vec::apply(a, g, u);
@@ -181,12 +192,17 @@ TEST(Activation, GatedRowReadsTheDocumentedColumns) {
 }
 
 TEST(Activation, ParseAndName) {
-  for (Activation a : kAll) {
+  ASSERT_EQ(cpumoe::kNumActivations, 6);
+  for (int i = 0; i < cpumoe::kNumActivations; ++i) {
+    const Activation a = cpumoe::kActivationTable[i].kind;
+    EXPECT_EQ(int(a), i) << "the table is in enum order";
     Activation got = Activation::silu;
     if (a == Activation::silu) got = Activation::gelu;  // make sure the parser writes
     ASSERT_TRUE(cpumoe::parse_activation(cpumoe::activation_name(a), &got));
     EXPECT_EQ(got, a);
   }
+  EXPECT_STREQ(cpumoe::activation_name(Activation::silu_clamp), "silu_clamp");
+  EXPECT_STREQ(cpumoe::activation_name(Activation::silu_clamp_post), "silu_clamp_post");
   EXPECT_STREQ(cpumoe::activation_name(Activation::silu), "silu");
   EXPECT_STREQ(cpumoe::activation_name(Activation::gelu), "gelu");
   EXPECT_STREQ(cpumoe::activation_name(Activation::gelu_tanh), "gelu_tanh");
@@ -199,3 +215,102 @@ TEST(Activation, ParseAndName) {
 }
 
 }  // namespace
+
+namespace {
+
+ActivationSpec parse_ok(const std::string& text) {
+  ActivationSpec s;
+  std::string why;
+  EXPECT_TRUE(cpumoe::parse_activation_spec(text, &s, &why)) << text << ": " << why;
+  return s;
+}
+
+std::string parse_error(const std::string& text) {
+  ActivationSpec s(Activation::gelu);
+  std::string why;
+  EXPECT_FALSE(cpumoe::parse_activation_spec(text, &s, &why)) << text;
+  EXPECT_EQ(s.kind, Activation::gelu) << "untouched on failure: " << text;
+  return why;
+}
+
+}  // namespace
+
+TEST(ActivationSpec, ParsesParametersAndPrintsThemBack) {
+  ActivationSpec s = parse_ok("silu_clamp(limit=10)");
+  EXPECT_EQ(s.kind, Activation::silu_clamp);
+  EXPECT_EQ(s.limit, 10.0f);
+  EXPECT_EQ(cpumoe::activation_spec_str(s), "silu_clamp(limit=10)");
+  EXPECT_TRUE(cpumoe::activation_spec_problem(s).empty());
+  s = parse_ok("swigluoai");
+  EXPECT_EQ(s.limit, 7.0f);
+  EXPECT_EQ(s.alpha, 1.702f);
+  EXPECT_EQ(cpumoe::activation_spec_str(s), "swigluoai");
+  s = parse_ok("swigluoai( alpha = 1.5 , limit=0.1 )");
+  EXPECT_EQ(s.alpha, 1.5f);
+  EXPECT_EQ(s.limit, 0.1f);
+  // 9 significant digits: the printed spec parses back to the same floats.
+  const ActivationSpec back = parse_ok(cpumoe::activation_spec_str(s));
+  EXPECT_EQ(back.limit, s.limit);
+  EXPECT_EQ(back.alpha, s.alpha);
+  EXPECT_EQ(cpumoe::activation_spec_str(parse_ok("swigluoai(limit=7,alpha=1.702)")), "swigluoai");
+  s = parse_ok("silu_clamp_post(limit=inf)");
+  EXPECT_TRUE(std::isinf(s.limit));
+  EXPECT_TRUE(cpumoe::activation_spec_problem(s).empty());
+  EXPECT_EQ(cpumoe::activation_spec_str(parse_ok("gelu()")), "gelu");
+}
+
+TEST(ActivationSpec, RefusesWhatCannotRun) {
+  EXPECT_NE(parse_error("relu").find("unknown activation 'relu'"), std::string::npos);
+  EXPECT_NE(parse_error("relu").find("silu_clamp_post"), std::string::npos);  // lists them
+  EXPECT_NE(parse_error("silu(limit=10)").find("silu takes no parameters"), std::string::npos);
+  EXPECT_NE(parse_error("silu_clamp(alpha=1)").find("takes limit, not alpha"), std::string::npos);
+  EXPECT_NE(parse_error("silu_clamp(limit=ten)").find("not a number"), std::string::npos);
+  EXPECT_NE(parse_error("silu_clamp(limit=10").find("expected name("), std::string::npos);
+  EXPECT_NE(parse_error("silu_clamp(limit=1,limit=2)").find("given twice"), std::string::npos);
+  EXPECT_NE(parse_error("silu_clamp(limit)").find("key=value"), std::string::npos);
+  EXPECT_NE(parse_error("silu_clamp(limit=1,)").find("empty parameter"), std::string::npos);
+  // Parsed but not runnable: a required limit missing, a limit <= 0 or NaN, alpha not finite.
+  EXPECT_NE(cpumoe::activation_spec_problem(parse_ok("silu_clamp")).find("needs limit"),
+            std::string::npos);
+  EXPECT_NE(cpumoe::activation_spec_problem(ActivationSpec(Activation::silu_clamp_post))
+                .find("needs limit"),
+            std::string::npos);
+  for (const char* bad : {"silu_clamp(limit=0)", "silu_clamp(limit=-3)", "swigluoai(limit=nan)",
+                          "swigluoai(limit=-inf)"})
+    EXPECT_FALSE(cpumoe::activation_spec_problem(parse_ok(bad)).empty()) << bad;
+  EXPECT_NE(cpumoe::activation_spec_problem(parse_ok("swigluoai(alpha=inf)")).find("alpha"),
+            std::string::npos);
+}
+
+// The clamps: gate from above only (silu_clamp), the silu output from above (silu_clamp_post),
+// up from both sides, exactly at the limit; limit = inf is silu bit for bit.
+TEST(ActivationSpec, ClampsFireAtTheLimit) {
+  const float L = 10.0f;
+  const ActivationSpec pre = ActivationSpec::with_limit(Activation::silu_clamp, L);
+  const ActivationSpec post = ActivationSpec::with_limit(Activation::silu_clamp_post, L);
+  for (float g : {10.0f, 10.5f, 300.0f, 1e30f}) {
+    EXPECT_EQ(cpumoe::vec::apply(pre, g, 2.0f), cpumoe::vec::apply(pre, L, 2.0f)) << g;
+    EXPECT_EQ(cpumoe::scalar::apply(pre, g, 2.0f), cpumoe::scalar::apply(pre, L, 2.0f)) << g;
+  }
+  for (float g : {10.5f, 12.0f, 300.0f, 1e30f}) {  // silu(g) > 10 from about g = 10.0005
+    EXPECT_EQ(cpumoe::vec::apply(post, g, 2.0f), L * 2.0f) << g;
+    EXPECT_EQ(cpumoe::scalar::apply(post, g, 2.0f), L * 2.0f) << g;
+  }
+  for (float u : {10.0f, 11.0f, 1e20f}) {
+    for (const ActivationSpec& a : {pre, post}) {
+      EXPECT_EQ(cpumoe::vec::apply(a, 1.5f, u), cpumoe::vec::apply(a, 1.5f, L));
+      EXPECT_EQ(cpumoe::vec::apply(a, 1.5f, -u), cpumoe::vec::apply(a, 1.5f, -L));
+    }
+  }
+  EXPECT_NE(cpumoe::vec::apply(pre, -30.0f, 2.0f), cpumoe::vec::apply(pre, -10.0f, 2.0f));
+  const float inf = std::numeric_limits<float>::infinity();
+  for (float g : {-30.0f, -1.0f, 0.5f, 9.0f, 11.0f, 1e4f}) {
+    for (float u : {-1e4f, -3.0f, 0.25f, 50.0f}) {
+      const float want = cpumoe::vec::apply(Activation::silu, g, u);
+      for (Activation k : {Activation::silu_clamp, Activation::silu_clamp_post}) {
+        const float got = cpumoe::vec::apply(ActivationSpec::with_limit(k, inf), g, u);
+        EXPECT_EQ(std::memcmp(&got, &want, 4), 0) << g << " " << u;
+      }
+    }
+  }
+}

@@ -47,7 +47,7 @@ double g_worst_error = 0.0;  // largest error seen vs the double oracle, relativ
 void check_all_paths(const MoeData& d) {
   SCOPED_TRACE(testing::Message() << "T=" << d.s.T << " E=" << d.s.E << " k=" << d.s.k
                                   << " H=" << d.s.H << " I=" << d.s.I << " act="
-                                  << cpumoe::activation_name(d.act) << " dtype="
+                                  << cpumoe_test::spec_name(d.act) << " dtype="
                                   << cpumoe::dtype_name(d.dtype) << " bias=" << !d.b13_raw.empty()
                                   << " skip_weighted=" << d.skip_weighted);
   std::vector<uint8_t> first;
@@ -90,12 +90,12 @@ constexpr int64_t kGridE[] = {1, 4, 8};
 constexpr int64_t kGridK[] = {1, 2, 4};
 constexpr int64_t kGridHI[] = {8, 16, 64, 136};
 
-class MoeGridTest : public testing::TestWithParam<std::tuple<Activation, DType>> {};
+class MoeGridTest : public testing::TestWithParam<std::tuple<cpumoe::ActivationSpec, DType>> {};
 
 TEST_P(MoeGridTest, MatchesOracle) {
   const auto [act, dtype] = GetParam();
   constexpr DType kBiasTypes[] = {DType::f32, DType::f16, DType::bf16};
-  const uint32_t param = 3 * uint32_t(act) + uint32_t(dtype);
+  const uint32_t param = 3 * uint32_t(act.kind) + uint32_t(dtype);
   uint32_t n = 0;
   for (int64_t T : kGridT) {
     for (int64_t E : kGridE) {
@@ -122,16 +122,15 @@ TEST_P(MoeGridTest, MatchesOracle) {
             << " of max|ref|" << std::endl;
 }
 
-std::string GridName(const testing::TestParamInfo<std::tuple<Activation, DType>>& info) {
+std::string GridName(const testing::TestParamInfo<std::tuple<cpumoe::ActivationSpec, DType>>& info) {
   const char* dt[] = {"f32", "f16", "bf16"};
-  return std::string(cpumoe::activation_name(std::get<0>(info.param))) + "_" +
+  return cpumoe_test::spec_id(std::get<0>(info.param)) + "_" +
          dt[int(std::get<1>(info.param))];
 }
 
 INSTANTIATE_TEST_SUITE_P(
     All, MoeGridTest,
-    testing::Combine(testing::Values(Activation::silu, Activation::gelu, Activation::gelu_tanh,
-                                     Activation::swigluoai),
+    testing::Combine(testing::ValuesIn(cpumoe_test::moe_activation_specs()),
                      testing::Values(DType::f32, DType::f16, DType::bf16)),
     GridName);
 
@@ -420,6 +419,35 @@ TEST(MoeErrors, ExpertIdOutOfRange) {
       c.topk_ids = ids32.data();
       c.topk_ids_int64 = false;
       expect_argument_error(pk, c, out, "topk_ids");
+    }
+  }
+}
+
+// An activation that cannot run (a clamp without its limit, a limit <= 0 or NaN, an alpha that is
+// not finite, a kind outside the table) is an ArgumentError before anything is written, for
+// T = 0 too.
+TEST(MoeErrors, BadActivationSpec) {
+  MoeData d = make_moe_data({3, 4, 2, 16, 16}, DType::f32, Activation::silu, false, 30);
+  const cpumoe::PackedMoe pk(d.weights());
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  const cpumoe::ActivationSpec bad[] = {
+      Activation::silu_clamp,  // the limit is required
+      Activation::silu_clamp_post,
+      cpumoe::ActivationSpec::with_limit(Activation::silu_clamp, 0.0f),
+      cpumoe::ActivationSpec::with_limit(Activation::silu_clamp_post, -1.0f),
+      cpumoe::ActivationSpec::with_limit(Activation::swigluoai, nan),
+      {Activation::swigluoai, 7.0f, inf},
+      {static_cast<Activation>(99), 1.0f, 1.0f},
+  };
+  for (const cpumoe::ActivationSpec& a : bad) {
+    for (int64_t T : {int64_t(3), int64_t(0)}) {
+      SCOPED_TRACE(testing::Message() << "kind " << int(a.kind) << " T=" << T);
+      std::vector<uint8_t> out;
+      cpumoe::MoeCall c = make_call(d, out);
+      c.activation = a;
+      c.num_tokens = T;
+      expect_argument_error(pk, c, out, "activation");
     }
   }
 }

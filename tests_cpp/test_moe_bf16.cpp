@@ -92,7 +92,7 @@ void check_all_kernels(const Bf16Data& b) {
   const MoeData& d = b.d;
   SCOPED_TRACE(testing::Message() << "T=" << d.s.T << " E=" << d.s.E << " k=" << d.s.k << " H="
                                   << d.s.H << " I=" << d.s.I << " act="
-                                  << cpumoe::activation_name(d.act) << " dtype="
+                                  << cpumoe_test::spec_name(d.act) << " dtype="
                                   << cpumoe::dtype_name(d.dtype) << " bias=" << !d.b13_raw.empty());
   const std::vector<float> want = cpumoe_ref::fused_moe_bf16(b.ref, d.ref_inputs());
   for (const cpumoe::BGemmUkernel* kern : supported_bf16_kernels()) {
@@ -137,13 +137,13 @@ TEST(MoeBf16Fusion, FusedAndPhasedGiveTheSameBits) {
   }
 }
 
-class MoeBf16GridTest : public testing::TestWithParam<std::tuple<Activation, DType>> {};
+class MoeBf16GridTest : public testing::TestWithParam<std::tuple<cpumoe::ActivationSpec, DType>> {};
 
 TEST_P(MoeBf16GridTest, MatchesOracle) {
   const auto [act, dtype] = GetParam();
   constexpr int64_t kT[] = {0, 1, 3, 9, 33};
   constexpr int64_t kHI[] = {8, 16, 64, 136};
-  const uint32_t param = 3 * uint32_t(act) + uint32_t(dtype);
+  const uint32_t param = 3 * uint32_t(act.kind) + uint32_t(dtype);
   uint32_t n = 0;
   // 30 cases per (activation, dtype): bias alternates, (H, I) walks all 16 pairs across cases.
   for (int64_t T : kT)
@@ -164,15 +164,14 @@ TEST_P(MoeBf16GridTest, MatchesOracle) {
             << std::endl;
 }
 
-std::string GridName(const testing::TestParamInfo<std::tuple<Activation, DType>>& info) {
-  return std::string(cpumoe::activation_name(std::get<0>(info.param))) + "_" +
+std::string GridName(const testing::TestParamInfo<std::tuple<cpumoe::ActivationSpec, DType>>& info) {
+  return cpumoe_test::spec_id(std::get<0>(info.param)) + "_" +
          cpumoe::dtype_name(std::get<1>(info.param));
 }
 
 INSTANTIATE_TEST_SUITE_P(
     All, MoeBf16GridTest,
-    testing::Combine(testing::Values(Activation::silu, Activation::gelu, Activation::gelu_tanh,
-                                     Activation::swigluoai),
+    testing::Combine(testing::ValuesIn(cpumoe_test::moe_activation_specs()),
                      testing::Values(DType::f32, DType::f16, DType::bf16)),
     GridName);
 

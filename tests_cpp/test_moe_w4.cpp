@@ -55,7 +55,7 @@ struct W4Data {
 
 // Group scales chosen as make_moe_data's channel scales are (GEMM1 outputs over about [-8, 8]):
 // a 4-bit value has about a tenth of an int8 weight's spread.
-W4Data make_w4(MoeShape s, W4Format f, int64_t g, DType dtype, Activation act, bool bias,
+W4Data make_w4(MoeShape s, W4Format f, int64_t g, DType dtype, const cpumoe::ActivationSpec& act, bool bias,
                uint32_t seed) {
   W4Data w;
   w.d = make_moe_data(s, dtype, act, bias, seed);
@@ -122,7 +122,7 @@ void check_all_w4_paths(const W4Data& w) {
   SCOPED_TRACE(testing::Message() << cpumoe::w4_format_name(w.ref.format) << " g=" << w.ref.group
                                   << " T=" << w.d.s.T << " E=" << w.d.s.E << " k=" << w.d.s.k
                                   << " H=" << w.d.s.H << " I=" << w.d.s.I << " act="
-                                  << cpumoe::activation_name(w.d.act) << " dtype="
+                                  << cpumoe_test::spec_name(w.d.act) << " dtype="
                                   << cpumoe::dtype_name(w.d.dtype));
   std::vector<uint8_t> first;
   for (const cpumoe::Q4GemmUkernel* kern : supported_w4_kernels()) {
@@ -150,8 +150,7 @@ constexpr Fmt kFormats[] = {{W4Format::int4, 32}, {W4Format::int4, 64}, {W4Forma
 // T in {0, 1, 3, 9, 33}, E in {1, 4, 8}, k in {1, 2, 4}, every activation and dtype in turn,
 // bias off and on; (H, I) multiples of the group.
 TEST(MoeW4, GridMatchesOracle) {
-  constexpr Activation kActs[] = {Activation::silu, Activation::gelu, Activation::gelu_tanh,
-                                  Activation::swigluoai};
+  const std::vector<cpumoe::ActivationSpec>& kActs = cpumoe_test::moe_activation_specs();
   constexpr DType kTypes[] = {DType::f32, DType::f16, DType::bf16};
   uint32_t n = 0;
   for (const Fmt& fm : kFormats) {
@@ -159,7 +158,7 @@ TEST(MoeW4, GridMatchesOracle) {
       for (int64_t E : {1, 4, 8}) {
         for (int64_t k : {1, 2, 4}) {
           const int64_t H = fm.g * (1 + n % 3), I = fm.g * (1 + (n / 3) % 2);
-          const W4Data w = make_w4({T, E, k, H, I}, fm.f, fm.g, kTypes[n % 3], kActs[n % 4],
+          const W4Data w = make_w4({T, E, k, H, I}, fm.f, fm.g, kTypes[n % 3], kActs[(n / 3) % kActs.size()],
                                    n % 2 == 1, 500 + n);
           check_all_w4_paths(w);
           if (HasFatalFailure()) return;

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "../csrc/ukernels/rowops/quantize.h"
+#include "activation_specs.h"
 #include "cpumoe/rowops.h"
 #include "reference/reference.h"
 
@@ -191,12 +192,10 @@ TEST_P(RowOpsTest, ActivateRoundMatchesTheSteps) {
   std::mt19937 rng(17);
   std::normal_distribution<float> nd(0.0f, 4.0f);
   const std::vector<float> patterns = bit_patterns(4000);
-  const cpumoe::Activation acts[] = {cpumoe::Activation::silu, cpumoe::Activation::gelu,
-                                     cpumoe::Activation::gelu_tanh, cpumoe::Activation::swigluoai};
-  for (cpumoe::Activation act : acts) {
+  for (const cpumoe::ActivationSpec& act : cpumoe_test::activation_specs()) {
     for (DType dt : kDtypes) {
       for (int64_t inter : {1, 3, 4, 7, 8, 13, 16, 24, 768}) {
-        SCOPED_TRACE(testing::Message() << cpumoe::activation_name(act) << " "
+        SCOPED_TRACE(testing::Message() << cpumoe_test::spec_name(act) << " "
                                         << cpumoe::dtype_name(dt) << " I=" << inter);
         for (int variant = 0; variant < 4; ++variant) {
           std::vector<float> row(size_t(2 * inter));
@@ -290,10 +289,9 @@ TEST_P(RowOpsTest, ActivateBf16MatchesTheSteps) {
   std::mt19937 rng(23);
   std::normal_distribution<float> nd(0.0f, 4.0f);
   const std::vector<float> patterns = bit_patterns(4000);
-  for (cpumoe::Activation act : {cpumoe::Activation::silu, cpumoe::Activation::gelu,
-                                 cpumoe::Activation::gelu_tanh, cpumoe::Activation::swigluoai}) {
+  for (const cpumoe::ActivationSpec& act : cpumoe_test::activation_specs()) {
     for (int64_t inter : {1, 5, 16, 17, 31, 768, 2880}) {
-      SCOPED_TRACE(testing::Message() << cpumoe::activation_name(act) << " I=" << inter);
+      SCOPED_TRACE(testing::Message() << cpumoe_test::spec_name(act) << " I=" << inter);
       for (int variant = 0; variant < 2; ++variant) {
         std::vector<float> row(size_t(2 * inter));
         for (size_t i = 0; i < row.size(); ++i)

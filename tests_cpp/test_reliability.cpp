@@ -484,7 +484,7 @@ TEST(Fuzz, RandomShapesMatchOracle) {
     SCOPED_TRACE(testing::Message()
                  << "fuzz case " << n << " (seed " << seed << "): T=" << d.s.T << " E=" << d.s.E
                  << " k=" << d.s.k << " H=" << d.s.H << " I=" << d.s.I << " dtype="
-                 << cpumoe::dtype_name(d.dtype) << " act=" << cpumoe::activation_name(d.act)
+                 << cpumoe::dtype_name(d.dtype) << " act=" << cpumoe_test::spec_name(d.act)
                  << " bias=" << !d.b13_raw.empty() << " skip_weighted=" << d.skip_weighted
                  << " routing=" << routing_name(fc.routing) << " ids_int64=" << fc.ids_int64);
     ++routing_count[int(fc.routing)];
@@ -593,10 +593,9 @@ void expect_same_as_oracle(const MoeData& d) {
 
 TEST(NonFinite, NanOrInfInXGivesANanTokenAndNothingElse) {
   for (DType dt : {DType::f32, DType::f16, DType::bf16}) {
-    for (Activation act : {Activation::silu, Activation::gelu, Activation::gelu_tanh,
-                           Activation::swigluoai}) {
+    for (const cpumoe::ActivationSpec& act : cpumoe_test::moe_activation_specs()) {
       SCOPED_TRACE(testing::Message() << cpumoe::dtype_name(dt) << " "
-                                      << cpumoe::activation_name(act));
+                                      << cpumoe_test::spec_name(act));
       MoeData d = make_moe_data({7, 4, 2, 16, 24}, dt, act, true, 406);
       d.set_x(0, 3, std::nanf(""));
       d.set_x(2, 0, INFINITY);

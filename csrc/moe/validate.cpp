@@ -49,6 +49,10 @@ void validate(const MoeCall& c, int64_t E, int64_t H) {
   if (c.topk < 1) fail("topk_ids: k (columns of topk_ids) must be >= 1, got " + std::to_string(c.topk));
   if (c.skip_weighted && c.topk != 1)
     fail("skip_weighted: only allowed with k == 1 (got k = " + std::to_string(c.topk) + ")");
+  if (int(c.activation.kind) < 0 || int(c.activation.kind) >= kNumActivations)
+    fail("activation: unknown activation " + std::to_string(int(c.activation.kind)));
+  const std::string act_problem = activation_spec_problem(c.activation);
+  if (!act_problem.empty()) fail("activation: " + act_problem);
   if (c.num_tokens == 0) return;
   if (c.x == nullptr) fail("x: null data pointer");
   if (c.out == nullptr) fail("out: null data pointer");

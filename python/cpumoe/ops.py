@@ -3,18 +3,56 @@
 from __future__ import annotations
 
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from . import _C
 from ._tensors import (FLOAT_DTYPES, View, as_float32, check_dtype, check_rows, check_shape,
                        contiguous, empty_like_rows, view)
 
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
+#: The op's activations by name, from the extension's table (activation.h); each runs as a spec
+#: string: the name alone, or with its parameters, e.g. "silu_clamp(limit=10)" (see
+#: :func:`activation_spec`).
+ACTIVATIONS = tuple(a["name"] for a in _C.activations())
 PackedMoe = _C.PackedMoe
 PackedMoeBf16 = _C.PackedMoeBf16
 PackedMoeW4 = _C.PackedMoeW4
 #: The packed kinds fused_moe_int8 runs (int8 activations): W8A8 and W4A8.
 _INT8_PACKED = (PackedMoe, PackedMoeW4)
+
+
+def activations() -> List[Dict[str, Any]]:
+    """The op's activations: ``name``, ``interleaved`` (gate/up at even/odd columns of w13's
+    rows, else halves), ``params`` (parameter -> default, None where it must be given) and
+    ``formula``."""
+    return [dict(a, params=dict(a["params"])) for a in _C.activations()]
+
+
+def parse_activation(spec: Any) -> Tuple[str, str, float, float]:
+    """(name, canonical spec, limit, alpha) of an activation spec: a name of :data:`ACTIVATIONS`
+    alone ("silu", "swigluoai": the defaults) or with parameters ("silu_clamp(limit=10)",
+    "swigluoai(limit=7,alpha=1.702)"); limit and alpha as the op's fp32 values (0 where the
+    activation takes none). TypeError / ValueError when it cannot run."""
+    if not isinstance(spec, str):
+        raise TypeError(f"activation: must be a str, got {type(spec).__name__}")
+    name, canon, limit, alpha = _C.parse_activation(spec)
+    return str(name), str(canon), float(limit), float(alpha)
+
+
+def activation_spec(name: str, *, limit: Optional[float] = None,
+                    alpha: Optional[float] = None) -> str:
+    """The canonical spec string of activation ``name`` with its parameters (None: the default;
+    a parameter the activation does not take is an error), e.g.
+    ``activation_spec("silu_clamp", limit=10) == "silu_clamp(limit=10)"``."""
+    if not isinstance(name, str):
+        raise TypeError(f"activation: must be a str, got {type(name).__name__}")
+    parts = []
+    for key, v in (("limit", limit), ("alpha", alpha)):
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(f"activation {name}: {key} must be a number, got {type(v).__name__}")
+        parts.append(f"{key}={float(v)!r}")
+    return parse_activation(f"{name}({','.join(parts)})" if parts else name)[1]
 
 
 def cpu_features() -> Dict[str, Any]:
@@ -276,7 +314,10 @@ def fused_moe_int8(x: Any, packed: Any, topk_weights: Any, topk_ids: Any,
         in all three.
       topk_weights: float32 [T, k]. topk_ids: int32 or int64 [T, k], each in [0, E); an id that
         repeats in a row counts twice (two slots, each with its weight), so k > E is allowed.
-      activation: "silu", "gelu", "gelu_tanh" or "swigluoai".
+      activation: a spec of :func:`parse_activation`: "silu", "gelu", "gelu_tanh", "swigluoai"
+        (gpt-oss's limit 7 and alpha 1.702, or e.g. "swigluoai(limit=10,alpha=1.5)"),
+        "silu_clamp(limit=L)" or "silu_clamp_post(limit=L)" (:func:`activations` has the
+        formulas; :func:`activation_spec` builds the string).
       skip_weighted: the router weight is already applied to x (only with k == 1).
       out: optional [T, H] of x's dtype, written in place and returned; must share no memory
         with x, topk_weights, topk_ids or expert_map.
@@ -376,10 +417,7 @@ def _run(op, x, packed, topk_weights, topk_ids, activation, skip_weighted, out, 
     wv = view("topk_weights", topk_weights)
     check_dtype(wv, "topk_weights", ("float32",))
     check_shape(wv, "topk_weights", (T, k), " (the shape of topk_ids)")
-    if not isinstance(activation, str):
-        raise TypeError(f"activation: must be a str, got {type(activation).__name__}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation: must be one of {', '.join(ACTIVATIONS)}; got {activation!r}")
+    parse_activation(activation)  # its TypeError / ValueError before anything runs
     if not isinstance(skip_weighted, bool):
         raise TypeError(f"skip_weighted: must be a bool, got {type(skip_weighted).__name__}")
     if skip_weighted and k != 1:

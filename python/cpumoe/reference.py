@@ -40,6 +40,8 @@ from typing import Optional
 
 import numpy as np
 
+from . import _C
+
 __all__ = [
     "ACTIVATIONS",
     "quantize_per_token",
@@ -56,16 +58,17 @@ __all__ = [
     "round_to_dtype",
 ]
 
-#: The activations of the op, by name.
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
+#: The activations of the op, by name (the extension's table; specs with parameters such as
+#: "silu_clamp(limit=10)" are parsed by it too, so the reference runs what the op runs).
+ACTIVATIONS = tuple(a["name"] for a in _C.activations())
+#: Those whose gate and up are interleaved (even / odd columns of a GEMM1 row).
+_INTERLEAVED = frozenset(a["name"] for a in _C.activations() if a["interleaved"])
 
 #: Floor of a token's |max| before dividing by 127 (the op's; an all-zero row gets zeros).
 TOKEN_AMAX_FLOOR = 1e-7
 #: Floor of a weight row's |max| when making int8 checkpoints.
 CHANNEL_AMAX_FLOOR = 1e-12
 
-_SWIGLU_LIMIT = 7.0
-_SWIGLU_ALPHA = 1.702
 _GELU_TANH_C = 0.7978845608
 _GELU_TANH_A = 0.044715
 
@@ -185,19 +188,32 @@ def _sigmoid64(v: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-v))
 
 
-def _activation(name: str, h: np.ndarray, inter: int) -> np.ndarray:
-    """Gated activation of GEMM1 rows h [P, 2I] (fp32) -> [P, I] fp32.
+def _parse_activation(spec) -> tuple:
+    """(name, limit, alpha) of an activation spec (the extension's parser and checks)."""
+    if not isinstance(spec, str):
+        raise TypeError(f"activation: must be a str, got {type(spec).__name__}")
+    name, _, limit, alpha = _C.parse_activation(spec)
+    return name, float(limit), float(alpha)
+
+
+def _activation(spec: str, h: np.ndarray, inter: int) -> np.ndarray:
+    """Gated activation of GEMM1 rows h [P, 2I] (fp32) -> [P, I] fp32, for an activation spec
+    ("silu", "silu_clamp(limit=10)", ...: see cpumoe.parse_activation).
 
     Evaluated in float64 from the fp32 inputs (so the reference is at least as accurate as the
-    fp32 formula it stands for), then rounded once to fp32.
+    fp32 formula it stands for), then rounded once to fp32. Clamps keep NaN (np.minimum and
+    np.clip do, as torch.clamp) and use the fp32 limit the op is given.
     """
-    if name == "swigluoai":
+    name, limit, alpha = _parse_activation(spec)
+    if name in _INTERLEAVED:
         g, u = h[:, 0::2], h[:, 1::2]
     else:
         g, u = h[:, :inter], h[:, inter:]
     g = g.astype(np.float64)
     u = u.astype(np.float64)
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        if name in ("swigluoai", "silu_clamp", "silu_clamp_post"):
+            u = np.clip(u, -limit, limit)
         if name == "silu":
             a = g * _sigmoid64(g) * u
         elif name == "gelu":
@@ -205,11 +221,15 @@ def _activation(name: str, h: np.ndarray, inter: int) -> np.ndarray:
         elif name == "gelu_tanh":
             a = 0.5 * g * (1.0 + np.tanh(_GELU_TANH_C * (g + _GELU_TANH_A * g * g * g))) * u
         elif name == "swigluoai":
-            g = np.minimum(g, _SWIGLU_LIMIT)
-            u = np.clip(u, -_SWIGLU_LIMIT, _SWIGLU_LIMIT)
-            a = (u + 1.0) * g * _sigmoid64(_SWIGLU_ALPHA * g)
-        else:
-            raise ValueError(f"activation: must be one of {', '.join(ACTIVATIONS)}; got {name!r}")
+            g = np.minimum(g, limit)
+            a = (u + 1.0) * g * _sigmoid64(float(np.float32(alpha)) * g)
+        elif name == "silu_clamp":
+            g = np.minimum(g, limit)
+            a = g * _sigmoid64(g) * u
+        elif name == "silu_clamp_post":
+            a = np.minimum(g * _sigmoid64(g), limit) * u
+        else:  # a row of the extension's table without its formula here
+            raise NotImplementedError(f"activation {name!r}: no reference formula")
         return a.astype(np.float32)
 
 
@@ -231,8 +251,7 @@ def _linear(q, s, w, ws, b):
 
 
 def _check_activation(activation):
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation: must be one of {', '.join(ACTIVATIONS)}; got {activation!r}")
+    _parse_activation(activation)
 
 
 def _run_moe(x, w13, w2, topk_weights, topk_ids, skip_weighted, expert_ffn):

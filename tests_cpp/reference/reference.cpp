@@ -46,18 +46,24 @@ float quantize_row(const float* x, int64_t n, int8_t* q) {
   return s;
 }
 
-double activation(Activation a, double g, double u) {
-  switch (a) {
+double activation(const cpumoe::ActivationSpec& a, double g, double u) {
+  // Clamps that keep NaN (as torch.clamp and np.minimum do; std::fmin would drop it), at the
+  // fp32 limit the op is given.
+  const double L = a.limit;
+  auto min_l = [L](double v) { return v > L ? L : v; };
+  auto clamp_l = [L](double v) { return v > L ? L : (v < -L ? -L : v); };
+  auto silu = [](double v) { return v / (1.0 + std::exp(-v)); };
+  switch (a.kind) {
     case Activation::silu: return g / (1.0 + std::exp(-g)) * u;
     case Activation::gelu: return 0.5 * g * (1.0 + std::erf(g / std::sqrt(2.0))) * u;
     case Activation::gelu_tanh:
       return 0.5 * g * (1.0 + std::tanh(0.7978845608 * (g + 0.044715 * g * g * g))) * u;
     case Activation::swigluoai: {
-      // Clamps that keep NaN (as torch.clamp and np.minimum do; std::fmin would drop it).
-      const double gc = g > 7.0 ? 7.0 : g;
-      const double uc = u > 7.0 ? 7.0 : (u < -7.0 ? -7.0 : u);
-      return (uc + 1.0) * gc / (1.0 + std::exp(-1.702 * gc));
+      const double gc = min_l(g);
+      return (clamp_l(u) + 1.0) * gc / (1.0 + std::exp(-double(a.alpha) * gc));
     }
+    case Activation::silu_clamp: return silu(min_l(g)) * clamp_l(u);
+    case Activation::silu_clamp_post: return min_l(silu(g)) * clamp_l(u);
   }
   std::abort();
 }
@@ -117,7 +123,7 @@ std::vector<float> int8_pipeline(int64_t E, int64_t H, int64_t I, const MoeInput
       const int64_t e = in.topk_ids[t * in.ids_stride + j];
       if (e < 0 || e >= E) std::abort();  // the tests only give the oracle valid routes
       gemv13(e, qx.data(), sx, h.data());
-      const bool interleaved = in.activation == Activation::swigluoai;
+      const bool interleaved = in.activation.kind == Activation::swigluoai;
       for (int64_t i = 0; i < I; ++i) {
         const float g = interleaved ? h[size_t(2 * i)] : h[size_t(i)];
         const float u = interleaved ? h[size_t(2 * i + 1)] : h[size_t(I + i)];
@@ -230,7 +236,7 @@ std::vector<float> fused_moe_bf16(const MoeProblemBf16& p, const MoeInputs& in) 
       if (e < 0 || e >= p.E) std::abort();
       bf16_gemv(xf.data(), p.w13.data() + e * 2 * I * H,
                 p.b13.empty() ? nullptr : p.b13.data() + e * 2 * I, 2 * I, H, h.data());
-      const bool interleaved = in.activation == Activation::swigluoai;
+      const bool interleaved = in.activation.kind == Activation::swigluoai;
       for (int64_t i = 0; i < I; ++i) {
         const float g = interleaved ? h[size_t(2 * i)] : h[size_t(i)];
         const float u = interleaved ? h[size_t(2 * i + 1)] : h[size_t(I + i)];

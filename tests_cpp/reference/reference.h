@@ -28,11 +28,11 @@ void gemm_s32(int64_t m, int64_t n, int64_t k, const int8_t* a, int64_t lda, con
 float quantize_row(const float* x, int64_t n, int8_t* q);
 
 /// The gated activation of one (gate, up) pair, straight from the formulas, in double.
-double activation(Activation a, double g, double u);
+double activation(const cpumoe::ActivationSpec& a, double g, double u);
 
 /// An activation override for the MoE oracle: nullptr means activation() above. The tests pass
 /// the library's vector forms here to check every other step of the pipeline bit for bit.
-using ActivationFn = float (*)(Activation a, float g, float u);
+using ActivationFn = float (*)(const cpumoe::ActivationSpec& a, float g, float u);
 
 /// One MoE problem in plain form, all arrays dense and row-major.
 struct MoeProblem {
@@ -55,7 +55,7 @@ struct MoeInputs {
   int64_t weights_stride = 0;
   const int64_t* topk_ids = nullptr;    // [T, k], row stride ids_stride
   int64_t ids_stride = 0;
-  Activation activation = Activation::silu;
+  cpumoe::ActivationSpec activation = Activation::silu;
   bool skip_weighted = false;
 };
 

@@ -261,7 +261,9 @@ struct MoeCall {
   /// is not here: such slots contribute nothing and cost nothing.
   const int32_t* expert_map = nullptr;
   int64_t num_global_experts = 0;
-  Activation activation = Activation::silu;
+  /// The gated activation with its parameters (activation.h); a spec that fails
+  /// activation_spec_problem() is an ArgumentError.
+  ActivationSpec activation = Activation::silu;
   bool skip_weighted = false;  ///< only with k == 1: the router weight is already in x
   void* out = nullptr;         ///< [T, H] of type dtype; must not overlap x
   int64_t out_row_stride = 0;

@@ -47,13 +47,14 @@ struct RowOps {
   /// The W8A8 op's step 5, first half, for one GEMM1 row of 2 * inter values:
   /// a[0..inter) = round_to_dtype(act(gate, up)) (gate_up_layout); returns max |a| (a NaN if any
   /// a is NaN), for quantize_with_amax.
-  float (*activate_round)(Activation act, const float* row, int64_t inter, DType dt, float* a);
+  float (*activate_round)(const ActivationSpec& act, const float* row, int64_t inter, DType dt,
+                          float* a);
 
   /// quantize(a, DType::f32, n, q) for a row whose max |a| the caller already has.
   float (*quantize_with_amax)(const float* a, int64_t n, float amax, int8_t* q);
 
   /// The bf16 op's step 5: out = f32_to_bf16(act(gate, up)), inter values.
-  void (*activate_bf16)(Activation act, const float* row, int64_t inter, uint16_t* out);
+  void (*activate_bf16)(const ActivationSpec& act, const float* row, int64_t inter, uint16_t* out);
 
   /// out[i] = f32_to_bf16(x[i]) for x of type dt (the bf16 op's input rounding).
   void (*to_bf16)(const void* x, DType dt, int64_t n, uint16_t* out);

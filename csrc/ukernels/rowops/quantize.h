@@ -83,9 +83,9 @@ inline void store_row(const float* acc, int64_t n, DType dt, void* dst) {
 /// The activation row of the op: a[0..inter) = round_to_dtype(act(gate, up)) of a GEMM1 row of
 /// 2 * inter values (vec::gated_row then round_to_dtype, in one pass); returns max |a| with a NaN
 /// sticking, for quantize_row_with_amax.
-inline float activate_round_row(Activation act, const float* row, int64_t inter, DType dt,
-                                float* a) {
-  const GateUpLayout l = gate_up_layout(act, inter);
+inline float activate_round_row(const ActivationSpec& act, const float* row, int64_t inter,
+                                DType dt, float* a) {
+  const GateUpLayout l = gate_up_layout(act.kind, inter);
   const float* gate = row + l.gate_offset;
   const float* up = row + l.up_offset;
   // One element at a time, in this shape: the compiler's operand order, and so which NaN a
@@ -103,11 +103,13 @@ inline float activate_round_row(Activation act, const float* row, int64_t inter,
 
 /// The bf16 op's activation row: out[0..inter) = f32_to_bf16(act(gate, up)) of a GEMM1 row of
 /// 2 * inter values (vec::gated_row then store_row, in one pass).
-inline void activate_bf16_row(Activation act, const float* row, int64_t inter, uint16_t* out) {
-  const GateUpLayout l = gate_up_layout(act, inter);
-  with_activation(act, [&](auto kAct) {  // one straight loop per activation
+inline void activate_bf16_row(const ActivationSpec& act, const float* row, int64_t inter,
+                              uint16_t* out) {
+  const GateUpLayout l = gate_up_layout(act.kind, inter);
+  with_activation(act.kind, [&](auto kAct) {  // one straight loop per activation
     for (int64_t i = 0; i < inter; ++i)
-      out[i] = f32_to_bf16(vec::apply<kAct()>(row[l.gate_offset + i * l.stride], row[l.up_offset + i * l.stride]));
+      out[i] = f32_to_bf16(vec::apply<kAct()>(row[l.gate_offset + i * l.stride],
+                                              row[l.up_offset + i * l.stride], act));
   });
 }
 

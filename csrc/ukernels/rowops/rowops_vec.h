@@ -66,29 +66,30 @@ struct Algo {
   // of gate_up_layout(A): halves, or (swigluoai) gate and up interleaved. Returns how many
   // columns it did: all with masked tails, else a multiple of kLanes (the caller does the rest).
   template <Activation A, class Sink>
-  static CPUMOE_ROWOPS_INLINE int64_t gated_row(const float* row, int64_t inter, const Sink& sink) {
+  static CPUMOE_ROWOPS_INLINE int64_t gated_row(const float* row, int64_t inter,
+                                                 const ActivationSpec& p, const Sink& sink) {
     int64_t i = 0;
     if constexpr (B::kMaskedTails) {
       for (; i < inter; i += kLanes) {
         const Tail t = B::tail(inter - i);
-        if constexpr (A == Activation::swigluoai) {
+        if constexpr (interleaved_gate_up(A)) {
           const int64_t r = 2 * (inter - i);  // floats left in the row
           const V lo = B::load_f32(row + 2 * i, B::tail(r));
           const V hi = r > kLanes ? B::load_f32(row + 2 * i + kLanes, B::tail(r - kLanes)) : B::splat(0.0f);
           V g, u;
           B::deinterleave(lo, hi, &g, &u);
-          sink(i, t, M::template activate<A>(g, u));
+          sink(i, t, M::template activate<A>(g, u, p));
         } else {
-          sink(i, t, M::template activate<A>(B::load_f32(row + i, t), B::load_f32(row + inter + i, t)));
+          sink(i, t, M::template activate<A>(B::load_f32(row + i, t), B::load_f32(row + inter + i, t), p));
         }
       }
     } else {
       const Tail full = B::tail(kLanes);
-      if constexpr (A == Activation::swigluoai) {
+      if constexpr (interleaved_gate_up(A)) {
         for (; i + kLanes <= inter; i += kLanes) {
           V g, u;
           B::load_deinterleaved(row + 2 * i, &g, &u);
-          sink(i, full, M::template activate<A>(g, u));
+          sink(i, full, M::template activate<A>(g, u, p));
         }
       } else {
         const float* up = row + inter;
@@ -96,11 +97,11 @@ struct Algo {
           V g0, g1, u0, u1;
           B::load_f32x2(row + i, &g0, &g1);
           B::load_f32x2(up + i, &u0, &u1);
-          sink(i, full, M::template activate<A>(g0, u0));
-          sink(i + kLanes, full, M::template activate<A>(g1, u1));
+          sink(i, full, M::template activate<A>(g0, u0, p));
+          sink(i + kLanes, full, M::template activate<A>(g1, u1, p));
         }
         for (; i + kLanes <= inter; i += kLanes)
-          sink(i, full, M::template activate<A>(B::load_f32(row + i, full), B::load_f32(up + i, full)));
+          sink(i, full, M::template activate<A>(B::load_f32(row + i, full), B::load_f32(up + i, full), p));
       }
     }
     return i;
@@ -108,9 +109,10 @@ struct Algo {
 
   // act(gate, up) of column i, scalar (the remainder of gated_row).
   template <Activation A>
-  static CPUMOE_ROWOPS_INLINE float gated_one(const float* row, int64_t inter, int64_t i) {
-    if constexpr (A == Activation::swigluoai) return vec::apply<A>(row[2 * i], row[2 * i + 1]);
-    return vec::apply<A>(row[i], row[inter + i]);
+  static CPUMOE_ROWOPS_INLINE float gated_one(const float* row, int64_t inter, int64_t i,
+                                              const ActivationSpec& p) {
+    if constexpr (interleaved_gate_up(A)) return vec::apply<A>(row[2 * i], row[2 * i + 1], p);
+    return vec::apply<A>(row[i], row[inter + i], p);
   }
 
   // --- dtype conversions --------------------------------------------------------------------
@@ -252,32 +254,37 @@ struct Algo {
   // --- the activation rows ------------------------------------------------------------------
 
   template <Activation A, DType D>
-  static float activate_round_t(const float* row, int64_t inter, float* a) {
+  static float activate_round_t(const float* row, int64_t inter, const ActivationSpec& p,
+                                float* a) {
     typename B::VA m = B::amax_zero();
-    const int64_t i0 = gated_row<A>(row, inter, [&](int64_t i, Tail t, V v) CPUMOE_ROWOPS_INLINE_LAMBDA {
+    const int64_t i0 = gated_row<A>(row, inter, p, [&](int64_t i, Tail t, V v) CPUMOE_ROWOPS_INLINE_LAMBDA {
       v = round_to<D>(v);
       B::store_f32(a + i, t, v);
       m = B::amax_acc(m, v);  // lanes past the row are +0
     });
     for (int64_t i = i0; i < inter; ++i) {
-      const float v = gated_one<A>(row, inter, i);
+      const float v = gated_one<A>(row, inter, i, p);
       a[i] = D == DType::f32 ? v : round_to_dtype(v, D);
     }
     return amax_from<DType::f32>(m, a, i0, inter);
   }
 
-  static float activate_round(Activation act, const float* row, int64_t inter, DType dt, float* a) {
-    return with_activation(act, [&](auto kAct) {
-      return with_dtype(dt, [&](auto kDt) { return activate_round_t<kAct(), kDt()>(row, inter, a); });
+  static float activate_round(const ActivationSpec& act, const float* row, int64_t inter, DType dt,
+                              float* a) {
+    return with_activation(act.kind, [&](auto kAct) {
+      return with_dtype(dt, [&](auto kDt) {
+        return activate_round_t<kAct(), kDt()>(row, inter, act, a);
+      });
     });
   }
 
-  static void activate_bf16(Activation act, const float* row, int64_t inter, uint16_t* out) {
-    with_activation(act, [&](auto kAct) {
-      const int64_t i0 = gated_row<kAct()>(row, inter, [&](int64_t i, Tail t, V v) CPUMOE_ROWOPS_INLINE_LAMBDA {
+  static void activate_bf16(const ActivationSpec& act, const float* row, int64_t inter,
+                            uint16_t* out) {
+    with_activation(act.kind, [&](auto kAct) {
+      const int64_t i0 = gated_row<kAct()>(row, inter, act, [&](int64_t i, Tail t, V v) CPUMOE_ROWOPS_INLINE_LAMBDA {
         store(v, DType::bf16, out, i, t);
       });
-      for (int64_t i = i0; i < inter; ++i) out[i] = f32_to_bf16(gated_one<kAct()>(row, inter, i));
+      for (int64_t i = i0; i < inter; ++i) out[i] = f32_to_bf16(gated_one<kAct()>(row, inter, i, act));
     });
   }
 
