@@ -30,19 +30,23 @@ inline const std::vector<cpumoe::ActivationSpec>& activation_specs() {
   return specs;
 }
 
-/// One spec per row of the table, the clamped ones at a limit inside the MoE tests' GEMM1 range
-/// (about [-8, 8]) so their clamps fire: the MoE grids' activations.
+/// One spec per row of the table, from activation_specs(): the first of each activation whose
+/// clamp (if it has one) is inside the MoE tests' GEMM1 range (about [-8, 8]), so it fires: the
+/// MoE grids' activations.
 inline const std::vector<cpumoe::ActivationSpec>& moe_activation_specs() {
-  using cpumoe::Activation;
-  using cpumoe::ActivationSpec;
-  static const std::vector<ActivationSpec> specs = {
-      Activation::silu,
-      Activation::gelu,
-      Activation::gelu_tanh,
-      Activation::swigluoai,
-      ActivationSpec::with_limit(Activation::silu_clamp, 2.5f),
-      ActivationSpec::with_limit(Activation::silu_clamp_post, 0.75f),
-  };
+  static const std::vector<cpumoe::ActivationSpec> specs = [] {
+    std::vector<cpumoe::ActivationSpec> out;
+    for (int k = 0; k < cpumoe::kNumActivations; ++k) {
+      for (const cpumoe::ActivationSpec& a : activation_specs()) {
+        const bool fires = !cpumoe::kActivationTable[k].has_limit || a.limit < 8.0f;
+        if (int(a.kind) == k && fires) {
+          out.push_back(a);
+          break;
+        }
+      }
+    }
+    return out;
+  }();
   return specs;
 }
 

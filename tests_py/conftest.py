@@ -181,6 +181,16 @@ def random_topk_weights(rng: np.random.Generator, T: int, k: int) -> np.ndarray:
     return (w / w.sum(axis=1, keepdims=True)).astype(np.float32)
 
 
+def activation_specs(limit: float = 1.0):
+    """One runnable spec per row of the op's activation table (cpumoe.activations()): the name,
+    or with ``limit`` where the activation requires one (1: inside the tests' GEMM1 values,
+    about N(0, 1), so the clamps fire), so a new activation is swept by every test using this."""
+    import cpumoe
+
+    return tuple(a["name"] if all(v is not None for v in a["params"].values())
+                 else f"{a['name']}(limit={limit:g})" for a in cpumoe.activations())
+
+
 def random_weights(E: int, H: int, I: int, seed: int = 0):
     """Int8 experts as checkpoints make them: float weights N(0, 1/sqrt(fan_in)) quantized per
     output channel; biases N(0, 0.1) in fp32. numpy arrays, cached (read-only) across tests."""

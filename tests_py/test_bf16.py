@@ -15,10 +15,10 @@ import pytest
 
 import cpumoe
 from cpumoe import reference
-from conftest import assert_moe_close, make_problem
+from conftest import activation_specs, assert_moe_close, make_problem
 
 DTYPES = ("float32", "float16", "bfloat16")
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
+ACTIVATIONS = activation_specs()
 BF16_PATHS = cpumoe.available_paths("bf16")
 INT8_PATHS = cpumoe.available_paths("int8")
 

@@ -62,7 +62,7 @@ def test_supports_current_device():
     ((2048, 768, 128, 0, "bfloat16", "silu", "w8a8"), "topk must be a positive int"),
     ((2048, 768, 128, 8, "int8", "silu", "w8a8"), "activation dtype"),
     ((2048, 768, 128, 8, "bfloat16", "relu2", "w8a8"), "activation 'relu2'"),
-    ((2048, 768, 128, 8, "bfloat16", "swigluoai_uninterleave", "w8a8"), "not supported"),
+    ((2048, 768, 128, 8, "bfloat16", "swigluoai_uninterleave", "w8a8"), "unknown activation"),
     ((2048, 768, 128, 8, "bfloat16", "silu", "w4a16"), "quant_scheme 'w4a16'"),
     ((2048, 768, 128, 8, "bfloat16", "silu",
       dict(CT_W8A8, weights=dict(CT_W8A8["weights"], strategy="tensor"))), "strategy"),

@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 
 import numpy as np
 import pytest
 
 import cpumoe
 from cpumoe import reference
-from conftest import assert_moe_close, make_problem
+from conftest import activation_specs, assert_moe_close, make_problem
 
 DTYPES = ("float32", "float16", "bfloat16")
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
+ACTIVATIONS = activation_specs()
 
 # (T, E, k, H, I) rotated through the dtype x activation x bias combinations: every T in
 # {1, 7, 64, 256}, E in {8, 16}, k in {1, 2, 4}, H and I in {128, 256} appear with every dtype.
@@ -296,3 +297,62 @@ def test_reference_torch_and_numpy_agree(backend):
         rt, rn = make_problem(tb, **kw).reference(), make_problem(nb, **kw).reference()
         assert isinstance(rt, torch.Tensor) and isinstance(rn, np.ndarray)
         assert np.array_equal(tb.bits(rt), nb.bits(rn)), dtype
+
+
+# ---------------------------------------------------------------------------- activation specs
+def test_activation_specs_parse_print_and_refuse():
+    assert cpumoe.ACTIVATIONS == tuple(a["name"] for a in cpumoe.activations())
+    assert {"silu_clamp", "silu_clamp_post"} <= set(cpumoe.ACTIVATIONS)
+    assert cpumoe.activation_spec("silu_clamp", limit=10) == "silu_clamp(limit=10)"
+    assert cpumoe.activation_spec("swigluoai", limit=7, alpha=1.702) == "swigluoai"
+    assert cpumoe.parse_activation("swigluoai(alpha=1.5, limit=2.5)")[1:] == (
+        "swigluoai(limit=2.5,alpha=1.5)", 2.5, 1.5)
+    assert cpumoe.parse_activation("silu_clamp_post(limit=inf)")[2] == float("inf")
+    for bad, msg in (("silu_clamp", "needs limit"), ("silu_clamp(limit=0)", "must be > 0"),
+                     ("relu", "unknown activation 'relu'"), ("gelu(limit=10)", "no parameters"),
+                     ("silu_clamp(alpha=1)", "takes limit, not alpha")):
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            cpumoe.parse_activation(bad)
+    with pytest.raises(ValueError, match="silu takes no parameters"):
+        cpumoe.activation_spec("silu", limit=10)
+    with pytest.raises(TypeError):
+        cpumoe.activation_spec("silu_clamp", limit="10")
+
+
+def test_reference_clamps_match_the_formulas():
+    """The reference's clamped forms, spelled out at points past and inside the limit."""
+    def silu(v):
+        return v / (1.0 + np.exp(-v))
+    g = np.array([-30.0, -1.0, 0.5, 9.0, 11.0, 300.0], np.float32)
+    u = np.array([-50.0, 3.0, -0.25, 12.0, -11.0, 2.0], np.float32)
+    h = np.concatenate([g, u])[None, :]
+    L = 10.0
+    pre = reference._activation("silu_clamp(limit=10)", h, g.size)[0]
+    post = reference._activation("silu_clamp_post(limit=10)", h, g.size)[0]
+    uc = np.clip(u.astype(np.float64), -L, L)
+    np.testing.assert_allclose(pre, silu(np.minimum(g.astype(np.float64), L)) * uc, rtol=1e-6)
+    np.testing.assert_allclose(post, np.minimum(silu(g.astype(np.float64)), L) * uc, rtol=1e-6)
+    plain = reference._activation("silu", h, g.size)[0]
+    assert np.array_equal(reference._activation("silu_clamp(limit=inf)", h, g.size)[0], plain)
+
+
+@pytest.mark.parametrize("spec", ["silu_clamp", "silu_clamp(limit=-1)", "relu"])
+def test_op_refuses_an_activation_it_cannot_run(backend, spec):
+    p = make_problem(backend, T=3, E=8, k=2, H=128, I=128, activation="silu", bias=False)
+    packed = p.prepack()
+    with pytest.raises(ValueError, match="activation"):
+        cpumoe.fused_moe_int8(p.x, packed, p.topk_weights, p.topk_ids, spec)
+
+
+def test_clamp_limits_are_the_ops_parameter(backend):
+    """Values past the limit: the op follows the limit it is given (10 and 50 differ), and each
+    matches the reference of that limit."""
+    p = make_problem(backend, T=16, E=8, k=2, H=128, I=128, dtype="float32",
+                     activation="silu", bias=False)
+    x = backend.asarray(backend.numpy(p.x) * 40.0, "float32")  # GEMM1 values to about ±100
+    outs = {}
+    for spec in ("silu_clamp(limit=10)", "silu_clamp(limit=50)", "silu_clamp_post(limit=10)"):
+        got = p.run(x=x, activation=spec)
+        assert_moe_close(backend, got, p.reference(x=x, activation=spec))
+        outs[spec] = backend.numpy(got)
+    assert not np.allclose(outs["silu_clamp(limit=10)"], outs["silu_clamp(limit=50)"], rtol=0.1)

@@ -20,10 +20,10 @@ import pytest
 
 import cpumoe
 from cpumoe import _C
-from conftest import MOE_ATOL_OF_SCALE, MOE_RTOL, assert_moe_close, make_problem
+from conftest import MOE_ATOL_OF_SCALE, MOE_RTOL, activation_specs, assert_moe_close, make_problem
 
 DTYPES = ("float32", "float16", "bfloat16")
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
+ACTIVATIONS = activation_specs()
 UNDER_QEMU = bool(os.environ.get("QEMU_CPU"))  # ci/test_all.sh's cross-python stage sets it
 
 

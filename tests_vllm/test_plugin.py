@@ -71,9 +71,16 @@ def _moe(**over):
     ({"activation": MoEActivation.SWIGLUOAI, "swiglu_limit": 7.0, "swiglu_alpha": 1.702}, None),
     ({"is_act_and_mul": False, "activation": MoEActivation.RELU2_NO_MUL}, "non-gated"),
     ({"activation": MoEActivation.RELU2}, "activation 'relu2'"),
-    ({"swiglu_limit": 10.0}, "swiglu_limit=10.0 on a silu layer"),
-    ({"activation": MoEActivation.SWIGLUOAI, "swiglu_limit": 10.0},
-     "swigluoai with swiglu_limit=10.0"),
+    # silu with a swiglu_limit: DeepSeek-V4's clamped SwiGLU, cpumoe's silu_clamp.
+    ({"swiglu_limit": 10.0}, None),
+    ({"activation": MoEActivation.SWIGLUOAI, "swiglu_limit": 10.0}, None),
+    ({"swiglu_limit": 10.0, "swiglu_alpha": 1.5}, "cpumoe's silu_clamp has alpha 1"),
+    ({"swiglu_limit": 0.0}, "limit must be > 0"),
+    ({"activation": MoEActivation.GELU, "swiglu_limit": 10.0},
+     "swiglu_limit=10.0 on a gelu layer"),
+    ({"activation": MoEActivation.SWIGLUOAI, "swiglu_beta": 0.5}, "swiglu_beta=0.5"),
+    ({"activation": MoEActivation.SWIGLUSTEP}, "activation 'swiglustep'"),
+    ({"activation": MoEActivation.SWIGLUOAI_UNINTERLEAVE}, "swigluoai_uninterleave"),
     ({"hidden_dim": 260}, "hidden dim 260 is not a multiple of 8"),
     ({"intermediate_size_per_partition": 100}, "intermediate dim 100"),
     ({"is_lora_enabled": True}, "LoRA"),
@@ -86,10 +93,30 @@ def test_layer_problem_names_the_reason(over, reason):
         assert got is not None and reason in got, got
 
 
+@pytest.mark.parametrize("over,spec", [
+    ({}, "silu"),
+    ({"swiglu_limit": 10.0}, "silu_clamp(limit=10)"),
+    ({"swiglu_limit": 10.0, "swiglu_alpha": 1.0, "swiglu_beta": 0.0}, "silu_clamp(limit=10)"),
+    ({"activation": MoEActivation.SWIGLUOAI}, "swigluoai"),
+    ({"activation": MoEActivation.SWIGLUOAI, "swiglu_limit": 7.0, "swiglu_alpha": 1.702,
+      "swiglu_beta": 1.0}, "swigluoai"),
+    ({"activation": MoEActivation.SWIGLUOAI, "swiglu_limit": 10.0, "swiglu_alpha": 1.5},
+     "swigluoai(limit=10,alpha=1.5)"),
+])
+def test_activation_spec_carries_vllms_parameters(over, spec):
+    """What vLLM hands over becomes the spec cpumoe runs, parameters included; the quantization
+    config's gemm1_* win over the layer's swiglu_* (as in vLLM's activation step)."""
+    assert kinds.activation_of(_moe(**over)) == (spec, "")
+    qc = types.SimpleNamespace(gemm1_clamp_limit=20.0, gemm1_alpha=None, gemm1_beta=None)
+    got, _ = kinds.activation_of(_moe(**over), quant_config=qc)
+    if spec.startswith("silu"):
+        assert got == "silu_clamp(limit=20)"
+
+
 def _experts(cls, E, H, I, k):
     """A cpumoe experts object as vLLM's kernel builder makes it (without a FusedMoEConfig)."""
     ex = object.__new__(cls)
-    ex.packed, ex.layer_name, ex._act, ex._stats = None, "?", "silu", {}
+    ex.packed, ex.layer_name, ex._act, ex._act_why, ex._stats = None, "?", "silu", "", {}
     ex._emap_src = ex._emap = None
     ex.moe_config = types.SimpleNamespace(experts_per_token=k)
     ex.quant_config = types.SimpleNamespace(gemm1_alpha=None, gemm1_beta=None,

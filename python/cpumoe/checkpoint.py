@@ -576,9 +576,7 @@ def load_moe_layer(path: Union[PathLike, Checkpoint], layer: int, *,
       check_config: check config.json's quantization_config, when present, for W8A8 int8.
     Raises UnsupportedCheckpoint (a ValueError) naming the tensor or setting that does not fit.
     """
-    if activation not in _ops.ACTIVATIONS:
-        raise ValueError(f"activation: must be one of {', '.join(_ops.ACTIVATIONS)}; got "
-                         f"{activation!r}")
+    interleaved = _ops.activation_interleaved(activation)  # its errors for a bad spec
     ck = _open(path)
     layout = layout or ck.detect_layout(layer)
     if layout is None:
@@ -622,8 +620,8 @@ def load_moe_layer(path: Union[PathLike, Checkpoint], layer: int, *,
     s2 = np.empty((E, H), np.float32)
     b13 = np.empty((E, 2 * I), np.float32) if has_bias else None
     b2 = np.empty((E, H), np.float32) if has_bias else None
-    # Rows of gate and up in w13: halves, or interleaved for swigluoai.
-    rg, ru = (slice(0, None, 2), slice(1, None, 2)) if activation == "swigluoai" else (
+    # Rows of gate and up in w13: halves, or interleaved (swigluoai).
+    rg, ru = (slice(0, None, 2), slice(1, None, 2)) if interleaved else (
         slice(0, I), slice(I, 2 * I))
     for j, e in enumerate(ids):
         for proj in (gate, up, down):

@@ -189,9 +189,7 @@ def load_int4_moe_layer(path: Union[PathLike, Checkpoint], layer: int, *,
       group_size: the group size; default from config.json (required without a config).
       check_config: check config.json's quantization_config for the int4 scheme.
     """
-    if activation not in _ops.ACTIVATIONS:
-        raise ValueError(f"activation: must be one of {', '.join(_ops.ACTIVATIONS)}; got "
-                         f"{activation!r}")
+    interleaved = _ops.activation_interleaved(activation)  # its errors for a bad spec
     ck = _open(path)
     if layout is None:
         layout = next((n for n, (t, p) in LAYOUTS.items()
@@ -250,7 +248,7 @@ def load_int4_moe_layer(path: Union[PathLike, Checkpoint], layer: int, *,
     s2 = np.empty((E, H, I // g), np.float32)
     b13 = np.empty((E, 2 * I), np.float32) if has_bias else None
     b2 = np.empty((E, H), np.float32) if has_bias else None
-    rg, ru = (slice(0, None, 2), slice(1, None, 2)) if activation == "swigluoai" else (
+    rg, ru = (slice(0, None, 2), slice(1, None, 2)) if interleaved else (
         slice(0, I), slice(I, 2 * I))
     for j, e in enumerate(ids):
         for proj, rows, wdst, sdst, bdst, k in ((gate, rg, w13, s13, b13, H),

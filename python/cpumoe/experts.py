@@ -111,7 +111,8 @@ class Int8Experts:
     Args:
       hidden: H. intermediate: I (per expert, per tensor-parallel rank). num_experts: E, the
         experts held here (local). topk: k, experts per token.
-      activation: "silu", "gelu", "gelu_tanh", "swigluoai" (or an enum with that value).
+      activation: an activation spec of :func:`cpumoe.ops.parse_activation` ("silu", "gelu",
+        "gelu_tanh", "swigluoai", "silu_clamp(limit=10)", ...; or an enum with that value).
       expert_map: optional int [E_global] (global id -> local id, or -1 for an expert held
         elsewhere), for expert parallelism; ``apply`` then takes global topk ids.
       isa: cap the kernel path (e.g. "portable"); default: the best this CPU runs.
@@ -199,9 +200,10 @@ class Int8Experts:
         if dt not in _DTYPES:
             return False, f"activation dtype must be float32, float16 or bfloat16, got {dt}"
         act = _activation_name(activation)
-        if act not in _ops.ACTIVATIONS:
-            return False, (f"activation {act!r} is not supported (one of "
-                           f"{', '.join(_ops.ACTIVATIONS)})")
+        try:
+            _ops.parse_activation(act)
+        except ValueError as e:
+            return False, str(e)
         reason = cls._scheme_reason(quant_scheme)
         if reason is not None:
             return False, reason

@@ -38,6 +38,13 @@ def parse_activation(spec: Any) -> Tuple[str, str, float, float]:
     return str(name), str(canon), float(limit), float(alpha)
 
 
+def activation_interleaved(spec: Any) -> bool:
+    """Whether the activation of ``spec`` reads gate and up interleaved (even / odd rows of w13,
+    swigluoai) rather than as halves; errors as :func:`parse_activation`."""
+    name = parse_activation(spec)[0]
+    return next(a["interleaved"] for a in _C.activations() if a["name"] == name)
+
+
 def activation_spec(name: str, *, limit: Optional[float] = None,
                     alpha: Optional[float] = None) -> str:
     """The canonical spec string of activation ``name`` with its parameters (None: the default;

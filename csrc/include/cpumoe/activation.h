@@ -125,11 +125,11 @@ struct ActivationSpec {
 inline std::string activation_spec_problem(const ActivationSpec& s) {
   const ActivationInfo& info = activation_info(s.kind);
   if (info.has_limit && !(s.limit > 0.0f))
-    return std::string("activation ") + info.name +
+    return std::string(info.name) +
            (std::isnan(s.limit) ? " needs limit=L (the clamp, > 0)"
                                 : ": limit must be > 0, got " + std::to_string(s.limit));
   if (info.has_alpha && !std::isfinite(s.alpha))
-    return std::string("activation ") + info.name + ": alpha must be finite";
+    return std::string(info.name) + ": alpha must be finite";
   return {};
 }
 

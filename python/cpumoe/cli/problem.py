@@ -12,6 +12,8 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
+from .. import ops as _ops
+
 
 # Same tolerance as the tests (tests_py/conftest.py): |err| <= TOL * max|ref| + TOL * |ref|.
 # The int8 requantization between the GEMMs makes last-bit differences jump by up to ~1% of
@@ -27,9 +29,20 @@ PRESETS = {
 DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",
                  "float16": "float16", "half": "float16", "fp32": "float32",
                  "float32": "float32", "float": "float32"}
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
+#: One runnable spec per activation of the op's table: the name, or with a limit of 1 where the
+#: activation needs one (inside the random problems' GEMM1 values, so the clamp fires).
+ACTIVATIONS = tuple(a["name"] if all(v is not None for v in a["params"].values())
+                    else f"{a['name']}(limit=1)" for a in _ops.activations())
 DEFAULT_PRESET = "qwen3-30b-a3b"
 BENCH_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128]
+
+
+def activation_arg(s: str) -> str:
+    """An activation spec (cpumoe.ops.parse_activation), canonical; argparse's error otherwise."""
+    try:
+        return _ops.parse_activation(s)[1]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def positive_int(s: str) -> int:
@@ -96,7 +109,9 @@ def problem_args(p: argparse.ArgumentParser, tokens_default: List[int],
     p.add_argument("--inter", type=positive_int, help="I, intermediate size per expert")
     p.add_argument("--experts", type=positive_int, help="E, number of experts")
     p.add_argument("--topk", type=positive_int, help="k, experts per token")
-    p.add_argument("--activation", choices=ACTIVATIONS)
+    p.add_argument("--activation", type=activation_arg,
+                   help=f"the op's activation spec, one of {', '.join(ACTIVATIONS)} "
+                        f"(other limits as e.g. silu_clamp(limit=10); default: per preset)")
     p.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None,
                    help="random biases b13/b2 (default: per preset)")
     p.add_argument("--dtype", choices=sorted(DTYPE_ALIASES), default=None,

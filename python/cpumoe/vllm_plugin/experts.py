@@ -30,7 +30,7 @@ from vllm.platforms import current_platform
 import cpumoe
 from cpumoe import ops as _ops
 
-from .kinds import _ACTIVATIONS, _SWIGLU
+from .kinds import _ACTIVATIONS, activation_of
 
 # A child of vLLM's logger: vLLM's handler and format, and VLLM_LOGGING_LEVEL, apply.
 logger = init_logger("vllm.plugins.cpumoe")
@@ -71,7 +71,10 @@ class _CpumoeExperts(mk.FusedMoEExpertsModular):
         super().__init__(moe_config, quant_config, max_num_tokens, num_dispatchers)
         self.packed: Any = None
         self.layer_name = "?"
-        self._act = _ACTIVATIONS.get(moe_config.activation, "")
+        # The spec with the layer's parameters (the quantization config's gemm1_* first), or
+        # None and why: apply() then refuses (layer_problem already kept such layers on vLLM's
+        # kernel unless the quantization config changed them).
+        self._act, self._act_why = activation_of(moe_config, quant_config=quant_config)
         self._stats: Dict[str, Any] = {}
         self._emap_src: Optional[torch.Tensor] = None
         self._emap: Optional[torch.Tensor] = None
@@ -167,9 +170,10 @@ class _CpumoeExperts(mk.FusedMoEExpertsModular):
               a2_scale: Optional[torch.Tensor], workspace13: torch.Tensor,
               workspace2: torch.Tensor, expert_tokens_meta: Optional[mk.ExpertTokensMetadata],
               apply_router_weight_on_input: bool) -> None:
-        act = _ACTIVATIONS.get(activation)
-        if act is None:
-            raise ValueError(f"cpumoe ({self.layer_name}): activation {activation.value!r}")
+        act = self._act
+        if act is None or _ACTIVATIONS.get(activation) != _ops.parse_activation(act)[0]:
+            raise ValueError(f"cpumoe ({self.layer_name}): activation {activation.value!r}: "
+                             f"{self._act_why or f'the layer was packed for {act}'}")
         if topk_weights.dtype != torch.float32:
             topk_weights = topk_weights.float()
         # apply_router_weight_on_input (top-1): vLLM's prepare step already scaled x by the
@@ -263,13 +267,8 @@ class CpumoeMxfp4Experts(_CpumoeExperts):
     def _prepack(self, layer: torch.nn.Module) -> Any:
         # vLLM's parameters: uint8 [E, N, K / 2] (two codes a byte, low nibble first) and
         # [E, N, K / 32]: gpt-oss's blocks [E, N, K / 32, 16] with the last two dims merged.
-        qc = self.quant_config
-        consts = (qc.gemm1_alpha, qc.gemm1_beta, qc.gemm1_clamp_limit)
-        want = (_SWIGLU["swiglu_alpha"], _SWIGLU["swiglu_beta"], _SWIGLU["swiglu_limit"])
-        if self._act == "swigluoai" and any(c is not None and abs(c - w) > 1e-6
-                                            for c, w in zip(consts, want)):
-            raise ValueError(f"cpumoe ({self.layer_name}): swigluoai alpha/beta/limit "
-                             f"{consts}, cpumoe's are fixed at {want}")
+        if self._act is None:  # the quantization config's alpha / beta / limit
+            raise ValueError(f"cpumoe ({self.layer_name}): {self._act_why}")
         w13, w2 = layer.w13_weight.data, layer.w2_weight.data
         E, N13, H = w13.size(0), w13.size(1), w13.size(2) * 2
         I = w2.size(2) * 2

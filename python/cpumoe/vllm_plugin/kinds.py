@@ -13,6 +13,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from cpumoe import ops as _ops
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
 from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
@@ -21,35 +22,67 @@ from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
     UnquantizedFusedMoEMethod)
 from vllm.platforms import current_platform
 
-#: vLLM activation value -> cpumoe activation name.
+#: vLLM activation -> cpumoe activation name (its parameters: activation_of).
 _ACTIVATIONS = {
-    MoEActivation.SILU: "silu",
+    MoEActivation.SILU: "silu",  # with a swiglu_limit: silu_clamp (DeepSeek-V4's clamped SwiGLU)
     MoEActivation.GELU: "gelu",
     MoEActivation.GELU_TANH: "gelu_tanh",
     MoEActivation.SWIGLUOAI: "swigluoai",  # gate/up interleaved in w13, as cpumoe expects
 }
-#: cpumoe's swigluoai constants (cpumoe.reference): clamp limit, alpha, and the 1 added to up.
-_SWIGLU = {"swiglu_limit": 7.0, "swiglu_alpha": 1.702, "swiglu_beta": 1.0}
 _ALIGN = 8  # cpumoe needs H and I to be multiples of 8
+
+
+def _param(name: str, moe: Any, layer: Any = None, quant_config: Any = None,
+           qc_name: str = "") -> Optional[float]:
+    """A gated activation's parameter as vLLM's activation step reads it: the quantization
+    config's gemm1_* first, then the layer's (or the MoE config's) swiglu_*."""
+    for obj, attr in ((quant_config, qc_name), (layer, name), (moe, name)):
+        got = getattr(obj, attr, None) if obj is not None and attr else None
+        if got is not None:
+            return float(got)
+    return None
+
+
+def activation_of(moe: Any, layer: Any = None,
+                  quant_config: Any = None) -> Tuple[Optional[str], str]:
+    """(the cpumoe activation spec that computes the layer's activation exactly as vLLM would,
+    "") or (None, why not). vLLM's SILU with a swiglu_limit is silu(min(g, L)) * clamp(u, -L, L)
+    (cpumoe's silu_clamp); SWIGLUOAI takes limit (default 7) and alpha (default 1.702) with
+    beta 1; a parameter cpumoe would not apply is a reason, never dropped."""
+    act = moe.activation
+    base = _ACTIVATIONS.get(act)
+    if base is None:
+        return None, (f"activation {act.value!r} (cpumoe has "
+                      f"{', '.join(sorted(set(_ACTIVATIONS.values())))}, silu with a "
+                      f"swiglu_limit)")
+    limit = _param("swiglu_limit", moe, layer, quant_config, "gemm1_clamp_limit")
+    alpha = _param("swiglu_alpha", moe, layer, quant_config, "gemm1_alpha")
+    beta = _param("swiglu_beta", moe, layer, quant_config, "gemm1_beta")
+    try:
+        if base == "swigluoai":
+            if beta is not None and beta != 1.0:
+                return None, f"swigluoai with swiglu_beta={beta} (cpumoe's adds 1 to up)"
+            return _ops.activation_spec("swigluoai", limit=limit, alpha=alpha), ""
+        if base == "silu" and limit is not None:
+            if (alpha is not None and alpha != 1.0) or (beta is not None and beta != 0.0):
+                return None, (f"silu with swiglu_limit={limit}, swiglu_alpha={alpha}, "
+                              f"swiglu_beta={beta} (cpumoe's silu_clamp has alpha 1, beta 0)")
+            return _ops.activation_spec("silu_clamp", limit=limit), ""
+    except ValueError as e:  # a limit cpumoe cannot run (<= 0, NaN)
+        return None, f"{act.value} with swiglu_limit={limit}, swiglu_alpha={alpha}: {e}"
+    for name, got in (("swiglu_limit", limit), ("swiglu_alpha", alpha), ("swiglu_beta", beta)):
+        if got is not None:
+            return None, f"{name}={got} on a {act.value} layer (cpumoe's {base} has no clamp)"
+    return base, ""
 
 
 def layer_problem(moe: FusedMoEConfig, layer: Any = None) -> Optional[str]:
     """None if cpumoe's op computes this layer's experts, else the reason it does not."""
     if not moe.is_act_and_mul:
         return "non-gated experts (no act_and_mul): cpumoe's op is gated"
-    if moe.activation not in _ACTIVATIONS:
-        return (f"activation {moe.activation.value!r} (cpumoe has "
-                f"{', '.join(sorted(set(_ACTIVATIONS.values())))})")
-    for name, want in _SWIGLU.items():
-        got = getattr(layer, name, None) if layer is not None else getattr(moe, name, None)
-        if got is None:
-            got = getattr(moe, name, None)
-        if got is None:
-            continue
-        if moe.activation != MoEActivation.SWIGLUOAI:
-            return f"{name}={got} on a {moe.activation.value} layer (cpumoe's has no clamp)"
-        if abs(float(got) - want) > 1e-6:
-            return f"swigluoai with {name}={got} (cpumoe's is fixed at {want})"
+    spec, why = activation_of(moe, layer)
+    if spec is None:
+        return why
     if moe.hidden_dim % _ALIGN:
         return f"hidden dim {moe.hidden_dim} is not a multiple of {_ALIGN}"
     if moe.intermediate_size_per_partition % _ALIGN:
