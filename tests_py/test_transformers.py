@@ -1,7 +1,10 @@
 """cpumoe.transformers: the "cpumoe" / "cpumoe_bf16" experts backends of Hugging Face transformers,
 on tiny random models built from configs (no downloads) of four families: Qwen3-MoE, Mixtral,
 gpt-oss (clamped swiglu, interleaved gate/up, biases, transposed weights) and DeepSeek-V3
-(shared experts, grouped sigmoid routing, a dense first layer).
+(shared experts, grouped sigmoid routing, a dense first layer); and the gating of the experts
+modules of every family with its own ``_apply_gate`` that builds tiny here (the clamped SwiGLU
+of DeepSeek-V4, GLM5-Next, HY-V4 and Step3p7, MiniMax-M3's swigluoai on gate/up halves) and of
+every ``hidden_act``, with gate/up values past their clamps: run as eager runs them or refused.
 
 The models have one MoE layer, so the router sees the same input under every backend (with two,
 a rounding difference in the first layer can flip a near-tie of the second one's top-k, which
@@ -11,6 +14,8 @@ says nothing about the backend). Needs the torch backend and transformers (skipp
 from __future__ import annotations
 
 import copy
+import importlib
+from typing import Optional
 
 import pytest
 
@@ -366,6 +371,254 @@ def test_bf16_model_and_routing_dtypes(models):
         model.set_experts_implementation("cpumoe")
         got = model(ids).logits.float()
     assert got.dtype == torch.float32 and _rel(got, want) <= TOL["cpumoe"]
+
+
+# ---------------------------------------------------------------------------- gating and clamps
+# Experts modules with their own _apply_gate, built bare from a tiny config (no model around
+# them: fast): family -> (config class, experts class, config kwargs, the activation cpumoe must
+# run, None where it must refuse).
+GATED = {
+    "deepseek_v4": ("DeepseekV4Config", "DeepseekV4Experts",
+                    dict(moe_intermediate_size=32, n_routed_experts=8), "silu_clamp(limit=10)"),
+    "glm5_next": ("Glm5NextTextConfig", "Glm5NextTextExperts",
+                  dict(moe_intermediate_size=32, n_routed_experts=8), "silu_clamp(limit=10)"),
+    "hy_v4": ("HYV4Config", "HYV4Experts", dict(moe_intermediate_size=32, n_routed_experts=8),
+              "silu_clamp(limit=10)"),
+    # without a per-layer limit its limit is inf: plain silu (a limit: test_step3p7_...)
+    "step3p7": ("Step3p7TextConfig", "Step3p7Experts",
+                dict(moe_intermediate_size=32, moe_num_experts=8), "silu"),
+    # gpt-oss's clamped swiglu on gate/up halves
+    "minimax_m3_vl": ("MiniMaxM3VLTextConfig", "MiniMaxM3VLExperts",
+                      dict(intermediate_size=32, num_local_experts=8), "swigluoai"),
+    "openai_privacy_filter": ("OpenAIPrivacyFilterConfig", "OpenAIPrivacyFilterExperts",
+                              dict(intermediate_size=32, num_local_experts=8), "swigluoai"),
+    "beam": ("BeamConfig", "BeamExperts", dict(moe_intermediate_size=32, num_experts=8), "silu"),
+    # a softcapped swiglu: cpumoe has none
+    "inkling2": ("Inkling2TextConfig", "Inkling2Experts",
+                 dict(moe_intermediate_size=32, n_routed_experts=8), None),
+}
+# max|experts output - eager's| / max|eager's| at module level, gate/up values past every clamp:
+# the error of bf16 (or int8) x and weights is no longer averaged away by the rest of a model.
+OP_TOL = {"cpumoe": 8e-2, "cpumoe_bf16": 2e-2}
+SCALE = 300  # gate_up_proj ~ N(0, 0.02) times this: gate/up values of about +-50, up to 200
+
+
+def _init_experts(m: torch.nn.Module, dtype=torch.float32, scale: float = SCALE):
+    """``m`` with its own parameters (expert weights and biases; not an act_fn's) drawn
+    N(0, 0.02), those of GEMM1 times ``scale``, in ``dtype``, for eager dispatch."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in m._parameters.items():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.02
+                    * (scale if name.startswith("gate_up") else 1))
+    if hasattr(m, "config"):  # a module of @use_experts_implementation: eager by default
+        m.config._experts_implementation = "eager"
+    return m.to(dtype).eval()
+
+
+def _experts(family: str, dtype=torch.float32, limit=None, **over):
+    """A bare experts module of a GATED family (limit: its swiglu_limit; Step3p7 takes it per
+    layer, as an argument), or that of a FAMILIES' tiny model, via _init_experts. Skips a
+    family this transformers cannot build."""
+    if family in FAMILIES:
+        return _init_experts(cmt.experts_modules(_model(family, **over))[0][1], dtype)
+    cfg_name, cls_name, kw, _ = GATED[family]
+    args = {} if limit is None or family != "step3p7" else {"swiglu_limit": limit}
+    if limit is not None and family != "step3p7":
+        over["swiglu_limit"] = limit
+    try:
+        modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        config = getattr(transformers, cfg_name)(hidden_size=64, **{**kw, **over})
+        m = getattr(modeling, cls_name)(config, **args)
+    except (ImportError, AttributeError, TypeError, ValueError) as e:
+        pytest.skip(f"{family}: no tiny experts module with transformers "
+                    f"{transformers.__version__} ({e})")
+    return _init_experts(m, dtype)
+
+
+def _run_experts(m: torch.nn.Module, backend: str, wrong: Optional[str] = None):
+    """(activation cpumoe runs, max|backend - eager| / max|eager|) of experts module ``m`` on
+    32 random tokens routed to two experts each (a copy of m packed; the op called as
+    transformers calls it); with ``wrong``, the error of running that activation instead."""
+    E = m.gate_up_proj.shape[0]
+    H = m.down_proj.shape[2 if getattr(m, "is_transposed", False) else 1]
+    gen = torch.Generator().manual_seed(1)
+    dtype = m.gate_up_proj.dtype
+    x = torch.randn(32, H, generator=gen).to(dtype)
+    ids = torch.rand(32, E, generator=gen).topk(2, dim=1).indices
+    tw = torch.softmax(torch.randn(32, 2, generator=gen), dim=1).to(dtype)
+    packed = copy.deepcopy(m)
+    forward = ALL_EXPERTS_FUNCTIONS[backend]
+    with torch.no_grad():
+        want = m(x, ids, tw).float()
+        got = forward(packed, x, ids, tw).float()
+        st = packed._cpumoe_state[cmt.BACKENDS[backend]]
+        if wrong is None:
+            return st.activation, _rel(got, want)
+        st.activation = wrong
+        return st.activation, _rel(forward(packed, x, ids, tw).float(), want)
+
+
+# hidden_act -> what cpumoe runs it as; every other one of ACT2FN must be refused or match
+ACCEPTED_ACTS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_python": "gelu",
+                 "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu_accurate": "gelu_tanh",
+                 "gelu_pytorch_tanh": "gelu_tanh", "gelu_python_tanh": "gelu_tanh"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_hidden_act_matches_eager_or_is_refused(dtype):
+    """Qwen3-MoE's experts with every activation transformers has, gate values past any clip
+    (gelu_10 clips gelu at 10): each runs as eager does or is refused, never silently as
+    another activation; the probe tells gelu from gelu_tanh and quick_gelu in bf16 too."""
+    from transformers.activations import ACT2FN
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+    accepted, refused = {}, set()
+    for act in ACT2FN:
+        m = _init_experts(Qwen3MoeExperts(_config("qwen3_moe", hidden_act=act)), dtype)
+        for backend, tol in OP_TOL.items():
+            try:
+                spec, err = _run_experts(m, backend)
+            except cmt.UnsupportedExperts as e:
+                assert "matches none of cpumoe's activations" in str(e)
+                refused.add(act)
+                continue
+            assert err <= tol, f"{act} run as {spec} by {backend}: relative error {err:.3g}"
+            accepted[act] = spec
+    assert {a: accepted.get(a) for a in ACCEPTED_ACTS} == ACCEPTED_ACTS
+    assert {"relu", "quick_gelu", "gelu_10"} <= refused
+    assert not set(accepted) & refused
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", [*FAMILIES, *GATED])
+def test_family_gating_matches_eager_past_its_clamps(family, dtype):
+    """Each family's experts, gate/up values well past their clamps: cpumoe runs what the
+    module computes (with its limit) or refuses it."""
+    m = _experts(family, dtype)
+    want = FAMILIES[family][2] if family in FAMILIES else GATED[family][3]
+    for backend, tol in OP_TOL.items():
+        if want is None:
+            with pytest.raises(cmt.UnsupportedExperts, match="matches none.*closest"):
+                _run_experts(m, backend)
+            continue
+        spec, err = _run_experts(m, backend)
+        assert spec == want, family
+        assert err <= tol, f"{family} {backend} {dtype}: relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("limit", [10.0, 50.0])
+@pytest.mark.parametrize("family", ["deepseek_v4", "glm5_next", "hy_v4", "step3p7",
+                                    "minimax_m3_vl"])
+def test_clamped_swiglu_limits(family, limit):
+    """The clamp at the module's own limit (at 50 only some gate/up values pass it; MiniMax's
+    swigluoai with another alpha too), and the clamp matters: plain silu (what the old probe
+    over [-9, 9) took these for) is far off."""
+    over = dict(swiglu_alpha=1.5) if family == "minimax_m3_vl" else {}
+    m = _experts(family, limit=limit, **over)
+    lim = f"limit={limit:g}"
+    want = {"minimax_m3_vl": {f"swigluoai({lim},alpha=1.5)"},
+            # Step3p7 clamps silu(g): for L >= 17 silu(L) == L in fp32, and both forms agree
+            "step3p7": {f"silu_clamp_post({lim})"} | ({f"silu_clamp({lim})"} if limit > 17
+                                                       else set())}
+    for backend, tol in OP_TOL.items():
+        spec, err = _run_experts(m, backend)
+        assert spec in want.get(family, {f"silu_clamp({lim})"})
+        assert err <= tol, f"{family} {backend}: relative error {err:.3g}"
+        _, err = _run_experts(m, backend, wrong="silu")
+        assert err > 10 * tol, f"{family}: the clamp at {limit:g} changes little ({err:.3g})"
+
+
+def test_step3p7_per_layer_limits():
+    """Step3p7's limit per layer (0: none, inf in the module): the unclamped layer is plain
+    silu, the others clamp silu(g) at their limit; each matches eager. (transformers does not
+    dispatch Step3p7's experts through the ExpertsInterface: the backend is called directly.)"""
+    try:
+        from transformers.models.step3p7.modeling_step3p7 import Step3p7SparseMoeBlock
+        config = transformers.Step3p7TextConfig(
+            hidden_size=64, intermediate_size=64, moe_intermediate_size=32, moe_num_experts=8,
+            share_expert_dim=64, num_hidden_layers=3, swiglu_limits=[0.0, 7.0, 3.0])
+    except (ImportError, AttributeError, TypeError, ValueError) as e:
+        pytest.skip(f"no tiny Step3p7 here ({e})")
+    want = ["silu", "silu_clamp_post(limit=7)", "silu_clamp_post(limit=3)"]
+    for layer, spec in enumerate(want):
+        # gate/up values of about +-10: at SCALE's +-50 the bf16 rounding of x moves a gate by
+        # ~0.2, much of a limit of 3 (the outputs' scale)
+        m = _init_experts(Step3p7SparseMoeBlock(config, layer).experts, scale=SCALE / 5)
+        for backend, tol in OP_TOL.items():
+            got, err = _run_experts(m, backend)
+            assert got == spec and err <= tol, (layer, backend, got, err)
+
+
+def _tiny_clamped_model(family: str, seed: int):
+    """A one-layer DeepSeek-V4 / GLM5-Next model whose gate/up values pass the clamp (its
+    experts' GEMM1 weights x20), the expert weights on the bf16 grid (the bf16 backend then
+    differs from eager only by rounding x and the activation)."""
+    torch.manual_seed(seed)
+    try:
+        if family == "deepseek_v4":
+            model = AutoModelForCausalLM.from_config(transformers.DeepseekV4Config(
+                vocab_size=VOCAB, hidden_size=64, moe_intermediate_size=32,
+                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+                q_lora_rank=32, num_experts_per_tok=2, n_routed_experts=8, n_shared_experts=1,
+                max_position_embeddings=64, hc_mult=2, o_groups=2, o_lora_rank=32,
+                index_n_heads=2, index_head_dim=16, index_topk=8, sliding_window=16,
+                initializer_range=0.1, layer_types=["sliding_attention"],
+                mlp_layer_types=["moe"]))
+        else:
+            text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64,
+                        moe_intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+                        num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+                        kv_lora_rank=16, q_lora_rank=32, qk_nope_head_dim=16, v_head_dim=16,
+                        mlp_layer_types=["sparse"], layer_types=["indexed_attention"],
+                        index_topk=16, index_head_dim=16, index_n_heads=2, linear_head_dim=16,
+                        linear_num_heads=4, hc_mult=2, max_position_embeddings=64,
+                        initializer_range=0.1, pad_token_id=0)
+            vision = dict(depth=1, hidden_size=32, num_heads=2, out_hidden_size=64,
+                          intermediate_size=32, projection_intermediate_size=32)
+            model = transformers.Glm5NextForConditionalGeneration(
+                transformers.Glm5NextConfig(text_config=text, vision_config=vision))
+    except (ImportError, AttributeError, TypeError, ValueError) as e:
+        pytest.skip(f"no tiny {family} model here ({e})")
+    (_, m), = cmt.experts_modules(model)
+    with torch.no_grad():
+        m.gate_up_proj.mul_(20)
+        for p in (m.gate_up_proj, m.down_proj):
+            p.copy_(p.bfloat16().float())
+    return model.eval()
+
+
+# family -> the seed of its model and prompt: top-1 logits ahead of the second by > 4% of the
+# largest logit at every generated position, 10x the bf16 backend's error
+GREEDY_SEEDS = {"deepseek_v4": 0, "glm5_next": 1}
+
+
+@pytest.mark.parametrize("family", GREEDY_SEEDS)
+def test_clamped_models_greedy_tokens_are_eager_s(family):
+    """DeepSeek-V4 / GLM5-Next generate eager's tokens with "cpumoe_bf16" while their clamps
+    fire (gate/up values reach 5x the limit); with plain silu the logits are far off."""
+    seed = GREEDY_SEEDS[family]
+    eager = _tiny_clamped_model(family, seed)
+    (_, m), = cmt.experts_modules(eager)
+    limit = getattr(m, "limit", getattr(m, "swiglu_limit", None))
+    seen = []
+    apply_gate = m._apply_gate
+    m._apply_gate = lambda h: (seen.append(float(h.abs().max())), apply_gate(h))[1]
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(seed))
+    kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = eager.generate(prompt, **kw)
+        ref = eager(want).logits
+    del m._apply_gate
+    assert max(seen) > 3 * limit
+    model = copy.deepcopy(eager)
+    cmt.pack_bf16(model)
+    with torch.no_grad():
+        assert torch.equal(model.generate(prompt, **kw), want)
+        assert _rel(model(want).logits, ref) <= TOL["cpumoe_bf16"]
+        st = cmt.experts_modules(model)[0][1]._cpumoe_state["bf16"]
+        assert st.activation == f"silu_clamp(limit={limit:g})"
+        st.activation = "silu"
+        assert _rel(model(want).logits, ref) > 10 * TOL["cpumoe_bf16"]
 
 
 # ---------------------------------------------------------------------------- W8A8 checkpoints

@@ -25,15 +25,24 @@
 
 Any model whose experts class uses transformers' ``@use_experts_implementation`` works if its
 experts are gated (a fused ``gate_up_proj``) and their gating is one of cpumoe's activations:
-the gating is recognised by running the module's own ``_apply_gate`` on probe values, which
-also tells whether gate and up are concatenated halves or interleaved, so Qwen2/3-MoE,
-Mixtral, OLMoE, DeepSeek-V2/V3 (``act_fn`` silu) and gpt-oss (clamped swiglu with
-alpha 1.702 and limit 7.0: cpumoe's ``swigluoai``) are taken as they are, biases included.
+the candidates come from what the module declares (``act_fn``, a ``limit`` / ``swiglu_limit``,
+an ``alpha`` / ``swiglu_alpha``), and the module's own ``_apply_gate`` is probed over values of
+both signs from 1e-3 to 1e4 and around each declared limit, in its dtype and in float32, so a
+clamp cannot go unnoticed; the probe also tells whether gate and up are concatenated halves or
+interleaved. Qwen2/3-MoE, Mixtral, OLMoE, DeepSeek-V2/V3 (``act_fn`` silu, or gelu / gelu_tanh
+by ``hidden_act``), gpt-oss and MiniMax-M3 (clamped swiglu with alpha 1.702 and limit 7.0:
+cpumoe's ``swigluoai``), DeepSeek-V4, GLM5-Next and HY-V4 (``silu(min(g, L)) * clamp(u, -L,
+L)``: ``silu_clamp(limit=L)``) are taken as they are, biases included; the backends then run
+the activation with the module's own parameters (:func:`cpumoe.activation_spec`). Step3p7's
+experts (``min(silu(g), L) * clamp(u, -L, L)``: ``silu_clamp_post``, plain silu where a layer
+has no limit) are recognised too, though transformers does not dispatch them through the
+ExpertsInterface.
 The router stays the model's (cpumoe gets its ``top_k_index`` / ``top_k_weights``), and so do
 shared experts (DeepSeek's ``shared_experts`` are a separate MLP of the MoE block).
 
 Experts cpumoe cannot take raise :class:`UnsupportedExperts` (a ValueError) naming the module
-and the reason (an activation it lacks, H or I not a multiple of 8, no gate, expert
+and the reason (an activation it lacks, such as relu, quick_gelu or gelu_10's clipped gelu: the
+message says where the closest candidate differs; H or I not a multiple of 8, no gate, expert
 parallelism, a post-expert norm, non-float or non-CPU weights); there is no fallback.
 
 :func:`load_w8a8` builds the model of a compressed-tensors W8A8 checkpoint with its experts read

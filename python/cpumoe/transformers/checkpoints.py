@@ -11,6 +11,7 @@ import torch
 
 from .. import checkpoint as _ck
 from .. import checkpoint_w4 as _ck4
+from .. import ops as _ops
 from .backends import experts_modules
 from .layout import UnsupportedExperts, _fail, _Layout, _layout
 from .packing import _EXPERT_PARAMS, _STATE, BACKENDS, _State
@@ -101,7 +102,9 @@ def _experts_of_checkpoint(ck, kind: str, layer: int, lay: _Layout, name: str):
         w = _ck4.load_int4_moe_layer(ck, layer, activation=lay.activation)
     else:
         w = _ck4.load_mxfp4_moe_layer(ck, layer)
-        if w.activation != lay.activation:
+        # The checkpoint says swigluoai for its interleaved rows, not its limit / alpha: those
+        # of the model's gate (lay.activation) are what the op runs with.
+        if _ops.parse_activation(w.activation)[0] != _ops.parse_activation(lay.activation)[0]:
             raise _ck.UnsupportedCheckpoint(
                 f"{name}: the checkpoint's MXFP4 experts are {w.activation} (gate and up "
                 f"interleaved); the model's gate with {lay.activation}")

@@ -1,12 +1,14 @@
-"""Which experts modules cpumoe takes, and how their weights map to the op's: the gating found
-by probing the module's own ``_apply_gate``, the gate/up row order, transposed weights, biases;
-errors name the module."""
+"""Which experts modules cpumoe takes, and how their weights map to the op's: the gating (the
+activations and parameters the module declares, confirmed by probing its own ``_apply_gate``),
+the gate/up row order, transposed weights, biases; errors name the module."""
 
 from __future__ import annotations
 
 import dataclasses
 import gc
-from typing import List, NoReturn, Optional, Tuple
+import itertools
+import math
+from typing import Dict, List, NoReturn, Optional, Tuple
 
 import numpy as np
 import torch
@@ -59,32 +61,175 @@ def _fail(module: torch.nn.Module, name: Optional[str], reason: str) -> NoReturn
                              f"{reason}")
 
 
-# ---------------------------------------------------------------------------- the layout
-def _probe_gating(module: torch.nn.Module, inter: int) -> Optional[Tuple[str, bool]]:
-    """(cpumoe activation, gate/up interleaved) that reproduce the module's ``_apply_gate``, or
-    None. Probe gate/up values span [-9, 9], past gpt-oss's clamp limit (7), so its constants
-    must agree too."""
-    gen = torch.Generator().manual_seed(1234)
-    rows = 16
-    g = (torch.rand(rows, inter, generator=gen) * 18 - 9).float()
-    u = (torch.rand(rows, inter, generator=gen) * 18 - 9).float()
-    halves = torch.cat([g, u], dim=1)
-    inter_l = torch.stack([g, u], dim=2).reshape(rows, 2 * inter)  # gate even, up odd
-    for interleaved, h in ((False, halves), (True, inter_l)):
-        try:
-            with torch.no_grad():
-                got = module._apply_gate(h.clone())
-        except Exception:  # noqa: BLE001 - a gate that does not take this layout
+# ---------------------------------------------------------------------------- the gating
+# The module attributes (then its config's) that declare each parameter of an activation: what
+# gpt-oss, MiniMax-M3, DeepSeek-V4, GLM5-Next, HY-V4 and Step3p7 read in their _apply_gate.
+_DECLARED = {"limit": ("limit", "swiglu_limit"), "alpha": ("alpha", "swiglu_alpha")}
+# A probe point matches when |got - want| <= _PROBE_C * eps * (|want| + |g| * (|u| + 1)), eps
+# that of the probe's dtype, want the float64 reference on the same (dtype-rounded) inputs. A
+# correct gate rounds its output (eps/2 |want|) and a few intermediates: act(g) before the
+# product with u, 1 + erf / 1 + tanh cancelling for negative g (eps/2 |g| |u| each), a sigmoid of
+# a rounded argument (|x| sigmoid'(x) <= 0.23: eps/8 |g| (|u| + 1)); together under
+# 2 eps (|want| + |g| (|u| + 1)), so 4 leaves room for a few ulps of torch's exp / erf / tanh. A
+# clamp the candidate lacks (or has at another limit) moves the output by about 32 eps |want| at
+# the points just past the limit (hence L (1 + 32 eps)) and by |g| or |u| itself further out.
+_PROBE_C = 4.0
+_PROBE_MODERATE = (1.0, -1.0, 3.3, -3.3)  # where the other input of a pair sits
+_PROBE_DECADES = (-3, 4)  # |values| from 1e-3 to 1e4, 4 per decade
+
+
+def _declared(module: torch.nn.Module) -> Dict[str, List[float]]:
+    """Parameter -> the distinct values the module, then its config, declares (Step3p7's
+    float("inf") included: it clamps nothing)."""
+    out: Dict[str, List[float]] = {}
+    for param, attrs in _DECLARED.items():
+        vals: List[float] = []
+        for owner in (module, getattr(module, "config", None)):
+            for attr in attrs:
+                v = getattr(owner, attr, None) if owner is not None else None
+                if isinstance(v, torch.Tensor) and v.numel() == 1:
+                    v = v.item()
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v) \
+                        and float(v) not in vals:
+                    vals.append(float(v))
+        out[param] = vals
+    return out
+
+
+def _candidates(declared: Dict[str, List[float]]) -> List[str]:
+    """The activation specs the module may compute: cpumoe's activations without parameters
+    first (so a Step3p7 layer with limit inf is plain silu), then each parameterized one with
+    every combination of the declared values (a parameter not declared: its default, if it has
+    one); a clamp only with a declared limit."""
+    plain, params = [], []
+    for act in _ops.activations():
+        names = list(act["params"])
+        if not names:
+            plain.append(act["name"])
             continue
-        if not isinstance(got, torch.Tensor) or tuple(got.shape) != (rows, inter):
+        if "limit" in names and not declared.get("limit"):
             continue
-        got = got.float().numpy()
-        for act in _ops.ACTIVATIONS:
-            h_op = inter_l if act == "swigluoai" else halves  # the op's own layout per act
-            want = _reference._activation(act, h_op.numpy(), inter)
-            if np.allclose(got, want, rtol=1e-4, atol=1e-5):
-                return act, interleaved
-    return None
+        choices = [declared.get(p) or ([] if d is None else [d]) for p, d in act["params"].items()]
+        for combo in itertools.product(*choices):
+            try:
+                params.append(_ops.activation_spec(act["name"], **dict(zip(names, combo))))
+            except (TypeError, ValueError):  # a declared value the op refuses (limit <= 0)
+                continue
+    return list(dict.fromkeys(plain + params))  # declared twice (limit, swiglu_limit): once
+
+
+def _probe_pairs(limits: List[float], dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Probe (gate, up) values in ``dtype``: the gate over both signs of 1e-3 .. 1e4
+    (log-spaced) and of points around each finite declared limit L (L (1 +- 32 eps), L / 2, 2 L)
+    with up at moderate values, then the same with the roles swapped."""
+    eps = torch.finfo(dtype).eps
+    mags = list(np.logspace(*_PROBE_DECADES, 4 * (_PROBE_DECADES[1] - _PROBE_DECADES[0]) + 1))
+    for lim in limits:
+        if math.isfinite(lim) and lim > 0:
+            mags += [lim * (1 - 32 * eps), lim, lim * (1 + 32 * eps), lim / 2, 2 * lim]
+    sweep = torch.tensor([0.0] + mags + [-m for m in mags], dtype=torch.float64)
+    sweep = sweep[sweep.abs() <= torch.finfo(dtype).max / 16]  # fp16: no overflow of g * u
+    mod = torch.tensor(_PROBE_MODERATE, dtype=torch.float64)
+    s, m = sweep.repeat_interleave(len(mod)), mod.repeat(len(sweep))
+    return torch.cat([s, m]).to(dtype), torch.cat([m, s]).to(dtype)
+
+
+@dataclasses.dataclass
+class _Miss:
+    """How a candidate missed: how many probe points are outside the bound, and the one of
+    them nearest zero."""
+    bad: int
+    spec: str
+    interleaved: bool
+    g: float
+    u: float
+    got: float
+    want: float
+
+
+def _check(got: np.ndarray, want: np.ndarray, g: np.ndarray, u: np.ndarray, eps: float,
+           spec: str, interleaved: bool) -> Optional[_Miss]:
+    """None if ``got`` matches ``want`` at every probe point (the bound of _PROBE_C), else the
+    miss, shown at its point nearest zero (where the gate starts to differ)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        bound = _PROBE_C * eps * (np.abs(want) + np.abs(g) * (np.abs(u) + 1.0))
+        bad = ~(np.abs(got.astype(np.float64) - want) <= bound)  # NaN / inf: bad
+    bad &= ~(np.isnan(got) & np.isnan(want))
+    if not bad.any():
+        return None
+    i = int(np.argmin(np.where(bad, np.abs(g) + np.abs(u), np.inf)))
+    return _Miss(int(bad.sum()), spec, interleaved, float(g[i]), float(u[i]), float(got[i]),
+                 float(want[i]))
+
+
+def _probe_gating(module: torch.nn.Module, inter: int, dtype: torch.dtype):
+    """(activation spec, gate/up interleaved in the module) of the first candidate spec whose
+    reference reproduces the module's ``_apply_gate`` at every probe point, in ``dtype`` (the
+    module's) and in float32 (where the bound is tight enough to tell apart what bf16 cannot:
+    gelu from gelu_tanh or quick_gelu; skipped only if the gate does not run in float32); else
+    (None, the closest miss)."""
+    declared = _declared(module)
+    specs = _candidates(declared)
+    ok: Dict[torch.dtype, Optional[set]] = {}
+    closest: Optional[_Miss] = None
+    for dt in dict.fromkeys((dtype, torch.float32)):
+        g, u = _probe_pairs(declared["limit"], dt)
+        rows = -(-g.numel() // inter)
+        pad = rows * inter - g.numel()
+        g = torch.cat([g, g.new_zeros(pad)]).reshape(rows, inter)
+        u = torch.cat([u, u.new_zeros(pad)]).reshape(rows, inter)
+        halves = torch.cat([g, u], dim=1)
+        inter_l = torch.stack([g, u], dim=2).reshape(rows, 2 * inter)  # gate even, up odd
+        gf, uf = g.float().numpy().ravel(), u.float().numpy().ravel()
+        ok[dt] = None  # None: the gate did not run in this dtype
+        for interleaved, h in ((False, halves), (True, inter_l)):
+            try:
+                with torch.no_grad():
+                    got = module._apply_gate(h.clone())
+            except Exception:  # noqa: BLE001 - a gate that does not take this layout
+                continue
+            if not isinstance(got, torch.Tensor) or tuple(got.shape) != (rows, inter):
+                continue
+            got = got.detach().float().numpy().ravel()
+            ok[dt] = ok[dt] or set()
+            for spec in specs:
+                h_op = (inter_l if _ops.activation_interleaved(spec) else halves).float().numpy()
+                want = _reference._activation(spec, h_op, inter).ravel()
+                miss = _check(got, want, gf, uf, torch.finfo(dt).eps, spec, interleaved)
+                if miss is None:
+                    ok[dt].add((spec, interleaved))
+                elif closest is None or miss.bad < closest.bad:
+                    closest = miss
+    if ok[dtype] is None:  # the gate runs on no probe tensor of the module's dtype
+        return None, None
+    found = next(((s, il) for s in specs for il in (False, True)
+                  if all(m is None or (s, il) in m for m in ok.values())), None)
+    return found, (None if found else closest)
+
+
+def _what_it_computes(module: torch.nn.Module) -> str:
+    """The module's gating as it declares it, for messages."""
+    act = getattr(module, "act_fn", None)
+    parts = [f"act_fn {type(act).__name__}" if act is not None else "its own _apply_gate"]
+    hidden_act = getattr(getattr(module, "config", None), "hidden_act", None)
+    if isinstance(hidden_act, str):
+        parts.append(f"hidden_act {hidden_act!r}")
+    for param, vals in _declared(module).items():
+        if vals:
+            parts.append(f"{param} {', '.join(f'{v:g}' for v in vals)}")
+    return ", ".join(parts)
+
+
+def _refuse_gating(module: torch.nn.Module, name: Optional[str], closest: Optional[_Miss]):
+    have = " | ".join(f"{a['name']} = {a['formula']}" for a in _ops.activations())
+    why = "; its _apply_gate did not run on a [T, 2I] tensor of its dtype"
+    if closest is not None:
+        layout = "gate/up interleaved" if closest.interleaved else "gate/up halves"
+        why = (f"; closest: {closest.spec} ({layout}), off at {closest.bad} probe points, e.g. at "
+               f"gate={closest.g:.6g}, up={closest.u:.6g} it gives {closest.got:.6g}, "
+               f"{closest.spec} gives {closest.want:.6g}")
+    _fail(module, name, f"its gating ({_what_it_computes(module)}) matches none of cpumoe's "
+                        f"activations ({have}) in either gate/up layout{why}")
 
 
 def _row_order(inter: int, src_interleaved: bool, dst_interleaved: bool):
@@ -97,12 +242,13 @@ def _row_order(inter: int, src_interleaved: bool, dst_interleaved: bool):
     return torch.cat([2 * i, 2 * i + 1])  # interleaved -> gate rows, then up rows
 
 
+# ---------------------------------------------------------------------------- the layout
 @dataclasses.dataclass
 class _Layout:
     E: int
     H: int
     I: int
-    activation: str
+    activation: str  # the op's canonical spec, e.g. "silu_clamp(limit=10)"
     order: Optional[torch.Tensor]
     transposed: bool
     has_bias: bool
@@ -140,13 +286,10 @@ def _layout(module: torch.nn.Module, name: Optional[str], meta_ok: bool = False)
     if H % _ALIGN or I % _ALIGN:
         _fail(module, name, f"hidden size H = {H} and intermediate size I = {I} must be "
                             f"multiples of {_ALIGN}")
-    probe = _probe_gating(module, I)
-    if probe is None:
-        act = getattr(module, "act_fn", None)
-        what = f"act_fn {type(act).__name__}" if act is not None else "its _apply_gate"
-        _fail(module, name, f"its gating ({what}) matches none of cpumoe's activations "
-                            f"({', '.join(_ops.ACTIVATIONS)}, gate/up halves or interleaved)")
-    activation, interleaved = probe
+    found, closest = _probe_gating(module, I, gu.dtype)
+    if found is None:
+        _refuse_gating(module, name, closest)
+    activation, interleaved = found
     has_bias = bool(getattr(module, "has_bias", False))
     if has_bias:
         b13, b2 = getattr(module, "gate_up_proj_bias", None), getattr(module, "down_proj_bias",
@@ -155,7 +298,7 @@ def _layout(module: torch.nn.Module, name: Optional[str], meta_ok: bool = False)
                 or not isinstance(b2, torch.Tensor) or tuple(b2.shape) != (E, H)):
             _fail(module, name, f"biases must be gate_up_proj_bias [E, 2I] = [{E}, {2 * I}] and "
                                 f"down_proj_bias [E, H] = [{E}, {H}]")
-    order = _row_order(I, interleaved, activation == "swigluoai")
+    order = _row_order(I, interleaved, _ops.activation_interleaved(activation))
     return _Layout(E, H, I, activation, order, transposed, has_bias)
 
 
