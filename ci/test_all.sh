@@ -30,7 +30,7 @@ stages=("$@")
 
 log() { printf '\n=== [test_all] %s\n' "$*"; }
 
-bash ci/install_deps.sh
+bash ci/install_deps.sh --test
 
 stage_native() {
   log "native: configure, build, ctest"

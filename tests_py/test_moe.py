@@ -327,13 +327,13 @@ def test_reference_clamps_match_the_formulas():
     u = np.array([-50.0, 3.0, -0.25, 12.0, -11.0, 2.0], np.float32)
     h = np.concatenate([g, u])[None, :]
     L = 10.0
-    pre = reference._activation("silu_clamp(limit=10)", h, g.size)[0]
-    post = reference._activation("silu_clamp_post(limit=10)", h, g.size)[0]
+    pre = reference.gated_activation("silu_clamp(limit=10)", h, g.size)[0]
+    post = reference.gated_activation("silu_clamp_post(limit=10)", h, g.size)[0]
     uc = np.clip(u.astype(np.float64), -L, L)
     np.testing.assert_allclose(pre, silu(np.minimum(g.astype(np.float64), L)) * uc, rtol=1e-6)
     np.testing.assert_allclose(post, np.minimum(silu(g.astype(np.float64)), L) * uc, rtol=1e-6)
-    plain = reference._activation("silu", h, g.size)[0]
-    assert np.array_equal(reference._activation("silu_clamp(limit=inf)", h, g.size)[0], plain)
+    plain = reference.gated_activation("silu", h, g.size)[0]
+    assert np.array_equal(reference.gated_activation("silu_clamp(limit=inf)", h, g.size)[0], plain)
 
 
 @pytest.mark.parametrize("spec", ["silu_clamp", "silu_clamp(limit=-1)", "relu"])
@@ -356,3 +356,32 @@ def test_clamp_limits_are_the_ops_parameter(backend):
         assert_moe_close(backend, got, p.reference(x=x, activation=spec))
         outs[spec] = backend.numpy(got)
     assert not np.allclose(outs["silu_clamp(limit=10)"], outs["silu_clamp(limit=50)"], rtol=0.1)
+
+
+# ---------------------------------------------------------------------------- one public call
+def test_fused_moe_runs_every_packed_kind_as_its_alias(backend):
+    """cpumoe.fused_moe takes any packed layer (its weight_format decides the op) and gives the
+    bits of fused_moe_int8 / fused_moe_bf16; those refuse the other kind."""
+    import ml_dtypes
+
+    p = make_problem(backend, T=9, E=8, k=2, H=128, I=128, dtype="bfloat16", bias=True)
+    w13f = backend.numpy(p.w13).astype(np.float32) * backend.numpy(p.s13)[..., None]
+    w2f = backend.numpy(p.w2).astype(np.float32) * backend.numpy(p.s2)[..., None]
+    (v13, g13), (v2, g2) = cpumoe.quantize.quantize_int4(w13f), cpumoe.quantize.quantize_int4(w2f)
+    layers = {"int8": (p.prepack(), cpumoe.fused_moe_int8),
+              "int4": (cpumoe.prepack_int4(v13, v2, g13, g2, group_size=32),
+                       cpumoe.fused_moe_int8),
+              "bf16": (cpumoe.prepack_bf16(w13f.astype(ml_dtypes.bfloat16),
+                                           w2f.astype(ml_dtypes.bfloat16)), cpumoe.fused_moe_bf16)}
+    for fmt, (packed, alias) in layers.items():
+        assert packed.weight_format == fmt
+        got = cpumoe.fused_moe(p.x, packed, p.topk_weights, p.topk_ids,
+                               activation="silu_clamp(limit=1)")
+        want = alias(p.x, packed, p.topk_weights, p.topk_ids, "silu_clamp(limit=1)")
+        assert np.array_equal(backend.bits(got), backend.bits(want)), fmt
+    with pytest.raises(TypeError, match="PackedMoeBf16"):
+        cpumoe.fused_moe_bf16(p.x, layers["int8"][0], p.topk_weights, p.topk_ids)
+    with pytest.raises(TypeError, match="prepack"):
+        cpumoe.fused_moe_int8(p.x, layers["bf16"][0], p.topk_weights, p.topk_ids)
+    with pytest.raises(TypeError, match="a packed layer"):
+        cpumoe.fused_moe(p.x, object(), p.topk_weights, p.topk_ids)

@@ -221,7 +221,7 @@ def test_mxfp4_checkpoint_through_transformers(tmp_path):
     the experts on a CPU: "cpumoe_mxfp4" packs the checkpoint's values exactly (its logits are
     eager's up to the int8 activations) and greedy generation runs on it."""
     pytest.importorskip("accelerate", reason="transformers loads MXFP4 checkpoints with it")
-    from cpumoe.vllm_plugin import models as ckpts
+    from cpumoe.testing import models as ckpts
     src = tmp_path / "bf16"
     _model("gpt_oss").save_pretrained(str(src))
     dst = ckpts.save_mxfp4(src, tmp_path / "mxfp4")
@@ -748,7 +748,7 @@ def test_load_w4a8_compressed_tensors_int4_checkpoint(tmp_path, family):
     Mixtral's with its original block_sparse_moe names, DeepSeek-V3's with a dense first layer
     and shared experts): the experts packed at 4 bits straight from the int4 words, never in
     float; the model generates."""
-    from cpumoe.vllm_plugin import models as ckpts
+    from cpumoe.testing import models as ckpts
     eager = _model(family)
     _snap_to_w4(eager, "cpumoe_int4")  # the checkpoint then holds the model's weights exactly
     eager.save_pretrained(str(tmp_path / "float"))
@@ -780,7 +780,7 @@ def test_load_w4a8_gpt_oss_mxfp4_checkpoint(tmp_path):
     """gpt-oss's MXFP4 release layout: the experts packed from the codes and E8M0 scales (with
     their biases, swigluoai), the rest bf16; eager on the dequantized checkpoint differs only by
     the int8 activations."""
-    from cpumoe.vllm_plugin import models as ckpts
+    from cpumoe.testing import models as ckpts
     _model("gpt_oss").save_pretrained(str(tmp_path / "float"))
     dst = ckpts.save_mxfp4(tmp_path / "float", tmp_path / "mxfp4")
     deq = ckpts.save_mxfp4_dequantized(dst, tmp_path / "dequantized")
@@ -806,7 +806,7 @@ def test_load_w4a8_refuses_other_checkpoints(tmp_path):
     _save_w8a8_checkpoint(eager, tmp_path)
     with pytest.raises(UnsupportedCheckpoint, match="format 'int-quantized'.*load_w8a8"):
         cmt.load_w4a8(tmp_path)
-    from cpumoe.vllm_plugin import models as ckpts  # W4A8 as compressed-tensors stores it
+    from cpumoe.testing import models as ckpts  # W4A8 as compressed-tensors stores it
     dst = ckpts.save_w4a8(tmp_path / "float", tmp_path / "w4a8", group_size=32)
     with pytest.raises(UnsupportedCheckpoint, match="format 'int-quantized'.*vLLM plugin"):
         cmt.load_w4a8(dst)

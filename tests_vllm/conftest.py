@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM plugin tests need vLLM (ci/setup_vllm_venv.sh)")
 
-from cpumoe.vllm_plugin import models  # noqa: E402
+from cpumoe.testing import models  # noqa: E402
 
 #: name -> (source, kind). kind None: a random bf16 model of the family ``source``
 #: (models.save_tiny); otherwise the checkpoint made from the model ``source`` by
@@ -67,7 +67,7 @@ def vllm_serves(name: str) -> bool:
     supports the deployment configuration", "No W4A8 Int8 MoE backend ...", "No MXFP4 MoE
     backend ..."), and an engine start costs more than the rest of a test."""
     import platform
-    from cpumoe.vllm_plugin.bench import vllm_int8_kernel
+    from cpumoe.cli.bench.vllm_engine import vllm_int8_kernel
     kind = MODELS[name][1]
     if kind in BF16_KINDS:
         return True

@@ -279,7 +279,7 @@ _TOKEN8 = dict(num_bits=8, type="int", symmetric=True, strategy="token", dynamic
      None, "W4A16 int4: weights: symmetric is False"),
     (dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=128,
           actorder="group"), None, None, "actorder 'group'"),
-    # FP8 is no scheme of the int8 op: vLLM's method decides, and _plan gives the reason.
+    # FP8 is no scheme of the int8 op: vLLM's method decides, and plan_layer gives the reason.
     (dict(num_bits=8, type="float", symmetric=True, strategy="channel"),
      dict(_TOKEN8, type="float"), None, ""),
     (dict(num_bits=8, type="int", symmetric=True, strategy="channel"), None, None, ""),  # W8A16

@@ -368,7 +368,7 @@ class Checkpoint:
 
 
 # ---------------------------------------------------------------------------- the scheme
-def _targets_module(patterns: Iterable[str], module: str, class_name: str = "Linear") -> bool:
+def targets_module(patterns: Iterable[str], module: str, class_name: str = "Linear") -> bool:
     if patterns and (not isinstance(patterns, list) or
                      not all(isinstance(p, str) for p in patterns)):
         raise UnsupportedCheckpoint(f"quantization_config: targets/ignore must be lists of "
@@ -425,7 +425,7 @@ def check_scheme(qcfg: Optional[dict], module: str) -> None:
     if fmt not in (None, "int-quantized", "naive-quantized"):
         raise UnsupportedCheckpoint(f"quantization_config: format {fmt!r} (expected "
                                     f"'int-quantized')")
-    if _targets_module(qcfg.get("ignore") or (), module):
+    if targets_module(qcfg.get("ignore") or (), module):
         raise UnsupportedCheckpoint(f"{module}: listed in quantization_config.ignore (not "
                                     f"quantized)")
     config_groups = qcfg.get("config_groups") or {}
@@ -434,7 +434,7 @@ def check_scheme(qcfg: Optional[dict], module: str) -> None:
         raise UnsupportedCheckpoint("quantization_config: config_groups must map names to "
                                     "JSON objects")
     groups = [g for g in config_groups.values()
-              if _targets_module(g.get("targets") or (), module)]
+              if targets_module(g.get("targets") or (), module)]
     if not groups:
         raise UnsupportedCheckpoint(f"{module}: no quantization_config.config_groups entry "
                                     f"targets it")
@@ -518,7 +518,7 @@ def expert_map_of(expert_ids: Sequence[int], n_global: int) -> np.ndarray:
     return m
 
 
-def _open(path: Union[PathLike, Checkpoint]) -> Checkpoint:
+def open_checkpoint(path: Union[PathLike, Checkpoint]) -> Checkpoint:
     return path if isinstance(path, Checkpoint) else Checkpoint(path)
 
 
@@ -554,7 +554,7 @@ def _check_vector(ck: Checkpoint, name: str, n: int) -> None:
         raise UnsupportedCheckpoint(f"{name}: dtype {ck.dtype(name)}, expected a float tensor")
 
 
-def _check_zero_point(ck: Checkpoint, module: str) -> None:
+def check_zero_point(ck: Checkpoint, module: str) -> None:
     name = module + ".weight_zero_point"
     if name in ck and np.any(ck.get(name) != 0):
         raise UnsupportedCheckpoint(f"{name}: nonzero zero points (asymmetric weights) are not "
@@ -577,7 +577,7 @@ def load_moe_layer(path: Union[PathLike, Checkpoint], layer: int, *,
     Raises UnsupportedCheckpoint (a ValueError) naming the tensor or setting that does not fit.
     """
     interleaved = _ops.activation_interleaved(activation)  # its errors for a bad spec
-    ck = _open(path)
+    ck = open_checkpoint(path)
     layout = layout or ck.detect_layout(layer)
     if layout is None:
         raise UnsupportedCheckpoint(f"layer {layer}: no routed experts found (known layouts: "
@@ -625,7 +625,7 @@ def load_moe_layer(path: Union[PathLike, Checkpoint], layer: int, *,
         slice(0, I), slice(I, 2 * I))
     for j, e in enumerate(ids):
         for proj in (gate, up, down):
-            _check_zero_point(ck, mod(e, proj))
+            check_zero_point(ck, mod(e, proj))
         w13[j, rg] = _int8(ck, mod(e, gate) + ".weight", (I, H))
         w13[j, ru] = _int8(ck, mod(e, up) + ".weight", (I, H))
         w2[j] = _int8(ck, mod(e, down) + ".weight", (H, I))
@@ -654,7 +654,7 @@ def load_float_tensor(path: Union[PathLike, Checkpoint], name: str) -> np.ndarra
     ``weight * weight_scale`` (for the layers an engine runs in float: attention, dense MLPs).
     Raises UnsupportedCheckpoint for a missing tensor or an int tensor that is not such a weight.
     """
-    ck = _open(path)
+    ck = open_checkpoint(path)
     if name not in ck:
         raise UnsupportedCheckpoint(f"checkpoint: missing {name}")
     dt = ck.dtype(name)
@@ -667,6 +667,6 @@ def load_float_tensor(path: Union[PathLike, Checkpoint], name: str) -> np.ndarra
     shape = ck.shape(name)
     if len(shape) != 2:
         raise UnsupportedCheckpoint(f"{name}: int8 weight of shape {list(shape)}, expected 2-D")
-    _check_zero_point(ck, module)
+    check_zero_point(ck, module)
     scale = _vector(ck, module + ".weight_scale", shape[0])
     return ck.get(name).astype(np.float32) * scale[:, None]

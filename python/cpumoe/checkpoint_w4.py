@@ -29,8 +29,8 @@ from typing import List, Optional, Sequence, Union
 import numpy as np
 
 from . import ops as _ops
-from .checkpoint import (LAYOUTS, Checkpoint, PathLike, UnsupportedCheckpoint, _check_zero_point,
-                         _open, _targets_module, expert_ids_of, expert_map_of)
+from .checkpoint import (LAYOUTS, Checkpoint, PathLike, UnsupportedCheckpoint, check_zero_point,
+                         open_checkpoint, targets_module, expert_ids_of, expert_map_of)
 
 __all__ = ["W4LayerWeights", "dequantize_int4_linear", "int4_scheme_problem",
            "load_int4_moe_layer", "load_mxfp4_moe_layer", "unpack_int4"]
@@ -127,13 +127,13 @@ def _int4_config_group(qcfg: Optional[dict], module: str) -> Optional[dict]:
     if qcfg.get("format") not in (None, "pack-quantized"):
         raise UnsupportedCheckpoint(f"quantization_config: format {qcfg.get('format')!r} "
                                     f"(expected 'pack-quantized' for int4)")
-    if _targets_module(qcfg.get("ignore") or (), module):
+    if targets_module(qcfg.get("ignore") or (), module):
         raise UnsupportedCheckpoint(f"{module}: listed in quantization_config.ignore")
     groups = qcfg.get("config_groups") or {}
     if not isinstance(groups, dict):
         raise UnsupportedCheckpoint("quantization_config: config_groups must be a JSON object")
     hits = [g for g in groups.values()
-            if isinstance(g, dict) and _targets_module(g.get("targets") or (), module)]
+            if isinstance(g, dict) and targets_module(g.get("targets") or (), module)]
     if not hits:
         raise UnsupportedCheckpoint(f"{module}: no quantization_config.config_groups entry "
                                     f"targets it")
@@ -155,7 +155,7 @@ def dequantize_int4_linear(path: Union[PathLike, Checkpoint], module: str) -> np
     """The float32 weight [out, in] of the compressed-tensors int4 (pack-quantized) Linear
     ``module``: its values times its group scales, the group size read from the scales' shape
     (for the Linears an engine runs in float, e.g. the attention of an int4 checkpoint)."""
-    ck = _open(path)
+    ck = open_checkpoint(path)
     packed, scale, sh = (module + s for s in (".weight_packed", ".weight_scale",
                                               ".weight_shape"))
     for name in (packed, scale):
@@ -173,7 +173,7 @@ def dequantize_int4_linear(path: Union[PathLike, Checkpoint], module: str) -> np
         raise UnsupportedCheckpoint(f"{scale}: {groups} groups do not divide in = {k}")
     _need(ck, packed, ("I32",), (n, (k + 7) // 8))
     _need(ck, scale, _FLOAT, (n, groups))
-    _check_zero_point(ck, module)
+    check_zero_point(ck, module)
     values = unpack_int4(ck.get(packed), k).astype(np.float32)
     return values * np.repeat(ck.get_float32(scale), k // groups, axis=1)
 
@@ -190,7 +190,7 @@ def load_int4_moe_layer(path: Union[PathLike, Checkpoint], layer: int, *,
       check_config: check config.json's quantization_config for the int4 scheme.
     """
     interleaved = _ops.activation_interleaved(activation)  # its errors for a bad spec
-    ck = _open(path)
+    ck = open_checkpoint(path)
     if layout is None:
         layout = next((n for n, (t, p) in LAYOUTS.items()
                        if t.format(layer=layer, expert=0, proj=p[0]) + ".weight_packed" in ck),
@@ -237,7 +237,7 @@ def load_int4_moe_layer(path: Union[PathLike, Checkpoint], layer: int, *,
             _need(ck, m + ".weight_scale", _FLOAT, (n, k // g))
             if has_bias:
                 _need(ck, m + ".bias", _FLOAT, (n,))
-            _check_zero_point(ck, m)
+            check_zero_point(ck, m)
             sh = m + ".weight_shape"
             if sh in ck and tuple(int(v) for v in np.asarray(ck.get(sh)).reshape(-1)) != (n, k):
                 raise UnsupportedCheckpoint(f"{sh}: {list(np.asarray(ck.get(sh)))}, expected "
@@ -269,7 +269,7 @@ def load_mxfp4_moe_layer(path: Union[PathLike, Checkpoint], layer: int, *,
                          prefix: str = "model.layers.{layer}.mlp.experts.") -> W4LayerWeights:
     """Reads one gpt-oss MXFP4 MoE layer (fused expert tensors, see the module doc); its
     activation is swigluoai (gate and up already interleaved by row)."""
-    ck = _open(path)
+    ck = open_checkpoint(path)
     p = prefix.format(layer=layer)
     gu, dn = p + "gate_up_proj", p + "down_proj"
     if gu + "_blocks" not in ck:

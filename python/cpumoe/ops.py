@@ -309,16 +309,18 @@ def scratch_bytes(T: int, k: int, packed: Any, *, num_threads: Optional[int] = N
     return int(_C.scratch_bytes(packed, T, k, _num_threads(num_threads)))
 
 
-def fused_moe_int8(x: Any, packed: Any, topk_weights: Any, topk_ids: Any,
-                   activation: str = "silu", skip_weighted: bool = False, out: Any = None, *,
-                   expert_map: Any = None, num_threads: Optional[int] = None) -> Any:
-    """The fused W8A8 MoE: ``out[t] = sum_j topk_weights[t, j] * FFN_{topk_ids[t, j]}(x[t])``.
+def fused_moe(x: Any, packed: Any, topk_weights: Any, topk_ids: Any, *,
+              activation: str = "silu", skip_weighted: bool = False, out: Any = None,
+              expert_map: Any = None, num_threads: Optional[int] = None) -> Any:
+    """The fused MoE layer: ``out[t] = sum_j topk_weights[t, j] * FFN_{topk_ids[t, j]}(x[t])``
+    on any packed layer; the packed object knows its weight format (``packed.weight_format``:
+    "int8", "int4", "mxfp4" run the int8 op, int8 activations quantized per token; "bf16" the
+    BF16 op, bf16 activations).
 
     Args:
       x: [T, H] float32 / float16 / bfloat16, rows contiguous (row stride may exceed H).
-      packed: from :func:`prepack` (int8 weights), :func:`prepack_int4` or :func:`prepack_mxfp4`
-        (4-bit weights, W4A8: ``packed.weight_format`` says which); the activations are int8
-        in all three.
+      packed: from :func:`prepack` (int8), :func:`prepack_int4` / :func:`prepack_mxfp4` (4-bit)
+        or :func:`prepack_bf16`.
       topk_weights: float32 [T, k]. topk_ids: int32 or int64 [T, k], each in [0, E); an id that
         repeats in a row counts twice (two slots, each with its weight), so k > E is allowed.
       activation: a spec of :func:`parse_activation`: "silu", "gelu", "gelu_tanh", "swigluoai"
@@ -331,53 +333,61 @@ def fused_moe_int8(x: Any, packed: Any, topk_weights: Any, topk_ids: Any,
       expert_map: optional int32 [E_global] for expert parallelism: topk_ids are then global ids
         in [0, E_global), expert_map[g] is the local expert of the packed weights or -1 when it
         lives elsewhere; such slots contribute nothing (a token with none gets zeros).
+      num_threads: default: torch's count for torch tensors, else OpenMP's.
     Returns ``out``, or a new tensor/array of x's kind, dtype and shape [T, H].
-    Dynamic per-token int8 quantization of x and of the activation; fp32 accumulation.
-    A token whose row of x holds a NaN or an inf gets an all-NaN output row (as the reference);
-    NaN/inf router weights or biases propagate through the fp32 arithmetic; an all-zero token
-    quantizes to zeros. Thread-safe: concurrent calls (the GIL is released) each use their own
-    thread's scratch, at most :func:`scratch_bytes` and kept for that thread's next call.
+
+    int8 / int4 / mxfp4: dynamic per-token int8 quantization of x and of the activation, fp32
+    accumulation. bf16: x (if not bf16) and the activation output rounded to bf16 (nearest
+    even), products exact and summed in fp32. Either way the combine is fp32 and the result is
+    stored in x's dtype. A token whose row of x holds a NaN or an inf gets an all-NaN output row
+    (as the reference); NaN/inf router weights or biases propagate through the fp32 arithmetic;
+    an all-zero token quantizes to zeros. Paths of different ISAs give the same bits for the int8
+    op; for the bf16 op they may differ in the last bits of their fp32 sums (each deterministic
+    for any thread count). Thread-safe: concurrent calls (the GIL is released) each use their
+    own thread's scratch, at most :func:`scratch_bytes` and kept for that thread's next call.
     On torch tensors it compiles: under ``torch.compile(fullgraph=True)`` the call is one
     ``cpumoe::fused_moe_packed`` node (see :mod:`cpumoe.torch_ops`).
     """
-    if not isinstance(packed, _INT8_PACKED):
-        raise TypeError(f"packed: expected cpumoe.PackedMoe from prepack() or cpumoe.PackedMoeW4 "
-                        f"from prepack_int4() / prepack_mxfp4(), got {type(packed).__name__}")
+    if not isinstance(packed, (PackedMoe, PackedMoeW4, PackedMoeBf16)):
+        raise TypeError(f"packed: expected a packed layer (cpumoe.PackedMoe from prepack(), "
+                        f"cpumoe.PackedMoeW4 from prepack_int4() / prepack_mxfp4() or "
+                        f"cpumoe.PackedMoeBf16 from prepack_bf16()), got {type(packed).__name__}")
     tops = _torch_ops_for(x, topk_weights, topk_ids, activation, skip_weighted, out, expert_map,
                           num_threads)
     if tops is not None:
         return tops.fused_moe_packed(x, packed, topk_weights, topk_ids, activation,
                                      skip_weighted, out, expert_map, num_threads)
-    return _run(_native_op(packed), x, packed, topk_weights, topk_ids, activation, skip_weighted,
-                out, expert_map, num_threads)
+    return run_op(native_op(packed), x, packed, topk_weights, topk_ids, activation, skip_weighted,
+                  out, expert_map, num_threads)
+
+
+def fused_moe_int8(x: Any, packed: Any, topk_weights: Any, topk_ids: Any,
+                   activation: str = "silu", skip_weighted: bool = False, out: Any = None, *,
+                   expert_map: Any = None, num_threads: Optional[int] = None) -> Any:
+    """:func:`fused_moe` on a layer of int8 activations (``packed`` from :func:`prepack`,
+    :func:`prepack_int4` or :func:`prepack_mxfp4`; a bf16 layer is a TypeError)."""
+    if not isinstance(packed, _INT8_PACKED):
+        raise TypeError(f"packed: expected cpumoe.PackedMoe from prepack() or cpumoe.PackedMoeW4 "
+                        f"from prepack_int4() / prepack_mxfp4(), got {type(packed).__name__}")
+    return fused_moe(x, packed, topk_weights, topk_ids, activation=activation,
+                     skip_weighted=skip_weighted, out=out, expert_map=expert_map,
+                     num_threads=num_threads)
 
 
 def fused_moe_bf16(x: Any, packed: PackedMoeBf16, topk_weights: Any, topk_ids: Any,
                    activation: str = "silu", skip_weighted: bool = False, out: Any = None, *,
                    expert_map: Any = None, num_threads: Optional[int] = None) -> Any:
-    """The fused BF16 MoE: ``out[t] = sum_j topk_weights[t, j] * FFN_{topk_ids[t, j]}(x[t])``
-    with bf16 weights from :func:`prepack_bf16` and no quantization.
-
-    Arguments as in :func:`fused_moe_int8`. Both GEMMs take bf16 inputs: x (if not bf16) and the
-    activation output are rounded to bf16 (nearest even); products are exact and summed in fp32;
-    the combine is fp32 and the result is stored in x's dtype. Non-finite values propagate as IEEE
-    arithmetic makes them (a NaN in a row of x gives a NaN output row). Paths of different ISAs
-    may differ in the last bits of their fp32 sums; each is deterministic for any thread count.
-    Compiles on torch tensors as :func:`fused_moe_int8` does.
-    """
+    """:func:`fused_moe` on a bf16 layer (``packed`` from :func:`prepack_bf16`; another kind
+    is a TypeError)."""
     if not isinstance(packed, PackedMoeBf16):
         raise TypeError(f"packed: expected cpumoe.PackedMoeBf16 from prepack_bf16(), got "
                         f"{type(packed).__name__}")
-    tops = _torch_ops_for(x, topk_weights, topk_ids, activation, skip_weighted, out, expert_map,
-                          num_threads)
-    if tops is not None:
-        return tops.fused_moe_packed(x, packed, topk_weights, topk_ids, activation,
-                                     skip_weighted, out, expert_map, num_threads)
-    return _run(_C.fused_moe_bf16, x, packed, topk_weights, topk_ids, activation, skip_weighted,
-                out, expert_map, num_threads)
+    return fused_moe(x, packed, topk_weights, topk_ids, activation=activation,
+                     skip_weighted=skip_weighted, out=out, expert_map=expert_map,
+                     num_threads=num_threads)
 
 
-def _native_op(packed):
+def native_op(packed):
     """The _C entry point that runs ``packed`` (by its kind)."""
     if isinstance(packed, PackedMoeW4):
         return _C.fused_moe_w4
@@ -407,7 +417,7 @@ def _torch_ops_for(x, topk_weights, topk_ids, activation, skip_weighted, out, ex
     return torch_ops
 
 
-def _run(op, x, packed, topk_weights, topk_ids, activation, skip_weighted, out, expert_map,
+def run_op(op, x, packed, topk_weights, topk_ids, activation, skip_weighted, out, expert_map,
          num_threads):
     """Checks the call's arguments (shared by both ops) and runs ``op`` on raw buffers."""
     xv = view("x", x)

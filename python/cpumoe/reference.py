@@ -35,12 +35,16 @@ a = act(gate, up) rounded to bf16, y = a_bf16 . w2[e]^T + b2[e], and the same co
 from __future__ import annotations
 
 import math
-import sys
 from typing import Optional
 
 import numpy as np
 
 from . import _C
+from .quantize import (CHANNEL_AMAX_FLOOR, FLOAT_DTYPES, MXFP4_INT, MXFP4_VALUES,  # noqa: F401
+                       TOKEN_AMAX_FLOOR, dequantize_int4, dequantize_mxfp4, dtype_name_of,
+                       e8m0_scale, like, mxfp4_codes, quantize_int4, quantize_mxfp4,
+                       quantize_per_channel, quantize_per_token, quantize_rows, round_to_dtype,
+                       to_numpy, torch_of)
 
 __all__ = [
     "ACTIVATIONS",
@@ -64,120 +68,10 @@ ACTIVATIONS = tuple(a["name"] for a in _C.activations())
 #: Those whose gate and up are interleaved (even / odd columns of a GEMM1 row).
 _INTERLEAVED = frozenset(a["name"] for a in _C.activations() if a["interleaved"])
 
-#: Floor of a token's |max| before dividing by 127 (the op's; an all-zero row gets zeros).
-TOKEN_AMAX_FLOOR = 1e-7
-#: Floor of a weight row's |max| when making int8 checkpoints.
-CHANNEL_AMAX_FLOOR = 1e-12
 
 _GELU_TANH_C = 0.7978845608
 _GELU_TANH_A = 0.044715
 
-_FLOAT_DTYPES = ("float32", "float16", "bfloat16")
-
-
-# ---------------------------------------------------------------------------- torch <-> numpy
-def _torch_module(obj):
-    """The torch module when ``obj`` is a torch tensor, else None (never imports torch)."""
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(obj, torch.Tensor):
-        return torch
-    return None
-
-
-def _dtype_name(a) -> str:
-    """'float32', 'bfloat16', 'int8', ... for a torch tensor or a numpy array."""
-    if _torch_module(a) is not None:
-        return str(a.dtype).replace("torch.", "")
-    return np.asarray(a).dtype.name
-
-
-def _to_numpy(a, *, float32=False):
-    """A numpy view/copy of a torch tensor or array-like. ``float32`` widens floats to fp32
-    (exact for fp16 and bf16); integer arrays are left as they are."""
-    if a is None:
-        return None
-    torch = _torch_module(a)
-    if torch is not None:
-        a = a.detach().cpu()
-        if a.dtype == torch.bfloat16 or (float32 and a.is_floating_point()):
-            a = a.to(torch.float32)
-        a = a.numpy()
-    else:
-        a = np.asarray(a)
-    if float32 and a.dtype.kind not in "iub":
-        a = a.astype(np.float32)
-    return a
-
-
-def _like(template, arr):
-    """Return numpy ``arr`` in the framework of ``template`` (torch tensor or numpy array)."""
-    torch = _torch_module(template)
-    if torch is None:
-        return arr
-    return torch.from_numpy(np.ascontiguousarray(arr))
-
-
-def round_to_dtype(a32: np.ndarray, dtype_name: str) -> np.ndarray:
-    """Round fp32 values to ``dtype_name``'s precision (round to nearest even), returned as fp32.
-
-    bfloat16 is done on the bits so that no ml_dtypes is needed: add 0x7fff plus the lowest kept
-    bit, drop the low 16 bits; NaN stays NaN. Overflow to inf happens naturally, as in a cast.
-    """
-    a32 = np.asarray(a32, dtype=np.float32)
-    if dtype_name == "float32":
-        return a32
-    if dtype_name == "float16":
-        with np.errstate(over="ignore"):
-            return a32.astype(np.float16).astype(np.float32)
-    if dtype_name == "bfloat16":
-        u = a32.view(np.uint32).astype(np.uint64)
-        r = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-        out = r.astype(np.uint32).view(np.float32)
-        return np.where(np.isnan(a32), a32, out)
-    raise ValueError(f"dtype: must be one of {_FLOAT_DTYPES}, got {dtype_name}")
-
-
-# ---------------------------------------------------------------------------- quantization
-def _quantize_rows_np(x32: np.ndarray, amax_floor: float):
-    """Symmetric int8 quantization along the last axis of an fp32 array."""
-    x32 = np.asarray(x32, dtype=np.float32)
-    if x32.shape[-1] == 0:
-        amax = np.zeros(x32.shape[:-1], dtype=np.float32)
-    else:
-        amax = np.max(np.abs(x32), axis=-1)  # a NaN wins (NaN scale): non-finite propagates
-    s = np.maximum(amax, np.float32(amax_floor)) / np.float32(127)  # fp32 / fp32: fp32
-    s = s.astype(np.float32)
-    with np.errstate(invalid="ignore"):
-        v = x32 / s[..., None]  # true division
-        np.rint(v, out=v)  # round half to even
-        np.clip(v, -127, 127, out=v)
-    nan = np.isnan(v)
-    if nan.any():
-        v[nan] = 0  # and NaN quantizes to 0
-    return v.astype(np.int8), s
-
-
-def quantize_per_token(x, amax_floor: float = TOKEN_AMAX_FLOOR):
-    """Dynamic per-token (per-row) int8 quantization, as the op does it.
-
-    ``x`` [T, H] (fp32, fp16 or bf16; torch or numpy) -> (q int8 [T, H], s float32 [T]) with
-    ``s = max(max|x_t|, amax_floor) / 127`` and ``q = round_half_even(x_t / s)`` clamped to +-127.
-    """
-    q, s = _quantize_rows_np(_to_numpy(x, float32=True), amax_floor)
-    return _like(x, q), _like(x, s)
-
-
-def quantize_per_channel(w, amax_floor: float = CHANNEL_AMAX_FLOOR):
-    """Per-output-channel symmetric int8 quantization of weights, the way int8 checkpoints are made.
-
-    ``w`` [..., N, K] float -> (q int8 [..., N, K], s float32 [..., N]): the absolute maximum is
-    over the last (input) axis, divided by 127; round half to even, clamp to +-127.
-    """
-    w32 = _to_numpy(w, float32=True)
-    if w32.ndim < 2:
-        raise ValueError(f"w: expected at least 2 dimensions [..., N, K], got shape {w32.shape}")
-    q, s = _quantize_rows_np(w32, amax_floor)
-    return _like(w, q), _like(w, s)
 
 
 # ---------------------------------------------------------------------------- activations
@@ -196,7 +90,7 @@ def _parse_activation(spec) -> tuple:
     return name, float(limit), float(alpha)
 
 
-def _activation(spec: str, h: np.ndarray, inter: int) -> np.ndarray:
+def gated_activation(spec: str, h: np.ndarray, inter: int) -> np.ndarray:
     """Gated activation of GEMM1 rows h [P, 2I] (fp32) -> [P, I] fp32, for an activation spec
     ("silu", "silu_clamp(limit=10)", ...: see cpumoe.parse_activation).
 
@@ -257,13 +151,13 @@ def _check_activation(activation):
 def _run_moe(x, w13, w2, topk_weights, topk_ids, skip_weighted, expert_ffn):
     """Routing and combine shared by both ops: ``expert_ffn(e, x_rows_f32, w13n, w2n)`` gives the
     expert's fp32 outputs for its token rows. Returns [T, H] in x's dtype and framework."""
-    dtype_name = _dtype_name(x)
-    if dtype_name not in _FLOAT_DTYPES:
-        raise TypeError(f"x: dtype must be one of {_FLOAT_DTYPES}, got {dtype_name}")
-    xf = _to_numpy(x, float32=True)
-    w13n = _to_numpy(w13, float32=True)  # int8 stays int8, bf16 widens exactly
-    w2n = _to_numpy(w2, float32=True)
-    ids = _to_numpy(topk_ids).astype(np.int64)
+    dtype_name = dtype_name_of(x)
+    if dtype_name not in FLOAT_DTYPES:
+        raise TypeError(f"x: dtype must be one of {FLOAT_DTYPES}, got {dtype_name}")
+    xf = to_numpy(x, float32=True)
+    w13n = to_numpy(w13, float32=True)  # int8 stays int8, bf16 widens exactly
+    w2n = to_numpy(w2, float32=True)
+    ids = to_numpy(topk_ids).astype(np.int64)
     if xf.ndim != 2:
         raise ValueError(f"x: expected [T, H], got shape {xf.shape}")
     T, H = xf.shape
@@ -279,7 +173,7 @@ def _run_moe(x, w13, w2, topk_weights, topk_ids, skip_weighted, expert_ffn):
             raise ValueError(f"skip_weighted: only allowed with k == 1 (got k = {k})")
         wts = np.ones((T, k), dtype=np.float32)
     else:
-        wts = _to_numpy(topk_weights, float32=True)
+        wts = to_numpy(topk_weights, float32=True)
         if wts.shape != ids.shape:
             raise ValueError(f"topk_weights: shape {wts.shape} != topk_ids shape {ids.shape}")
     if ids.size and (ids.min() < 0 or ids.max() >= E):
@@ -312,20 +206,20 @@ def ref_fused_moe_int8(x, w13, w2, s13, s2, topk_weights, topk_ids, activation="
     Only the experts that some token uses are computed.
     """
     _check_activation(activation)
-    dtype_name = _dtype_name(x)
-    s13n = _to_numpy(s13, float32=True)
-    s2n = _to_numpy(s2, float32=True)
-    b13n = _to_numpy(b13, float32=True)
-    b2n = _to_numpy(b2, float32=True)
+    dtype_name = dtype_name_of(x)
+    s13n = to_numpy(s13, float32=True)
+    s2n = to_numpy(s2, float32=True)
+    b13n = to_numpy(b13, float32=True)
+    b2n = to_numpy(b2, float32=True)
 
     def ffn(e, x_rows, w13n, w2n):
         inter = w2n.shape[2]
         # 1. Quantize each token (per row: the same as once per token). 2. GEMM1 + epilogue.
-        qx, sx = _quantize_rows_np(x_rows, TOKEN_AMAX_FLOOR)
+        qx, sx = quantize_rows(x_rows, TOKEN_AMAX_FLOOR)
         h = _linear(qx, sx, w13n[e], s13n[e], None if b13n is None else b13n[e])
         # 3. Activation; 4. round to the input dtype, requantize per row.
-        a = round_to_dtype(_activation(activation, h, inter), dtype_name)
-        qa, sa = _quantize_rows_np(a, TOKEN_AMAX_FLOOR)
+        a = round_to_dtype(gated_activation(activation, h, inter), dtype_name)
+        qa, sa = quantize_rows(a, TOKEN_AMAX_FLOOR)
         # 5. GEMM2 with its epilogue.
         return _linear(qa, sa, w2n[e], s2n[e], None if b2n is None else b2n[e])
 
@@ -333,93 +227,6 @@ def ref_fused_moe_int8(x, w13, w2, s13, s2, topk_weights, topk_ids, activation="
 
 
 # ---------------------------------------------------------------------------- W4A8
-def _e2m1(code: int) -> float:
-    """The FP4 E2M1 value of a 4-bit code: sign bit 3, exponent bits 2-1, mantissa bit 0."""
-    exp, man = (code >> 1) & 3, code & 1
-    mag = 0.5 * man if exp == 0 else (1.0 + 0.5 * man) * 2.0 ** (exp - 1)
-    return -mag if code & 8 else mag
-
-
-#: The 16 E2M1 values of the mxfp4 codes 0..15.
-MXFP4_VALUES = np.array([_e2m1(c) for c in range(16)], dtype=np.float32)
-# Doubled: exact integers in [-12, 12], the int8 values the kernels multiply.
-_MXFP4_INT = (2 * MXFP4_VALUES).astype(np.int8)
-
-
-def _mxfp4_codes(blocks) -> np.ndarray:
-    """uint8 [..., K / 32, 16] (two codes per byte, low nibble first) -> uint8 codes [..., K]."""
-    b = _to_numpy(blocks)
-    if b.dtype != np.uint8 or b.ndim < 2 or b.shape[-1] != 16:
-        raise ValueError(f"blocks: expected uint8 [..., K / 32, 16], got {b.dtype} {b.shape}")
-    codes = np.stack([b & 15, b >> 4], axis=-1)  # [..., K/32, 16, 2]: k = 2j, 2j + 1
-    return codes.reshape(*b.shape[:-2], b.shape[-2] * 32)
-
-
-def _e8m0_scale(e, halve: bool) -> np.ndarray:
-    """float32 2^(e - 127) (halve: 2^(e - 128)) of E8M0 bytes; NaN for 255."""
-    e = _to_numpy(e).astype(np.int64)
-    v = np.ldexp(np.float64(1.0), e - (128 if halve else 127)).astype(np.float32)
-    return np.where(e == 255, np.float32(np.nan), v).astype(np.float32)
-
-
-def dequantize_int4(values, scales, group_size: int):
-    """The real weights of int4 values [..., N, K] with group scales [..., N, K / g] (float32)."""
-    v = _to_numpy(values).astype(np.float32)
-    sc = _to_numpy(scales, float32=True)
-    return _like(values, v * np.repeat(sc, group_size, axis=-1))
-
-
-def dequantize_mxfp4(blocks, scales):
-    """The real weights (float32 [..., N, K]) of mxfp4 blocks [..., N, K / 32, 16] and E8M0
-    scales [..., N, K / 32]."""
-    vals = MXFP4_VALUES[_mxfp4_codes(blocks)]
-    return _like(blocks, vals * np.repeat(_e8m0_scale(scales, False), 32, axis=-1))
-
-
-def quantize_int4(w, group_size: int = 32, amax_floor: float = CHANNEL_AMAX_FLOOR):
-    """Symmetric per-group int4 quantization of weights [..., N, K], groups of ``group_size`` k:
-    s = max(amax, floor) / 7, v = round_half_even(w / s) clamped to [-8, 7]. Returns (int8
-    values, float32 scales [..., N, K / g])."""
-    w32 = _to_numpy(w, float32=True)
-    K = w32.shape[-1]
-    if group_size < 1 or K % group_size:
-        raise ValueError(f"group_size: {group_size} must divide K = {K}")
-    wg = w32.reshape(*w32.shape[:-1], K // group_size, group_size)
-    amax = np.max(np.abs(wg), axis=-1)
-    s = (np.maximum(amax, np.float32(amax_floor)) / np.float32(7)).astype(np.float32)
-    v = np.clip(np.rint(wg / s[..., None]), -8, 7).astype(np.int8).reshape(w32.shape)
-    return _like(w, v), _like(w, s)
-
-
-def quantize_mxfp4(w):
-    """OCP MX FP4 quantization of weights [..., N, K] (K a multiple of 32), as gpt-oss's
-    checkpoints hold them: per 32 k a shared exponent e = floor(log2(amax)) - 2 (E2M1's largest
-    exponent), values w / 2^e rounded to the nearest E2M1 value (ties to the even code), clamped to
-    +-6. Returns (uint8 blocks [..., N, K / 32, 16], uint8 E8M0 scales [..., N, K / 32])."""
-    w32 = _to_numpy(w, float32=True)
-    K = w32.shape[-1]
-    if K % 32:
-        raise ValueError(f"w: K = {K} must be a multiple of 32")
-    wg = w32.reshape(*w32.shape[:-1], K // 32, 32)
-    amax = np.max(np.abs(wg), axis=-1)
-    # floor(log2(amax)) from the float's own exponent (frexp: amax = m * 2^ex, m in [0.5, 1)).
-    _, ex = np.frexp(amax)
-    exp = np.where(amax > 0, ex.astype(np.int64) - 1 - 2, -127)
-    exp = np.clip(exp, -127, 127)
-    # Times a power of two: exact (a subnormal product aside).
-    scaled = np.clip(wg * np.exp2(-exp.astype(np.float32))[..., None], -6.0, 6.0)
-    # The nearest E2M1 magnitude, ties to the even code: steps of 0.5 below 2 (codes 0-4), of 1
-    # up to 4 (codes 4-6), of 2 up to 6 (codes 6-7); rint rounds half to even, and in each range
-    # an even step count is an even code. Every operation here is exact in fp32.
-    a = np.abs(scaled)
-    code = np.where(a < 2, np.rint(2 * a),
-                    np.where(a < 4, 4 + np.rint(a - 2), 6 + np.rint((a - 4) / 2))).astype(np.uint8)
-    code = code | np.where(scaled < 0, 8, 0).astype(np.uint8)
-    code = code.reshape(*w32.shape[:-1], K // 32, 16, 2)
-    blocks = (code[..., 0] | (code[..., 1] << 4)).astype(np.uint8)
-    return _like(w, blocks), _like(w, (exp + 127).astype(np.uint8))
-
-
 def _w4_linear(q, s, v, gs, g, b):
     """W4A8 GEMM epilogue: fp32 sum over groups of float32(exact group sum) * gs, then * s, + b.
     q int8 [M, K]; v int8 values [N, K]; gs float32 [N, K / g]."""
@@ -437,24 +244,24 @@ def _w4_linear(q, s, v, gs, g, b):
     return y
 
 
-def _ref_w4(x, v13, v2, gs13, gs2, g, topk_weights, topk_ids, activation, b13, b2,
+def ref_w4(x, v13, v2, gs13, gs2, g, topk_weights, topk_ids, activation, b13, b2,
             skip_weighted, round_gemm1: Optional[str] = None):
     """The W4A8 op on 4-bit values and float32 group scales. round_gemm1: a dtype each GEMM1
     output is rounded to before the activation (not cpumoe's op, which keeps fp32: the bench's
     model of vLLM's int4 kernel)."""
     _check_activation(activation)
-    dtype_name = _dtype_name(x)
-    b13n = _to_numpy(b13, float32=True)
-    b2n = _to_numpy(b2, float32=True)
+    dtype_name = dtype_name_of(x)
+    b13n = to_numpy(b13, float32=True)
+    b2n = to_numpy(b2, float32=True)
 
     def ffn(e, x_rows, w13n, w2n):
         inter = w2n.shape[2]
-        qx, sx = _quantize_rows_np(x_rows, TOKEN_AMAX_FLOOR)
+        qx, sx = quantize_rows(x_rows, TOKEN_AMAX_FLOOR)
         h = _w4_linear(qx, sx, w13n[e], gs13[e], g, None if b13n is None else b13n[e])
         if round_gemm1 is not None:
             h = round_to_dtype(h, round_gemm1)
-        a = round_to_dtype(_activation(activation, h, inter), dtype_name)
-        qa, sa = _quantize_rows_np(a, TOKEN_AMAX_FLOOR)
+        a = round_to_dtype(gated_activation(activation, h, inter), dtype_name)
+        qa, sa = quantize_rows(a, TOKEN_AMAX_FLOOR)
         return _w4_linear(qa, sa, w2n[e], gs2[e], g, None if b2n is None else b2n[e])
 
     return _run_moe(x, v13, v2, topk_weights, topk_ids, skip_weighted, ffn)
@@ -464,16 +271,16 @@ def ref_fused_moe_int4(x, w13, w2, s13, s2, topk_weights, topk_ids, activation="
                        b13=None, b2=None, skip_weighted=False, group_size=32):
     """The W4A8 op on int4 weights, naively: w13 int8 [E, 2I, H] / w2 [E, H, I] holding values in
     [-8, 7], s13 [E, 2I, H / g] / s2 [E, H, I / g] group scales; the rest as ref_fused_moe_int8."""
-    v13 = _to_numpy(w13)
-    v2 = _to_numpy(w2)
+    v13 = to_numpy(w13)
+    v2 = to_numpy(w2)
     if v13.dtype != np.int8 or v2.dtype != np.int8:
         raise TypeError("w13/w2: int4 values must be given as int8 arrays")
     if (v13.size and (v13.min() < -8 or v13.max() > 7)) or (v2.size and (v2.min() < -8 or
                                                                           v2.max() > 7)):
         raise ValueError("w13/w2: int4 values must be in [-8, 7]")
-    gs13 = _to_numpy(s13, float32=True)
-    gs2 = _to_numpy(s2, float32=True)
-    return _ref_w4(x, v13, v2, gs13, gs2, group_size, topk_weights, topk_ids, activation, b13,
+    gs13 = to_numpy(s13, float32=True)
+    gs2 = to_numpy(s2, float32=True)
+    return ref_w4(x, v13, v2, gs13, gs2, group_size, topk_weights, topk_ids, activation, b13,
                    b2, skip_weighted)
 
 
@@ -481,9 +288,9 @@ def ref_fused_moe_mxfp4(x, w13_blocks, w13_scales, w2_blocks, w2_scales, topk_we
                         activation="silu", b13=None, b2=None, skip_weighted=False):
     """The W4A8 op on mxfp4 weights (gpt-oss's layout: blocks uint8 [E, N, K / 32, 16], E8M0
     scales uint8 [E, N, K / 32]), naively; the rest as ref_fused_moe_int8."""
-    v13 = _MXFP4_INT[_mxfp4_codes(w13_blocks)]
-    v2 = _MXFP4_INT[_mxfp4_codes(w2_blocks)]
-    return _ref_w4(x, v13, v2, _e8m0_scale(w13_scales, True), _e8m0_scale(w2_scales, True), 32,
+    v13 = MXFP4_INT[mxfp4_codes(w13_blocks)]
+    v2 = MXFP4_INT[mxfp4_codes(w2_blocks)]
+    return ref_w4(x, v13, v2, e8m0_scale(w13_scales, True), e8m0_scale(w2_scales, True), 32,
                    topk_weights, topk_ids, activation, b13, b2, skip_weighted)
 
 
@@ -505,18 +312,18 @@ def ref_fused_moe_bf16(x, w13, w2, topk_weights, topk_ids, activation="silu", b1
     its values rounded to bf16); b13, b2 optional; topk_* and skip_weighted as in the int8 op.
     """
     _check_activation(activation)
-    b13n = _to_numpy(b13, float32=True)
-    b2n = _to_numpy(b2, float32=True)
+    b13n = to_numpy(b13, float32=True)
+    b2n = to_numpy(b2, float32=True)
     # bf16 weights widen exactly; other float dtypes are rounded to bf16 first.
-    w13_exact = _dtype_name(w13) == "bfloat16"
-    w2_exact = _dtype_name(w2) == "bfloat16"
+    w13_exact = dtype_name_of(w13) == "bfloat16"
+    w2_exact = dtype_name_of(w2) == "bfloat16"
 
     def ffn(e, x_rows, w13n, w2n):
         inter = w2n.shape[2]
         w13e = w13n[e] if w13_exact else round_to_dtype(w13n[e], "bfloat16")
         w2e = w2n[e] if w2_exact else round_to_dtype(w2n[e], "bfloat16")
         h = _bf16_linear(x_rows, w13e, None if b13n is None else b13n[e])
-        a = _activation(activation, h, inter)
+        a = gated_activation(activation, h, inter)
         return _bf16_linear(a, w2e, None if b2n is None else b2n[e])
 
     return _run_moe(x, w13, w2, topk_weights, topk_ids, skip_weighted, ffn)
@@ -524,7 +331,7 @@ def ref_fused_moe_bf16(x, w13, w2, topk_weights, topk_ids, activation="silu", b1
 
 def _cast_out(x, out32: np.ndarray, dtype_name: str):
     """fp32 result -> x's dtype and framework (round to nearest even)."""
-    torch = _torch_module(x)
+    torch = torch_of(x)
     if torch is not None:
         return torch.from_numpy(out32).to(getattr(torch, dtype_name))
     with np.errstate(over="ignore"):

@@ -322,8 +322,8 @@ def _run_packed(out: Optional[torch.Tensor], input: torch.Tensor, packed: int,
                 skip_weighted: bool, expert_map: Optional[torch.Tensor],
                 num_threads: int) -> torch.Tensor:
     obj = _packed_by_key(packed)
-    return _ops._run(_ops._native_op(obj), input, obj, topk_weights, topk_ids, activation, skip_weighted, out,
-                     expert_map, None if num_threads <= 0 else num_threads)
+    return _ops.run_op(_ops.native_op(obj), input, obj, topk_weights, topk_ids, activation,
+                       skip_weighted, out, expert_map, None if num_threads <= 0 else num_threads)
 
 
 def _check_fake(input: torch.Tensor, packed: int, topk_weights: torch.Tensor,

@@ -46,8 +46,8 @@ def _real_looking(rng, n: int, k: int) -> np.ndarray:
 
 
 def _act(name: str, h: np.ndarray, inter: int) -> np.ndarray:
-    from ..reference import _activation
-    return _activation(name, h.astype(np.float32), inter).astype(np.float64)
+    from ..reference import gated_activation
+    return gated_activation(name, h.astype(np.float32), inter).astype(np.float64)
 
 
 def _fp32_layer(x, w13, w2, b13, b2, ids, tw, act):
@@ -72,7 +72,7 @@ def _fp32_layer(x, w13, w2, b13, b2, ids, tw, act):
 def measure(preset: str, E: int, T: int, seed: int) -> Dict[str, float]:
     """{format: relative error} for one preset."""
     import cpumoe
-    from .. import reference as R
+    from .. import quantize as Q
     H, I, _, k, act, bias = problem.PRESETS[preset]
     k = min(k, E)
     rng = np.random.default_rng([seed, H, I])
@@ -81,7 +81,7 @@ def measure(preset: str, E: int, T: int, seed: int) -> Dict[str, float]:
     b13 = (rng.standard_normal((E, 2 * I)) * 0.02).astype(np.float32) if bias else None
     b2 = (rng.standard_normal((E, H)) * 0.02).astype(np.float32) if bias else None
     x32 = rng.standard_normal((T, H)).astype(np.float32)
-    x = R.round_to_dtype(x32, "bfloat16")  # the op's bf16 input, as fp32 values
+    x = Q.round_to_dtype(x32, "bfloat16")  # the op's bf16 input, as fp32 values
     ids, tw = problem.make_routing(rng, T, E, k)
     ref = _fp32_layer(x, w13, w2, b13, b2, ids, tw, act)
     import ml_dtypes  # noqa: F401  (bf16 numpy arrays for the op)
@@ -92,17 +92,17 @@ def measure(preset: str, E: int, T: int, seed: int) -> Dict[str, float]:
         return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
     res = {}
-    q13, s13 = R.quantize_per_channel(w13)
-    q2, s2 = R.quantize_per_channel(w2)
+    q13, s13 = Q.quantize_per_channel(w13)
+    q2, s2 = Q.quantize_per_channel(w2)
     res["w8a8 int8"] = err(cpumoe.prepack(q13, q2, s13, s2, b13, b2))
     for g in (32, 64, 128):
         if H % g or I % g:
             continue
-        v13, t13 = R.quantize_int4(w13, g)
-        v2, t2 = R.quantize_int4(w2, g)
+        v13, t13 = Q.quantize_int4(w13, g)
+        v2, t2 = Q.quantize_int4(w2, g)
         res[f"int4 g{g}"] = err(cpumoe.prepack_int4(v13, v2, t13, t2, b13, b2, group_size=g))
-    m13, e13 = R.quantize_mxfp4(w13)
-    m2, e2 = R.quantize_mxfp4(w2)
+    m13, e13 = Q.quantize_mxfp4(w13)
+    m2, e2 = Q.quantize_mxfp4(w2)
     res["mxfp4"] = err(cpumoe.prepack_mxfp4(m13, e13, m2, e2, b13, b2))
     return res
 

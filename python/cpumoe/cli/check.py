@@ -105,6 +105,7 @@ def _run_w4_case(lib: problem.Lib, fmt: str, g: int, act: str, paths: List[str],
     """A W4A8 layer (4-bit weights made from random floats) on every W4A8 path against its
     reference; returns {path: (ok, rel_err)} and whether the paths agreed bit for bit."""
     import cpumoe
+    from .. import quantize as Q
     from .. import reference as R
     T, E, k, H, I = 13, 8, 2, 256, 128
     rng = np.random.default_rng([9, g, len(act)])
@@ -116,11 +117,11 @@ def _run_w4_case(lib: problem.Lib, fmt: str, g: int, act: str, paths: List[str],
     ids, wts = problem.make_routing(rng, T, E, k)
     ids_t, wts_t = lib.tensor(ids), lib.tensor(wts)
     if fmt == "mxfp4":
-        (q13, e13), (q2, e2) = R.quantize_mxfp4(w13), R.quantize_mxfp4(w2)
+        (q13, e13), (q2, e2) = Q.quantize_mxfp4(w13), Q.quantize_mxfp4(w2)
         ref = R.ref_fused_moe_mxfp4(x, q13, e13, q2, e2, wts_t, ids_t, act, b13=b13, b2=b2)
         pack = lambda p: cpumoe.prepack_mxfp4(q13, e13, q2, e2, b13, b2, isa=p)  # noqa: E731
     else:
-        (v13, t13), (v2, t2) = R.quantize_int4(w13, g), R.quantize_int4(w2, g)
+        (v13, t13), (v2, t2) = Q.quantize_int4(w13, g), Q.quantize_int4(w2, g)
         ref = R.ref_fused_moe_int4(x, v13, v2, t13, t2, wts_t, ids_t, act, b13=b13, b2=b2,
                                    group_size=g)
         pack = lambda p: cpumoe.prepack_int4(v13, v2, t13, t2, b13, b2, group_size=g,  # noqa: E731

@@ -192,7 +192,7 @@ def make_weights(E: int, H: int, I: int, bias: bool, seed: int, threads: int):
     quantized per output channel (cpumoe.quantize_per_channel), one expert at a time (so the
     float temporaries stay small) on ``threads`` threads; expert e's values depend only on
     (seed, e). Biases N(0, 0.1) fp32 when ``bias``. numpy arrays."""
-    from ..reference import quantize_per_channel
+    from ..quantize import quantize_per_channel
 
     w13 = np.empty((E, 2 * I, H), np.int8)
     w2 = np.empty((E, H, I), np.int8)

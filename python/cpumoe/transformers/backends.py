@@ -9,8 +9,8 @@ import torch
 from transformers.integrations.moe import ExpertsInterface
 
 from .. import ops as _ops
-from .layout import UnsupportedExperts, _fail, _layout
-from .packing import BACKENDS, _pack, _released_by, _states
+from .layout import UnsupportedExperts, refuse, layout_of
+from .packing import BACKENDS, pack_module, released_by, states
 
 
 # ---------------------------------------------------------------------------- the backends
@@ -30,13 +30,13 @@ class _InferenceOnly(torch.autograd.Function):
 
 
 def _forward(module, hidden_states, top_k_index, top_k_weights, kind, op):
-    st = _states(module).get(kind)
+    st = states(module).get(kind)
     if st is None:
         if torch.compiler.is_compiling():
             raise RuntimeError("cpumoe: pack the experts before torch.compile (call "
                                "cpumoe.transformers.quantize(model) / pack_bf16(model), or run "
                                "the model once)")
-        st = _pack(module, kind, None, keep_float=False)
+        st = pack_module(module, kind, None, keep_float=False)
     x = hidden_states
     flat = x.dim() != 2  # the MoE blocks pass [T, H]; anything else is flattened and restored
     shape = x.shape
@@ -115,14 +115,14 @@ def prepare(model: torch.nn.Module, backend: str = "cpumoe", *,
         raise UnsupportedExperts(f"{type(model).__name__}: no experts module dispatching "
                                  f"through transformers' ExpertsInterface")
     for name, m in mods:  # all checks first: no half-converted model on error
-        if kind not in _states(m):
-            gone = _released_by(m)
+        if kind not in states(m):
+            gone = released_by(m)
             if gone is not None:
-                _fail(m, name, f"its float weights were released when it was packed for the "
+                refuse(m, name, f"its float weights were released when it was packed for the "
                                f"{gone.kind} op")
-            _layout(m, name)
+            layout_of(m, name)
     for name, m in mods:
-        _pack(m, kind, name, keep_float_weights)
+        pack_module(m, kind, name, keep_float_weights)
     if getattr(model.config, "_experts_implementation", None) != backend:
         model.set_experts_implementation(backend)
     return [n for n, _ in mods]

@@ -13,8 +13,8 @@ from .. import checkpoint as _ck
 from .. import checkpoint_w4 as _ck4
 from .. import ops as _ops
 from .backends import experts_modules
-from .layout import UnsupportedExperts, _fail, _Layout, _layout
-from .packing import _EXPERT_PARAMS, _STATE, BACKENDS, _State
+from .layout import UnsupportedExperts, refuse, Layout, layout_of
+from .packing import EXPERT_PARAMS, STATE_ATTR, BACKENDS, PackedState
 
 # The checkpoint names a model tensor may have besides its own: Mixtral's original MoE block
 # name (transformers renames ".block_sparse_moe." to ".mlp." when it loads such checkpoints).
@@ -93,7 +93,7 @@ def load_w4a8(path, *, dtype: torch.dtype = torch.bfloat16, model_class: Any = N
     return _load_quantized(ck, "mxfp4" if method == "mxfp4" else "int4", dtype, model_class)
 
 
-def _experts_of_checkpoint(ck, kind: str, layer: int, lay: _Layout, name: str):
+def _experts_of_checkpoint(ck, kind: str, layer: int, lay: Layout, name: str):
     """One layer's routed experts read from the checkpoint, in the form whose ``prepack``
     packs them (shapes checked against the model's experts module)."""
     if kind == "int8":
@@ -136,19 +136,20 @@ def _load_quantized(ck, kind: str, dtype: torch.dtype, model_class: Any):
                                  f"through transformers' ExpertsInterface")
     skip = set()
     for name, m in mods:
-        lay = _layout(m, name, meta_ok=True)
+        lay = layout_of(m, name, meta_ok=True)
         found = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
         if found is None:
-            _fail(m, name, "no decoder layer index in its name (expected ...layers.<L>....)")
+            refuse(m, name, "no decoder layer index in its name (expected ...layers.<L>....)")
         w = _experts_of_checkpoint(ck, kind, int(found.group(1)), lay, name)
         packed = w.prepack()
         del w
-        for pname in _EXPERT_PARAMS:
+        for pname in EXPERT_PARAMS:
             if m._parameters.get(pname) is not None:
                 m._parameters[pname] = torch.nn.Parameter(torch.empty((0,), dtype=dtype),
                                                           requires_grad=False)
                 skip.add(f"{name}.{pname}")
-        object.__setattr__(m, _STATE, {kind: _State(kind, packed, lay.activation, name, True)})
+        object.__setattr__(m, STATE_ATTR,
+                           {kind: PackedState(kind, packed, lay.activation, name, True)})
     model.to_empty(device="cpu")
     model.initialize_weights()  # non-persistent buffers (rotary inv_freq), recomputed
     tied = set(getattr(model, "all_tied_weights_keys", {}) or {})

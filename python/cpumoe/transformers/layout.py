@@ -56,7 +56,7 @@ def _module_name(module: torch.nn.Module) -> str:
     return f"{path} ({type(module).__name__})" if path else type(module).__name__
 
 
-def _fail(module: torch.nn.Module, name: Optional[str], reason: str) -> NoReturn:
+def refuse(module: torch.nn.Module, name: Optional[str], reason: str) -> NoReturn:
     raise UnsupportedExperts(f"cpumoe cannot take the experts {name or _module_name(module)}: "
                              f"{reason}")
 
@@ -194,7 +194,7 @@ def _probe_gating(module: torch.nn.Module, inter: int, dtype: torch.dtype):
             ok[dt] = ok[dt] or set()
             for spec in specs:
                 h_op = (inter_l if _ops.activation_interleaved(spec) else halves).float().numpy()
-                want = _reference._activation(spec, h_op, inter).ravel()
+                want = _reference.gated_activation(spec, h_op, inter).ravel()
                 miss = _check(got, want, gf, uf, torch.finfo(dt).eps, spec, interleaved)
                 if miss is None:
                     ok[dt].add((spec, interleaved))
@@ -228,7 +228,7 @@ def _refuse_gating(module: torch.nn.Module, name: Optional[str], closest: Option
         why = (f"; closest: {closest.spec} ({layout}), off at {closest.bad} probe points, e.g. at "
                f"gate={closest.g:.6g}, up={closest.u:.6g} it gives {closest.got:.6g}, "
                f"{closest.spec} gives {closest.want:.6g}")
-    _fail(module, name, f"its gating ({_what_it_computes(module)}) matches none of cpumoe's "
+    refuse(module, name, f"its gating ({_what_it_computes(module)}) matches none of cpumoe's "
                         f"activations ({have}) in either gate/up layout{why}")
 
 
@@ -244,7 +244,7 @@ def _row_order(inter: int, src_interleaved: bool, dst_interleaved: bool):
 
 # ---------------------------------------------------------------------------- the layout
 @dataclasses.dataclass
-class _Layout:
+class Layout:
     E: int
     H: int
     I: int
@@ -254,37 +254,37 @@ class _Layout:
     has_bias: bool
 
 
-def _layout(module: torch.nn.Module, name: Optional[str], meta_ok: bool = False) -> _Layout:
+def layout_of(module: torch.nn.Module, name: Optional[str], meta_ok: bool = False) -> Layout:
     """Checks that cpumoe can take the module's experts and how its weights map to the op's
     (meta_ok: shapes only, the weights come from a checkpoint)."""
     if not getattr(module, "has_gate", True) or not hasattr(module, "gate_up_proj"):
-        _fail(module, name, "its experts have no gate (no fused gate_up_proj); cpumoe's op is a "
+        refuse(module, name, "its experts have no gate (no fused gate_up_proj); cpumoe's op is a "
                             "gated MLP")
     if getattr(module, "has_post_expert_norm", False):
-        _fail(module, name, "a norm after each expert (has_post_expert_norm) is not supported")
+        refuse(module, name, "a norm after each expert (has_post_expert_norm) is not supported")
     if getattr(module, "_is_expert_parallel", False):
-        _fail(module, name, "expert parallelism (sentinel expert ids) is not supported")
+        refuse(module, name, "expert parallelism (sentinel expert ids) is not supported")
     gu, dn = module.gate_up_proj, getattr(module, "down_proj", None)
     for pname, t in (("gate_up_proj", gu), ("down_proj", dn)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
-            _fail(module, name, f"{pname} is not a 3-D [E, ., .] tensor (got "
+            refuse(module, name, f"{pname} is not a 3-D [E, ., .] tensor (got "
                                 f"{type(t).__name__} {list(getattr(t, 'shape', []))})")
         if t.device.type != "cpu" and not (meta_ok and t.device.type == "meta"):
-            _fail(module, name, f"{pname} is on {t.device}, not the CPU")
+            refuse(module, name, f"{pname} is on {t.device}, not the CPU")
         if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            _fail(module, name, f"{pname} has dtype {t.dtype}; cpumoe packs float32/bfloat16/"
+            refuse(module, name, f"{pname} has dtype {t.dtype}; cpumoe packs float32/bfloat16/"
                                 f"float16 weights (already quantized experts are not supported)")
     transposed = bool(getattr(module, "is_transposed", False))
     E, a, b = gu.shape
     I2, H = (b, a) if transposed else (a, b)
     if I2 % 2:
-        _fail(module, name, f"gate_up_proj has an odd gate+up width {I2}")
+        refuse(module, name, f"gate_up_proj has an odd gate+up width {I2}")
     I = I2 // 2
     want_dn = (E, I, H) if transposed else (E, H, I)
     if tuple(dn.shape) != want_dn:
-        _fail(module, name, f"down_proj has shape {list(dn.shape)}, expected {list(want_dn)}")
+        refuse(module, name, f"down_proj has shape {list(dn.shape)}, expected {list(want_dn)}")
     if H % _ALIGN or I % _ALIGN:
-        _fail(module, name, f"hidden size H = {H} and intermediate size I = {I} must be "
+        refuse(module, name, f"hidden size H = {H} and intermediate size I = {I} must be "
                             f"multiples of {_ALIGN}")
     found, closest = _probe_gating(module, I, gu.dtype)
     if found is None:
@@ -296,25 +296,25 @@ def _layout(module: torch.nn.Module, name: Optional[str], meta_ok: bool = False)
                                                                       None)
         if (not isinstance(b13, torch.Tensor) or tuple(b13.shape) != (E, 2 * I)
                 or not isinstance(b2, torch.Tensor) or tuple(b2.shape) != (E, H)):
-            _fail(module, name, f"biases must be gate_up_proj_bias [E, 2I] = [{E}, {2 * I}] and "
+            refuse(module, name, f"biases must be gate_up_proj_bias [E, 2I] = [{E}, {2 * I}] and "
                                 f"down_proj_bias [E, H] = [{E}, {H}]")
     order = _row_order(I, interleaved, _ops.activation_interleaved(activation))
-    return _Layout(E, H, I, activation, order, transposed, has_bias)
+    return Layout(E, H, I, activation, order, transposed, has_bias)
 
 
-def _w13_of(module: torch.nn.Module, lay: _Layout, e: int) -> torch.Tensor:
+def w13_of(module: torch.nn.Module, lay: Layout, e: int) -> torch.Tensor:
     """Expert e's gate+up weights [2I, H] in the op's row order."""
     w = module.gate_up_proj[e]
     w = w.t() if lay.transposed else w
     return w if lay.order is None else w[lay.order]
 
 
-def _w2_of(module: torch.nn.Module, lay: _Layout, e: int) -> torch.Tensor:
+def w2_of(module: torch.nn.Module, lay: Layout, e: int) -> torch.Tensor:
     w = module.down_proj[e]
     return w.t() if lay.transposed else w
 
 
-def _biases(module: torch.nn.Module, lay: _Layout):
+def biases_of(module: torch.nn.Module, lay: Layout):
     if not lay.has_bias:
         return None, None
     b13 = module.gate_up_proj_bias.detach().float()

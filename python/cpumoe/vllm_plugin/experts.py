@@ -30,7 +30,7 @@ from vllm.platforms import current_platform
 import cpumoe
 from cpumoe import ops as _ops
 
-from .kinds import _ACTIVATIONS, activation_of
+from .kinds import VLLM_ACTIVATIONS, activation_of
 
 # A child of vLLM's logger: vLLM's handler and format, and VLLM_LOGGING_LEVEL, apply.
 logger = init_logger("vllm.plugins.cpumoe")
@@ -98,7 +98,7 @@ class _CpumoeExperts(mk.FusedMoEExpertsModular):
 
     @staticmethod
     def _supports_activation(activation: MoEActivation) -> bool:
-        return activation in _ACTIVATIONS
+        return activation in VLLM_ACTIVATIONS
 
     @staticmethod
     def _supports_parallel_config(moe_parallel_config: FusedMoEParallelConfig) -> bool:
@@ -171,7 +171,7 @@ class _CpumoeExperts(mk.FusedMoEExpertsModular):
               workspace2: torch.Tensor, expert_tokens_meta: Optional[mk.ExpertTokensMetadata],
               apply_router_weight_on_input: bool) -> None:
         act = self._act
-        if act is None or _ACTIVATIONS.get(activation) != _ops.parse_activation(act)[0]:
+        if act is None or VLLM_ACTIVATIONS.get(activation) != _ops.parse_activation(act)[0]:
             raise ValueError(f"cpumoe ({self.layer_name}): activation {activation.value!r}: "
                              f"{self._act_why or f'the layer was packed for {act}'}")
         if topk_weights.dtype != torch.float32:
@@ -295,6 +295,6 @@ class CpumoeBf16Experts(_CpumoeExperts):
                                  _bias(layer, "w13_bias"), _bias(layer, "w2_bias"))
 
 
-#: Experts classes swapped into a method vLLM built (_plan's kinds; the quantized layers get
+#: Experts classes swapped into a method vLLM built (plan_layer's kinds; the quantized layers get
 #: cpumoe's methods instead).
-_EXPERTS = {"bf16": CpumoeBf16Experts}
+EXPERT_CLASSES = {"bf16": CpumoeBf16Experts}

@@ -2,8 +2,8 @@
 "int4_a16", "mxfp4" or "bf16"), or the reason the layer stays on vLLM's kernel.
 
 A quantized layer's kind is read from its quantization config before vLLM picks its method
-(:func:`_quantized_kind`: compressed-tensors W8A8 int8, W4A8 int4, W4A16 pack-quantized int4,
-gpt-oss MXFP4); an unquantized layer's once vLLM built it (:func:`_plan`: bf16 where vLLM
+(:func:`quantized_kind`: compressed-tensors W8A8 int8, W4A8 int4, W4A16 pack-quantized int4,
+gpt-oss MXFP4); an unquantized layer's once vLLM built it (:func:`plan_layer`: bf16 where vLLM
 selected its CPU backend). :func:`layer_problem` checks what cpumoe's op needs of any layer.
 """
 
@@ -23,7 +23,7 @@ from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
 from vllm.platforms import current_platform
 
 #: vLLM activation -> cpumoe activation name (its parameters: activation_of).
-_ACTIVATIONS = {
+VLLM_ACTIVATIONS = {
     MoEActivation.SILU: "silu",  # with a swiglu_limit: silu_clamp (DeepSeek-V4's clamped SwiGLU)
     MoEActivation.GELU: "gelu",
     MoEActivation.GELU_TANH: "gelu_tanh",
@@ -50,10 +50,10 @@ def activation_of(moe: Any, layer: Any = None,
     (cpumoe's silu_clamp); SWIGLUOAI takes limit (default 7) and alpha (default 1.702) with
     beta 1; a parameter cpumoe would not apply is a reason, never dropped."""
     act = moe.activation
-    base = _ACTIVATIONS.get(act)
+    base = VLLM_ACTIVATIONS.get(act)
     if base is None:
         return None, (f"activation {act.value!r} (cpumoe has "
-                      f"{', '.join(sorted(set(_ACTIVATIONS.values())))}, silu with a "
+                      f"{', '.join(sorted(set(VLLM_ACTIVATIONS.values())))}, silu with a "
                       f"swiglu_limit)")
     limit = _param("swiglu_limit", moe, layer, quant_config, "gemm1_clamp_limit")
     alpha = _param("swiglu_alpha", moe, layer, quant_config, "gemm1_alpha")
@@ -95,7 +95,7 @@ def layer_problem(moe: FusedMoEConfig, layer: Any = None) -> Optional[str]:
     return None
 
 
-def _plan(layer: RoutedExperts) -> Tuple[Optional[str], str]:
+def plan_layer(layer: RoutedExperts) -> Tuple[Optional[str], str]:
     """(kind, why) for a layer vLLM built: kind "bf16" if cpumoe takes it, else None and the
     reason. (Quantized layers are taken earlier, in _CpumoeLayer._get_quant_method.)"""
     qm = layer.quant_method
@@ -181,9 +181,9 @@ def _ct_kind(quant_config: Any, scheme: Dict, moe: FusedMoEConfig) -> Tuple[Opti
     return kind, ""
 
 
-def _quantized_kind(layer: RoutedExperts, prefix: str, quant_config: Any,
+def quantized_kind(layer: RoutedExperts, prefix: str, quant_config: Any,
                     moe: FusedMoEConfig) -> Tuple[Optional[str], Dict, str]:
-    """(kind, scheme, "") for a quantized layer cpumoe takes (a key of _method_classes());
+    """(kind, scheme, "") for a quantized layer cpumoe takes (a key of method_classes());
     otherwise (None, scheme, why), why "" where cpumoe has no kernel for the quantization."""
     if _is_gpt_oss_mxfp4(quant_config):
         kind, scheme, why = "mxfp4", {}, ""

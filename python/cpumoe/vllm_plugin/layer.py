@@ -40,10 +40,10 @@ from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 import cpumoe
 from cpumoe import ops as _ops
 
-from .experts import (_EXPERTS, CpumoeBf16Experts, CpumoeInt4Experts, CpumoeInt8Experts,
+from .experts import (EXPERT_CLASSES, CpumoeBf16Experts, CpumoeInt4Experts, CpumoeInt8Experts,
                       CpumoeMxfp4Experts, reset_counts, stats)
-from .kinds import _plan, _quantized_kind, layer_problem
-from .methods import _method_classes
+from .kinds import plan_layer, quantized_kind, layer_problem
+from .methods import method_classes
 
 __all__ = ["CpumoeBf16Experts", "CpumoeInt4Experts", "CpumoeInt8Experts", "CpumoeMxfp4Experts",
            "CpumoeRoutedExperts", "install", "layer_problem", "reset_counts", "stats"]
@@ -58,24 +58,24 @@ class _CpumoeLayer:
 
     def _get_quant_method(self, prefix: str, quant_config: Any,
                           moe_config: FusedMoEConfig) -> Any:
-        kind, scheme, self._cpumoe_why = _quantized_kind(self, prefix, quant_config, moe_config)
+        kind, scheme, self._cpumoe_why = quantized_kind(self, prefix, quant_config, moe_config)
         if kind is not None:
-            return _method_classes()[kind](scheme.get("weights"),
+            return method_classes()[kind](scheme.get("weights"),
                                            scheme.get("input_activations"), moe_config)
         return super()._get_quant_method(prefix, quant_config, moe_config)
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         qm = self.quant_method
-        if isinstance(qm, tuple(_method_classes().values())):
+        if isinstance(qm, tuple(method_classes().values())):
             return  # taken; logged with its path once the weights are packed
-        kind, why = _plan(self)
+        kind, why = plan_layer(self)
         if kind is None:
             logger.info("cpumoe: %s stays on vLLM's kernel: %s", self.layer_name,
                         self._cpumoe_why or why)
             return
         vllm_cls = getattr(qm, "experts_cls", None)
-        qm.experts_cls = _EXPERTS[kind]
+        qm.experts_cls = EXPERT_CLASSES[kind]
         logger.debug("cpumoe: %s: experts %s -> %s", self.layer_name,
                      getattr(vllm_cls, "__name__", vllm_cls), qm.experts_cls.__name__)
 

@@ -38,7 +38,7 @@ def _modular_kernel(method: Any, layer: RoutedExperts) -> mk.FusedMoEKernel:
     return kernel
 
 
-def _method_classes() -> Dict[str, type]:
+def method_classes() -> Dict[str, type]:
     """cpumoe's quantized MoE methods, by kind: vLLM's compressed-tensors W8A8 int8, W4A8 int8
     and WNA16 methods and its gpt-oss MXFP4 method (their parameters and weight loading) with
     cpumoe's experts, made without vLLM's backend selection (which finds no W8A8 kernel on x86

@@ -62,7 +62,7 @@ def _cpumoe_bf16(layer, w13b, w2b, b13, b2) -> Contender:
 def _w4_weights(layer, fmt: str, g: int, w13, w2, s13, s2):
     """4-bit copies of the layer's int8 experts in the prepack functions' input form, made from
     the dequantized weights one expert at a time (the float copy of a whole layer is GBs)."""
-    from ... import reference as R
+    from ... import quantize as Q
 
     def np_of(a):
         return a.numpy() if hasattr(a, "numpy") else np.asarray(a)
@@ -72,8 +72,8 @@ def _w4_weights(layer, fmt: str, g: int, w13, w2, s13, s2):
 
     out = []
     for w, s in ((w13, s13), (w2, s2)):
-        parts = [R.quantize_mxfp4(one(w, s, e)) if fmt == "mxfp4" else
-                 R.quantize_int4(one(w, s, e), g) for e in range(w.shape[0])]
+        parts = [Q.quantize_mxfp4(one(w, s, e)) if fmt == "mxfp4" else
+                 Q.quantize_int4(one(w, s, e), g) for e in range(w.shape[0])]
         out.append((np.stack([a for a, _ in parts]), np.stack([b for _, b in parts])))
     (q13, t13), (q2, t2) = out
     return q13, t13, q2, t2
@@ -101,12 +101,13 @@ def _cpumoe_w4(layer, name: str, q13, t13, q2, t2, b13, b2) -> Contender:
 def _w4_reference(name, x, q13, t13, q2, t2, b13, b2, used, wts, local_ids, act):
     """The reference of a 4-bit contender (its own semantics: see vllm_cpu for vLLM's) and what
     it is called in the check's line."""
+    from ... import quantize as Q
     from ... import reference as R
     fmt, g = W4_CONTENDERS[name]
     sub = [a[used] for a in (q13, t13, q2, t2)]
     bias = dict(b13=_subset(b13, used), b2=_subset(b2, used))
     if name == "vllm-mxfp4":
-        w13, w2 = R.dequantize_mxfp4(sub[0], sub[1]), R.dequantize_mxfp4(sub[2], sub[3])
+        w13, w2 = Q.dequantize_mxfp4(sub[0], sub[1]), Q.dequantize_mxfp4(sub[2], sub[3])
         return R.ref_fused_moe_bf16(x, w13, w2, wts, local_ids, act, **bias), "bf16 of mxfp4"
     if name.startswith("vllm-"):
         return vllm_cpu.ref_int4(x, *sub, wts, local_ids, act), f"vLLM's int4 g{g}"

@@ -338,10 +338,11 @@ class Int4G32(Int4):
 def ref_int4(x, w13, s13, w2, s2, topk_weights, topk_ids, activation: str = "silu"):
     """:class:`Int4`'s layer as measured: cpumoe.reference's W4A8 op with the group scales
     rounded to bf16 and each GEMM1 output rounded to bf16 before the activation."""
+    from ... import quantize as Q
     from ... import reference as R
     g = w13.shape[-1] // s13.shape[-1]
-    gs13, gs2 = (R.round_to_dtype(np.asarray(s, np.float32), "bfloat16") for s in (s13, s2))
-    return R._ref_w4(x, np.asarray(w13), np.asarray(w2), gs13, gs2, g, topk_weights, topk_ids,
+    gs13, gs2 = (Q.round_to_dtype(np.asarray(s, np.float32), "bfloat16") for s in (s13, s2))
+    return R.ref_w4(x, np.asarray(w13), np.asarray(w2), gs13, gs2, g, topk_weights, topk_ids,
                      activation, None, None, False, round_gemm1="bfloat16")
 
 

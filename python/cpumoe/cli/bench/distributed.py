@@ -1,7 +1,7 @@
 """Benchmark of expert parallelism on one machine: R ranks (gloo on loopback) share a layer's
 experts; per-rank compute and communication time for the all-reduce and all-to-all modes.
 
-    python -m cpumoe.bench_distributed [--ranks 1,2,4] [--tokens 1,16,128] [--iters 10]
+    python -m cpumoe.cli.bench.distributed [--ranks 1,2,4] [--tokens 1,16,128] [--iters 10]
 
 Default problem: the Qwen3-30B-A3B MoE layer (H=2048, I=768, E=128, top-8, bf16), random int8
 weights made on each rank for its own experts only. Each rank gets torch threads =
@@ -69,7 +69,7 @@ def _rank_main(rank, world, port, args, queue):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cpumoe.bench_distributed",
+    p = argparse.ArgumentParser(prog="python -m cpumoe.cli.bench.distributed",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", default="1,2,4")
     p.add_argument("--tokens", default="1,16,128")

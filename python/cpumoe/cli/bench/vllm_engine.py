@@ -1,6 +1,6 @@
 """End-to-end benchmark: vLLM offline with its own CPU MoE backend against cpumoe's plugin.
 
-``python -m cpumoe.vllm_plugin.bench`` writes a random model of Qwen3-30B-A3B's width (H 2048,
+``python -m cpumoe.cli.bench.vllm_engine`` writes a random model of Qwen3-30B-A3B's width (H 2048,
 128 experts of I 768, top-8, 32 heads, vocabulary cut to 2048) with ``--layers`` layers, in bf16,
 W8A8 (compressed-tensors int8 experts) and, with ``--checkpoints w4a8,...``, W4A8 (int4 experts,
 g 128), then for each checkpoint serves it through
@@ -79,7 +79,7 @@ def measure(model_dir: str, prefill: int, decode: int, batches: List[int],
     for k, v in ENGINE_ENV.items():
         os.environ.setdefault(k, v)
     import vllm
-    from cpumoe.vllm_plugin import bench as me  # by module: pickled by reference for the worker
+    from cpumoe.cli.bench import vllm_engine as me  # by module: pickled by reference for the worker
     t0 = time.perf_counter()
     llm = vllm.LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16",
                    max_model_len=max(1024, prefill + 64), enforce_eager=True, seed=0,
@@ -135,7 +135,7 @@ def vllm_int8_kernel() -> str:
 
 def _has_vllm_int8() -> bool:
     """vllm_int8_kernel() in a child process (the driver does not import vLLM itself)."""
-    code = "from cpumoe.vllm_plugin.bench import vllm_int8_kernel as k; print(k() or '-')"
+    code = "from cpumoe.cli.bench.vllm_engine import vllm_int8_kernel as k; print(k() or '-')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     lines = out.stdout.split()
     return bool(lines) and lines[-1] != "-"
@@ -144,7 +144,7 @@ def _has_vllm_int8() -> bool:
 def _run_child(backend: str, model_dir: Path, args, log: Path) -> Dict[str, Any]:
     out = Path(tempfile.mkstemp(suffix=".json")[1])
     env = dict(os.environ, CPUMOE_VLLM="1" if backend == "cpumoe" else "0")
-    cmd = [sys.executable, "-m", "cpumoe.vllm_plugin.bench", "--child", str(model_dir),
+    cmd = [sys.executable, "-m", "cpumoe.cli.bench.vllm_engine", "--child", str(model_dir),
            "--out", str(out), "--prefill", str(args.prefill), "--decode", str(args.decode),
            "--batches", args.batches, "--repeats", str(args.repeats)]
     with open(log, "a") as f:
@@ -191,7 +191,7 @@ def table(results: Dict[str, Dict[str, List[Dict[str, Any]]]], batches: List[int
 
 
 def main(argv: List[str] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m cpumoe.vllm_plugin.bench",
+    ap = argparse.ArgumentParser(prog="python -m cpumoe.cli.bench.vllm_engine",
                                  description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=8)
@@ -216,7 +216,7 @@ def main(argv: List[str] = None) -> int:
         Path(args.out).write_text(json.dumps(res))
         return 0
 
-    from cpumoe.vllm_plugin import models
+    from cpumoe.testing import models
     if not args.threads:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")

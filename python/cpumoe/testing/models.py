@@ -235,7 +235,7 @@ def save_mxfp4(src: PathLike, dst: PathLike) -> Path:
     which vLLM's gpt-oss loader and :func:`cpumoe.checkpoint_w4.load_mxfp4_moe_layer` read:
     ``{proj}_blocks`` uint8 [E, out, in / 32, 16] (two E2M1 codes a byte, the low nibble the
     even k), ``{proj}_scales`` uint8 [E, out, in / 32] (E8M0), ``{proj}_bias`` bf16 unchanged;
-    quantized by :func:`cpumoe.reference.quantize_mxfp4`. Everything else is copied, and
+    quantized by :func:`cpumoe.quantize.quantize_mxfp4`. Everything else is copied, and
     config.json gets the release's ``quantization_config``."""
     from safetensors.torch import save_file
     from cpumoe.reference import quantize_mxfp4

@@ -1,0 +1,227 @@
+"""Quantizers of the weights and activations cpumoe's ops take (int8 per channel / per token,
+int4 per group, OCP MX FP4), the rounding to a dtype, and the torch <-> numpy conversions they and
+the reference share. The loaders use them to make packed layers from float or checkpoint weights;
+the reference (cpumoe.reference) uses them where the op's semantics quantize.
+
+Every function takes torch tensors or numpy arrays and answers in the same kind; torch is never
+imported here (a tensor is recognised through ``sys.modules``).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+__all__ = [
+    "CHANNEL_AMAX_FLOOR",
+    "MXFP4_VALUES",
+    "TOKEN_AMAX_FLOOR",
+    "dequantize_int4",
+    "dequantize_mxfp4",
+    "quantize_int4",
+    "quantize_mxfp4",
+    "quantize_per_channel",
+    "quantize_per_token",
+    "round_to_dtype",
+]
+
+#: Floor of a token's |max| before dividing by 127 (the op's; an all-zero row gets zeros).
+TOKEN_AMAX_FLOOR = 1e-7
+#: Floor of a weight row's |max| when making int8 checkpoints.
+CHANNEL_AMAX_FLOOR = 1e-12
+#: The input dtypes of the ops, by name.
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+# ---------------------------------------------------------------------------- torch <-> numpy
+def torch_of(obj):
+    """The torch module when ``obj`` is a torch tensor, else None (never imports torch)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        return torch
+    return None
+
+
+def dtype_name_of(a) -> str:
+    """'float32', 'bfloat16', 'int8', ... for a torch tensor or a numpy array."""
+    if torch_of(a) is not None:
+        return str(a.dtype).replace("torch.", "")
+    return np.asarray(a).dtype.name
+
+
+def to_numpy(a, *, float32=False):
+    """A numpy view/copy of a torch tensor or array-like. ``float32`` widens floats to fp32
+    (exact for fp16 and bf16); integer arrays are left as they are."""
+    if a is None:
+        return None
+    torch = torch_of(a)
+    if torch is not None:
+        a = a.detach().cpu()
+        if a.dtype == torch.bfloat16 or (float32 and a.is_floating_point()):
+            a = a.to(torch.float32)
+        a = a.numpy()
+    else:
+        a = np.asarray(a)
+    if float32 and a.dtype.kind not in "iub":
+        a = a.astype(np.float32)
+    return a
+
+
+def like(template, arr):
+    """Return numpy ``arr`` in the framework of ``template`` (torch tensor or numpy array)."""
+    torch = torch_of(template)
+    if torch is None:
+        return arr
+    return torch.from_numpy(np.ascontiguousarray(arr))
+
+
+def round_to_dtype(a32: np.ndarray, dtype_name: str) -> np.ndarray:
+    """Round fp32 values to ``dtype_name``'s precision (round to nearest even), returned as fp32.
+
+    bfloat16 is done on the bits so that no ml_dtypes is needed: add 0x7fff plus the lowest kept
+    bit, drop the low 16 bits; NaN stays NaN. Overflow to inf happens naturally, as in a cast.
+    """
+    a32 = np.asarray(a32, dtype=np.float32)
+    if dtype_name == "float32":
+        return a32
+    if dtype_name == "float16":
+        with np.errstate(over="ignore"):
+            return a32.astype(np.float16).astype(np.float32)
+    if dtype_name == "bfloat16":
+        u = a32.view(np.uint32).astype(np.uint64)
+        r = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+        out = r.astype(np.uint32).view(np.float32)
+        return np.where(np.isnan(a32), a32, out)
+    raise ValueError(f"dtype: must be one of {FLOAT_DTYPES}, got {dtype_name}")
+
+
+# ---------------------------------------------------------------------------- quantization
+def quantize_rows(x32: np.ndarray, amax_floor: float):
+    """Symmetric int8 quantization along the last axis of an fp32 array."""
+    x32 = np.asarray(x32, dtype=np.float32)
+    if x32.shape[-1] == 0:
+        amax = np.zeros(x32.shape[:-1], dtype=np.float32)
+    else:
+        amax = np.max(np.abs(x32), axis=-1)  # a NaN wins (NaN scale): non-finite propagates
+    s = np.maximum(amax, np.float32(amax_floor)) / np.float32(127)  # fp32 / fp32: fp32
+    s = s.astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        v = x32 / s[..., None]  # true division
+        np.rint(v, out=v)  # round half to even
+        np.clip(v, -127, 127, out=v)
+    nan = np.isnan(v)
+    if nan.any():
+        v[nan] = 0  # and NaN quantizes to 0
+    return v.astype(np.int8), s
+
+
+def quantize_per_token(x, amax_floor: float = TOKEN_AMAX_FLOOR):
+    """Dynamic per-token (per-row) int8 quantization, as the op does it.
+
+    ``x`` [T, H] (fp32, fp16 or bf16; torch or numpy) -> (q int8 [T, H], s float32 [T]) with
+    ``s = max(max|x_t|, amax_floor) / 127`` and ``q = round_half_even(x_t / s)`` clamped to +-127.
+    """
+    q, s = quantize_rows(to_numpy(x, float32=True), amax_floor)
+    return like(x, q), like(x, s)
+
+
+def quantize_per_channel(w, amax_floor: float = CHANNEL_AMAX_FLOOR):
+    """Per-output-channel symmetric int8 quantization of weights, the way int8 checkpoints are made.
+
+    ``w`` [..., N, K] float -> (q int8 [..., N, K], s float32 [..., N]): the absolute maximum is
+    over the last (input) axis, divided by 127; round half to even, clamp to +-127.
+    """
+    w32 = to_numpy(w, float32=True)
+    if w32.ndim < 2:
+        raise ValueError(f"w: expected at least 2 dimensions [..., N, K], got shape {w32.shape}")
+    q, s = quantize_rows(w32, amax_floor)
+    return like(w, q), like(w, s)
+
+
+# ---------------------------------------------------------------------------- W4A8
+def _e2m1(code: int) -> float:
+    """The FP4 E2M1 value of a 4-bit code: sign bit 3, exponent bits 2-1, mantissa bit 0."""
+    exp, man = (code >> 1) & 3, code & 1
+    mag = 0.5 * man if exp == 0 else (1.0 + 0.5 * man) * 2.0 ** (exp - 1)
+    return -mag if code & 8 else mag
+
+
+#: The 16 E2M1 values of the mxfp4 codes 0..15.
+MXFP4_VALUES = np.array([_e2m1(c) for c in range(16)], dtype=np.float32)
+# Doubled: exact integers in [-12, 12], the int8 values the kernels multiply.
+MXFP4_INT = (2 * MXFP4_VALUES).astype(np.int8)
+
+
+def mxfp4_codes(blocks) -> np.ndarray:
+    """uint8 [..., K / 32, 16] (two codes per byte, low nibble first) -> uint8 codes [..., K]."""
+    b = to_numpy(blocks)
+    if b.dtype != np.uint8 or b.ndim < 2 or b.shape[-1] != 16:
+        raise ValueError(f"blocks: expected uint8 [..., K / 32, 16], got {b.dtype} {b.shape}")
+    codes = np.stack([b & 15, b >> 4], axis=-1)  # [..., K/32, 16, 2]: k = 2j, 2j + 1
+    return codes.reshape(*b.shape[:-2], b.shape[-2] * 32)
+
+
+def e8m0_scale(e, halve: bool) -> np.ndarray:
+    """float32 2^(e - 127) (halve: 2^(e - 128)) of E8M0 bytes; NaN for 255."""
+    e = to_numpy(e).astype(np.int64)
+    v = np.ldexp(np.float64(1.0), e - (128 if halve else 127)).astype(np.float32)
+    return np.where(e == 255, np.float32(np.nan), v).astype(np.float32)
+
+
+def dequantize_int4(values, scales, group_size: int):
+    """The real weights of int4 values [..., N, K] with group scales [..., N, K / g] (float32)."""
+    v = to_numpy(values).astype(np.float32)
+    sc = to_numpy(scales, float32=True)
+    return like(values, v * np.repeat(sc, group_size, axis=-1))
+
+
+def dequantize_mxfp4(blocks, scales):
+    """The real weights (float32 [..., N, K]) of mxfp4 blocks [..., N, K / 32, 16] and E8M0
+    scales [..., N, K / 32]."""
+    vals = MXFP4_VALUES[mxfp4_codes(blocks)]
+    return like(blocks, vals * np.repeat(e8m0_scale(scales, False), 32, axis=-1))
+
+
+def quantize_int4(w, group_size: int = 32, amax_floor: float = CHANNEL_AMAX_FLOOR):
+    """Symmetric per-group int4 quantization of weights [..., N, K], groups of ``group_size`` k:
+    s = max(amax, floor) / 7, v = round_half_even(w / s) clamped to [-8, 7]. Returns (int8
+    values, float32 scales [..., N, K / g])."""
+    w32 = to_numpy(w, float32=True)
+    K = w32.shape[-1]
+    if group_size < 1 or K % group_size:
+        raise ValueError(f"group_size: {group_size} must divide K = {K}")
+    wg = w32.reshape(*w32.shape[:-1], K // group_size, group_size)
+    amax = np.max(np.abs(wg), axis=-1)
+    s = (np.maximum(amax, np.float32(amax_floor)) / np.float32(7)).astype(np.float32)
+    v = np.clip(np.rint(wg / s[..., None]), -8, 7).astype(np.int8).reshape(w32.shape)
+    return like(w, v), like(w, s)
+
+
+def quantize_mxfp4(w):
+    """OCP MX FP4 quantization of weights [..., N, K] (K a multiple of 32), as gpt-oss's
+    checkpoints hold them: per 32 k a shared exponent e = floor(log2(amax)) - 2 (E2M1's largest
+    exponent), values w / 2^e rounded to the nearest E2M1 value (ties to the even code), clamped to
+    +-6. Returns (uint8 blocks [..., N, K / 32, 16], uint8 E8M0 scales [..., N, K / 32])."""
+    w32 = to_numpy(w, float32=True)
+    K = w32.shape[-1]
+    if K % 32:
+        raise ValueError(f"w: K = {K} must be a multiple of 32")
+    wg = w32.reshape(*w32.shape[:-1], K // 32, 32)
+    amax = np.max(np.abs(wg), axis=-1)
+    # floor(log2(amax)) from the float's own exponent (frexp: amax = m * 2^ex, m in [0.5, 1)).
+    _, ex = np.frexp(amax)
+    exp = np.where(amax > 0, ex.astype(np.int64) - 1 - 2, -127)
+    exp = np.clip(exp, -127, 127)
+    # Times a power of two: exact (a subnormal product aside).
+    scaled = np.clip(wg * np.exp2(-exp.astype(np.float32))[..., None], -6.0, 6.0)
+    # The nearest E2M1 magnitude, ties to the even code: steps of 0.5 below 2 (codes 0-4), of 1
+    # up to 4 (codes 4-6), of 2 up to 6 (codes 6-7); rint rounds half to even, and in each range
+    # an even step count is an even code. Every operation here is exact in fp32.
+    a = np.abs(scaled)
+    code = np.where(a < 2, np.rint(2 * a),
+                    np.where(a < 4, 4 + np.rint(a - 2), 6 + np.rint((a - 4) / 2))).astype(np.uint8)
+    code = code | np.where(scaled < 0, 8, 0).astype(np.uint8)
+    code = code.reshape(*w32.shape[:-1], K // 32, 16, 2)
+    blocks = (code[..., 0] | (code[..., 1] << 4)).astype(np.uint8)
+    return like(w, blocks), like(w, (exp + 127).astype(np.uint8))
