@@ -7,7 +7,8 @@
 #              checkpoint loader's fuzz (fuzz: that step alone, on the installed package)
 #   python-local  the same tests on a cmake-built extension, nothing installed (for development;
 #              not in the default list)
-#   cross      aarch64 cross build; ctest under qemu-aarch64 for -cpu max (I8MM path),
+#   cross      aarch64 cross build; the qemu instruction counter's self-test
+#              (tests_cpp/bench/qemu_plugin); ctest under qemu-aarch64 for -cpu max (I8MM path),
 #              neoverse-n1 (no I8MM: must fall back, never SIGILL) and cortex-a57 (Armv8.0),
 #              then on max with CPUMOE_ISA=neon_bf16 and =neon_dotprod
 #   cross-python  the cross-built extension + pytest on an aarch64 CPython under qemu (numpy
@@ -201,6 +202,10 @@ stage_cross() {
     -DCMAKE_TOOLCHAIN_FILE="$root/cmake/toolchains/aarch64-linux-gnu.cmake" \
     -DCPUMOE_BUILD_PYTHON=ON "${PY_CMAKE_ARGS[@]}"
   cmake --build "$BUILD/aarch64" -j "$JOBS"
+  # The Arm instruction counter the benches use (tests_cpp/bench/qemu_plugin): exact counts of a
+  # program with a known instruction mix.
+  log "cross: the qemu instruction counter's self-test"
+  bash tests_cpp/bench/qemu_plugin/selftest.sh
   for cpu in max neoverse-n1 cortex-a57; do
     log "cross: ctest with QEMU_CPU=$cpu"
     QEMU_CPU=$cpu ctest --test-dir "$BUILD/aarch64" --output-on-failure -j "$JOBS"
