@@ -182,8 +182,8 @@ class Int8Experts:
         num_experts: all experts of the layer (with expert parallelism, the global count).
 
         dtype: the activation dtype (torch/numpy dtype or name): float32, float16 or bfloat16.
-        activation: name or enum (silu, gelu, gelu_tanh, swigluoai; interleaved gate/up for
-        swigluoai). quant_scheme: "w8a8_int8" (or "int8_w8a8", "w8a8"), or a compressed-tensors
+        activation: an activation spec or an enum whose value is one (cpumoe.activations();
+        interleaved gate/up where the table says so). quant_scheme: "w8a8_int8" (or "int8_w8a8", "w8a8"), or a compressed-tensors
         config group dict (``weights`` / ``input_activations``).
         """
         for name, v in (("hidden", hidden), ("intermediate", intermediate),

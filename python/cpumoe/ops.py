@@ -323,10 +323,9 @@ def fused_moe(x: Any, packed: Any, topk_weights: Any, topk_ids: Any, *,
         or :func:`prepack_bf16`.
       topk_weights: float32 [T, k]. topk_ids: int32 or int64 [T, k], each in [0, E); an id that
         repeats in a row counts twice (two slots, each with its weight), so k > E is allowed.
-      activation: a spec of :func:`parse_activation`: "silu", "gelu", "gelu_tanh", "swigluoai"
-        (gpt-oss's limit 7 and alpha 1.702, or e.g. "swigluoai(limit=10,alpha=1.5)"),
-        "silu_clamp(limit=L)" or "silu_clamp_post(limit=L)" (:func:`activations` has the
-        formulas; :func:`activation_spec` builds the string).
+      activation: a spec of :func:`parse_activation`: a name of :data:`ACTIVATIONS` alone (its
+        default parameters) or with its parameters, e.g. "silu_clamp(limit=10)"
+        (:func:`activations` has the formulas; :func:`activation_spec` builds the string).
       skip_weighted: the router weight is already applied to x (only with k == 1).
       out: optional [T, H] of x's dtype, written in place and returned; must share no memory
         with x, topk_weights, topk_ids or expert_map.

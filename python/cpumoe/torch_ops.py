@@ -31,7 +31,8 @@ It writes ``output`` [T, H] (same dtype as ``input``) in place; shapes and dtype
    the ``w13`` it was made from is garbage collected. This keeps the raw weights *and* the packed
    copy in memory: use a handle to hold only the packed one.
 
-``act``: ``silu``, ``gelu``, ``gelu_tanh``, ``swigluoai`` (vLLM's ``MoEActivation.value``).
+``act``: an activation spec of :func:`cpumoe.parse_activation` (the names of vLLM's
+``MoEActivation.value`` that cpumoe has, optionally with parameters).
 ``isa`` (raw mode only): a cpumoe path name (``portable``, ``neon_i8mm``, ...) caps the path;
 ``""``, ``"auto"`` and vLLM's names ``"neon"``, ``"vec"``, ``"amx"`` mean the best path of this
 CPU (on x86 ``"amx"`` is also our top path name: as a cap it allows every path). ``expert_map``: optional int32 [E_global], global expert id ->
