@@ -4,8 +4,9 @@
 /// Random int8 rows of A (through row pointers), random 4-bit codes and group scales of B (row
 /// strides beyond k and k / group), packed by the kernel's own packers, run whole and at m / n
 /// offsets at multiples of mr / nr, compared with the naive oracle (reference/gemm_w4) bit for
-/// bit (a NaN where the oracle has one). Checks the packed sizes' guard zones and that nothing
-/// outside the destination block is written.
+/// bit (a NaN where the oracle has one). Checks the packed sizes' guard zones, that a call stays
+/// inside the scratch_bytes it is given, and that nothing outside the destination block is
+/// written.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -115,12 +116,19 @@ class Q4GemmTester {
       for (int kind = 0; kind < 3; ++kind) {  // no bias, bias, bias + stream_dst
         const bool with_bias = kind >= 1;
         SCOPED_TRACE(kind == 0 ? "without bias" : kind == 1 ? "with bias" : "stream_dst");
+        // The call's scratch as the dispatcher plans it: scratch_bytes of this shape, 64-byte
+        // aligned, starting as garbage (GuardedBuffer's pattern); none when that is 0.
+        const size_t sbytes = kern.scratch_bytes(blk.mc, blk.nc, k_, w_);
+        ASSERT_LE(sbytes, kern.scratch_bytes(m_, n_, k_, w_)) << "scratch_bytes not monotone";
+        GuardedBuffer scratch(sbytes);
         const cpumoe::Q4GemmEpilogue ep{ls.data() + blk.m0,
-                                        with_bias ? bias.data() + blk.n0 : nullptr, kind == 2};
+                                        with_bias ? bias.data() + blk.n0 : nullptr, kind == 2,
+                                        sbytes > 0 ? scratch.data() : nullptr};
         std::vector<float> df_store(size_t((m_ + 1) * ldd) + 16, kSentinel);
         float* df = df_store.data() +
                     (16 - (reinterpret_cast<uintptr_t>(df_store.data()) / 4) % 16) % 16;
         kern.run_f32(blk.mc, blk.nc, k_, w_, lp, rp, df + blk.m0 * ldd + blk.n0, ldd, ep);
+        ASSERT_TRUE(scratch.guard_intact()) << "run_f32 wrote past scratch_bytes";
         const std::vector<float>& want = with_bias ? want_b : want_nb;
         for (int64_t i = 0; i <= m_; ++i) {
           for (int64_t j = 0; j < ldd; ++j) {

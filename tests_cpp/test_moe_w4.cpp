@@ -4,12 +4,16 @@
 // argument errors.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <iostream>
+#include <map>
+#include <mutex>
 #include <string>
 #include <vector>
 
+#include "../csrc/moe/scratch.h"  // thread_scratch(): where the calling thread's block starts
 #include "cpumoe/moe.h"
 #include "moe_test_util.h"
 #include "reference/reference.h"
@@ -248,8 +252,97 @@ TEST(MoeW4, ScratchBoundHolds) {
   run_moe(pk, w.d, 2);
   EXPECT_GT(cpumoe::thread_scratch_bytes(), 0u);
   EXPECT_LE(cpumoe::thread_scratch_bytes(), cpumoe::fused_moe_scratch_bytes(pk, 300, 4, 2));
-  EXPECT_EQ(cpumoe::fused_moe_scratch_bytes(pk, 300, 4, 2),
+  // The kernel's bound covers every layout a 128 x 64 layer can have (group 32 or 64, mxfp4).
+  EXPECT_LE(cpumoe::fused_moe_scratch_bytes(pk, 300, 4, 2),
             cpumoe::fused_moe_scratch_bytes(pk.kernel(), 8, 128, 64, 300, 4, 2));
+}
+
+// A kernel that takes more scratch than the one it wraps needs, and writes all of it: the
+// wrapped kernel's scratch_bytes (first, so that it stays 64-byte aligned), then a part that
+// grows with m, n and k / group. Every block it is handed is recorded.
+namespace greedy {
+const cpumoe::Q4GemmUkernel* inner = nullptr;
+std::mutex mu;
+std::map<const uint8_t*, size_t> blocks;  // start -> the most bytes asked there
+int bad_pointers = 0;                     // null or not 64-byte aligned where bytes were due
+
+size_t extra(int64_t m, int64_t n, int64_t k, const cpumoe::W4Layout& w) {
+  return m > 0 && n > 0 ? size_t(40 * m + 4 * n + 8 * (k / w.group)) : 0;
+}
+size_t scratch_bytes(int64_t m, int64_t n, int64_t k, const cpumoe::W4Layout& w) {
+  return inner->scratch_bytes(m, n, k, w) + extra(m, n, k, w);
+}
+void run_f32(int64_t m, int64_t n, int64_t k, const cpumoe::W4Layout& w, const void* lhs,
+             const void* rhs, float* dst, int64_t dst_stride, const cpumoe::Q4GemmEpilogue& ep) {
+  const size_t bytes = scratch_bytes(m, n, k, w);
+  auto* p = static_cast<uint8_t*>(ep.scratch);
+  if (bytes > 0) {
+    {
+      const std::lock_guard<std::mutex> lock(mu);
+      if (p == nullptr || reinterpret_cast<uintptr_t>(p) % 64 != 0) {
+        ++bad_pointers;
+        return;
+      }
+      size_t& most = blocks[p];
+      most = std::max(most, bytes);
+    }
+    std::memset(p, 0x5a, bytes);  // what a kernel may do: the garbage must hurt nobody
+  }
+  inner->run_f32(m, n, k, w, lhs, rhs, dst, dst_stride, ep);
+}
+}  // namespace greedy
+
+// The scratch the dispatcher plans covers what the kernels are given: with the greedy kernel
+// above over every kernel this CPU runs, decode and prefill, each phase structure, 1-3 threads,
+// every block handed out is 64-byte aligned, lies in the calling thread's scratch block (at most
+// fused_moe_scratch_bytes), blocks of different threads never overlap, and the results (which
+// the garbage would spoil if a block overlapped a live buffer) are the oracle's bits.
+TEST(MoeW4, KernelScratchIsPlannedPerThread) {
+  for (const Fmt& fm : {Fmt{W4Format::int4, 32}, Fmt{W4Format::int4, 128},
+                        Fmt{W4Format::mxfp4, 32}}) {
+    for (const cpumoe_test::MoeShape& s :
+         {cpumoe_test::MoeShape{1, 8, 4, 256, 128}, cpumoe_test::MoeShape{150, 4, 2, 128, 256}}) {
+      const W4Data w = make_w4(s, fm.f, fm.g, DType::bf16, Activation::silu, true, 77);
+      const std::vector<float> exact =
+          cpumoe_ref::fused_moe_w4(w.ref, w.d.ref_inputs(), cpumoe::vec::apply);
+      for (const cpumoe::Q4GemmUkernel* kern : supported_w4_kernels()) {
+        greedy::inner = kern;
+        cpumoe::Q4GemmUkernel kg = *kern;
+        kg.scratch_bytes = greedy::scratch_bytes;
+        kg.run_f32 = greedy::run_f32;
+        for (int fuse : {2, 1, 0}) {
+          cpumoe::MoeConfig<cpumoe::Q4GemmUkernel> cfg = cpumoe::w4_config(&kg);
+          cfg.tiles.fuse_gemm1 = fuse > 0;
+          cfg.tiles.fuse_gemm2 = fuse > 1;
+          cfg.tiles.rows = 24;  // several row chunks per expert at prefill
+          const cpumoe::PackedMoeW4 pk(w.weights(), cfg, 1);
+          for (int threads : {1, 2, 3}) {
+            SCOPED_TRACE(testing::Message()
+                         << kern->name << " " << cpumoe::w4_format_name(fm.f) << " g=" << fm.g
+                         << " T=" << s.T << " fuse=" << fuse << " threads=" << threads);
+            greedy::blocks.clear();
+            greedy::bad_pointers = 0;
+            cpumoe::release_thread_scratch();  // the block is then this call's plan exactly
+            const std::vector<uint8_t> raw = run_moe(pk, w.d, threads);
+            ASSERT_EQ(greedy::bad_pointers, 0) << "a call got no or misaligned scratch";
+            ASSERT_FALSE(greedy::blocks.empty());
+            ASSERT_LE(greedy::blocks.size(), size_t(threads)) << "one block per thread";
+            const size_t cap = cpumoe::thread_scratch_bytes();
+            const uint8_t* base = cpumoe::moe_detail::thread_scratch().reserve(0, 0);
+            ASSERT_LE(cap, cpumoe::fused_moe_scratch_bytes(pk, s.T, s.k, threads));
+            const uint8_t* end = base;
+            for (const auto& [p, bytes] : greedy::blocks) {
+              ASSERT_GE(p, end) << "blocks overlap (or start before the scratch block)";
+              end = p + bytes;
+              ASSERT_LE(end, base + cap) << "a block runs past the calling thread's scratch";
+            }
+            expect_oracle_bits(cpumoe_test::output_values(w.d, raw), exact);
+            if (HasFatalFailure()) return;
+          }
+        }
+      }
+    }
+  }
 }
 
 // Each bad input is an ArgumentError whose message starts with the argument's name.

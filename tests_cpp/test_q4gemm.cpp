@@ -176,9 +176,31 @@ TEST_P(Q4GemmKernelTest, EmptyShapesWriteNothing) {
   kernel().pack_rhs(8, k, w, codes.data(), k, sc.data(), 2, rhs.data());
   const std::vector<float> ls(8, 1.0f);
   for (auto [m, n] : {std::pair<int64_t, int64_t>{0, 8}, {8, 0}, {0, 0}}) {
+    ASSERT_EQ(kernel().scratch_bytes(m, n, k, w), 0u) << "m=" << m << " n=" << n;
     std::vector<float> dst(64, -1.0f);
     kernel().run_f32(m, n, k, w, lhs.data(), rhs.data(), dst.data(), 8, {ls.data(), nullptr});
     for (float v : dst) ASSERT_EQ(v, -1.0f) << "m=" << m << " n=" << n;
+  }
+}
+
+// The dispatcher reserves scratch_bytes once at the largest shape it calls (the MoE planner: a
+// task's rows and columns), so it must not shrink as m or n grow; and it stays a small multiple
+// of the call's own data (no hidden m x n buffers).
+TEST_P(Q4GemmKernelTest, ScratchBytesIsMonotoneAndBounded) {
+  for (const W4Layout w : {W4Layout{W4Format::int4, 32}, W4Layout{W4Format::int4, 128},
+                           W4Layout{W4Format::int4, 2048}, W4Layout{W4Format::mxfp4, 32}}) {
+    for (int64_t k : {w.group, 4 * w.group}) {
+      for (int64_t m = 0; m <= 70; ++m) {
+        for (int64_t n : {int64_t(0), int64_t(1), int64_t(31), int64_t(33), int64_t(1536)}) {
+          SCOPED_TRACE(testing::Message() << cpumoe::w4_format_name(w.format) << " g=" << w.group
+                                          << " k=" << k << " m=" << m << " n=" << n);
+          const size_t b = kernel().scratch_bytes(m, n, k, w);
+          ASSERT_LE(b, kernel().scratch_bytes(m + 1, n, k, w));
+          ASSERT_LE(b, kernel().scratch_bytes(m, n + 1, k, w));
+          ASSERT_LE(b, size_t(64 * (m + 8) * (k + w.group) + 64)) << "beyond the call's size";
+        }
+      }
+    }
   }
 }
 

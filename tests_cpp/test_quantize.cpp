@@ -12,6 +12,7 @@
 #include <random>
 #include <vector>
 
+#include "../csrc/moe/combine.h"
 #include "../csrc/ukernels/rowops/quantize.h"
 #include "activation_specs.h"
 #include "cpumoe/rowops.h"
@@ -257,8 +258,8 @@ TEST_P(RowOpsTest, WeightedSumRowMatchesTheLoop) {
           *wr = w[size_t(j)];
           return true;
         };
-        rowops::weighted_sum_row(count, slot, n, dt, got.data(), scratch.data(),
-                                 ops().weighted_sum_pass);
+        cpumoe::moe_detail::weighted_sum_row(count, slot, n, dt, got.data(), scratch.data(),
+                                             ops().weighted_sum_pass);
         const size_t bytes = size_t(n) * size_t(cpumoe::dtype_size(dt));
         ASSERT_EQ(std::memcmp(got.data(), want.data(), bytes), 0);
         for (size_t b = bytes; b < got.size(); ++b) ASSERT_EQ(got[b], 0xa5) << "wrote past the row";

@@ -29,6 +29,7 @@
 #include <thread>
 #include <vector>
 
+#include "../csrc/moe/parallel.h"
 #include "cpumoe/moe.h"
 #include "moe_test_util.h"
 #include "reference/reference.h"
@@ -860,3 +861,23 @@ TEST(Hammer, IdsRewrittenDuringCallsGiveResultsOrArgumentErrors) {
 }
 
 }  // namespace
+
+// An item that throws inside the parallel loop (a bad_alloc while packing, say) reaches the caller
+// as that exception, once, instead of ending the process from inside the OpenMP region; the loop
+// stays usable afterwards.
+TEST(ParallelFor, AnItemsExceptionReachesTheCaller) {
+  for (int threads : {1, 2, 3}) {
+    std::atomic<int64_t> ran{0};
+    EXPECT_THROW(cpumoe::moe_detail::parallel_for(64, threads,
+                                                  [&](int64_t i, int) {
+                                                    ran.fetch_add(1);
+                                                    if (i == 17 || i == 40) throw std::bad_alloc();
+                                                  }),
+                 std::bad_alloc)
+        << threads << " threads";
+    EXPECT_GE(ran.load(), 18) << "items before the throw ran";
+    std::atomic<int64_t> sum{0};
+    cpumoe::moe_detail::parallel_for(64, threads, [&](int64_t i, int) { sum.fetch_add(i); });
+    EXPECT_EQ(sum.load(), 64 * 63 / 2);
+  }
+}

@@ -1,13 +1,16 @@
 // What the pipeline needs to know about a kernel family besides its interface struct: how a GEMM
 // input row is made (int8: quantized, with a scale; bf16: rounded) and the GEMM epilogue (int8:
-// row and column scales and the bias; bf16: the bias only). The pipeline calls these at each step
-// and is the same for both families.
+// row and column scales and the bias; bf16: the bias only), and the scratch a GEMM call needs
+// (kernel_scratch: none but W4A8's). The pipeline calls these at each step and is the same for
+// every family.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "bench_hooks.h"
 #include "cpumoe/moe.h"
+#include "scratch.h"
 #include "tiling.h"
 
 namespace cpumoe {
@@ -44,12 +47,16 @@ struct Family<QGemmUkernel> {
   static size_t rhs_offset(const QGemmUkernel& kern, const Packed&, int64_t n0, int64_t depth) {
     return kern.rhs_packed_offset(n0, depth);
   }
+  // Bytes of scratch one GEMM call of a chunk needs at most: see Family<Q4GemmUkernel>.
+  static size_t kernel_scratch(const QGemmUkernel&, const Packed*, int64_t, int64_t, int64_t) {
+    return 0;
+  }
   // One task's GEMM with its epilogue; row_scale at the task's first row, col_scale and bias
-  // (nullable) at the expert's column 0.
+  // (nullable) at the expert's column 0; scratch: the thread's kernel_scratch bytes.
   // stream: dst is large and read only later (QGemmEpilogue::stream_dst).
   static void run(const QGemmUkernel& kern, const Packed&, const Task& tk, int64_t depth,
                   const void* lhs, const void* rhs, float* dst, int64_t dst_stride,
-                  const float* row_scale, const float* col_scale, const float* bias,
+                  const float* row_scale, const float* col_scale, const float* bias, void*,
                   bool stream = false) {
     const QGemmEpilogue ep{row_scale, col_scale + tk.n0, bias ? bias + tk.n0 : nullptr, stream};
     kern.run_f32(tk.m, tk.n, depth, lhs, rhs, dst, dst_stride, ep);
@@ -75,10 +82,12 @@ struct Family<BGemmUkernel> {
   static size_t rhs_offset(const BGemmUkernel& kern, const Packed&, int64_t n0, int64_t depth) {
     return kern.rhs_packed_offset(n0, depth);
   }
+  static size_t kernel_scratch(const BGemmUkernel&, const Packed*, int64_t, int64_t, int64_t) {
+    return 0;
+  }
   static void run(const BGemmUkernel& kern, const Packed&, const Task& tk, int64_t depth,
                   const void* lhs, const void* rhs, float* dst, int64_t dst_stride, const float*,
-                  const float*,
-                  const float* bias, bool = false) {
+                  const float*, const float* bias, void*, bool = false) {
     kern.run_f32(tk.m, tk.n, depth, lhs, rhs, dst, dst_stride, bias ? bias + tk.n0 : nullptr);
   }
 };
@@ -94,10 +103,29 @@ struct Family<Q4GemmUkernel> : Family<QGemmUkernel> {
                            int64_t depth) {
     return kern.rhs_packed_offset(n0, depth, pk.layout());
   }
+  // The kernel's scratch_bytes (64-byte multiple) at the largest call of a chunk: m rows (a
+  // task's), GEMM1 n <= 2I at k = H, GEMM2 n <= H at k = I (scratch_bytes grows with m and n).
+  // For the packed layer's layout, or (pk == nullptr: fused_moe_scratch_bytes of a kernel) the
+  // most over every layout an E x H x I layer can have: int4 with any group that divides H and
+  // I, mxfp4 (group 32).
+  static size_t kernel_scratch(const Q4GemmUkernel& kern, const Packed* pk, int64_t m, int64_t H,
+                               int64_t I) {
+    auto at = [&](const W4Layout& w) {
+      return std::max(kern.scratch_bytes(m, 2 * I, H, w), kern.scratch_bytes(m, H, I, w));
+    };
+    if (pk != nullptr) return align_up(at(pk->layout()));
+    size_t most = 0;
+    for (int64_t g = kW4GroupMultiple; g <= std::min({H, I, kW4MaxGroup}); g += kW4GroupMultiple)
+      if (H % g == 0 && I % g == 0) most = std::max(most, at(W4Layout{W4Format::int4, g}));
+    if (H % kW4GroupMultiple == 0 && I % kW4GroupMultiple == 0)
+      most = std::max(most, at(W4Layout{W4Format::mxfp4, kW4GroupMultiple}));
+    return align_up(most);
+  }
   static void run(const Q4GemmUkernel& kern, const Packed& pk, const Task& tk, int64_t depth,
                   const void* lhs, const void* rhs, float* dst, int64_t dst_stride,
-                  const float* row_scale, const float*, const float* bias, bool stream = false) {
-    const Q4GemmEpilogue ep{row_scale, bias ? bias + tk.n0 : nullptr, stream};
+                  const float* row_scale, const float*, const float* bias, void* scratch,
+                  bool stream = false) {
+    const Q4GemmEpilogue ep{row_scale, bias ? bias + tk.n0 : nullptr, stream, scratch};
     kern.run_f32(tk.m, tk.n, depth, pk.layout(), lhs, rhs, dst, dst_stride, ep);
   }
 };

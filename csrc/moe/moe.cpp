@@ -31,9 +31,12 @@ void run_op(const Packed& packed, const MoeCall& call) {
   }
 }
 
+// pk: the packed layer (its layout bounds the W4 kernels' scratch), or nullptr for a bound over
+// every layer of these sizes that cfg's kernel packs.
 template <class Kernel>
-size_t scratch_bound(const MoeConfig<Kernel>& cfg, int64_t num_experts, int64_t hidden,
-                     int64_t intermediate, int64_t num_tokens, int64_t topk, int num_threads) {
+size_t scratch_bound(const MoeConfig<Kernel>& cfg, const typename Family<Kernel>::Packed* pk,
+                     int64_t num_experts, int64_t hidden, int64_t intermediate,
+                     int64_t num_tokens, int64_t topk, int num_threads) {
   if (num_experts < 1 || hidden < 1 || intermediate < 1)
     fail("packed: E, H and I must be >= 1");
   if (num_tokens < 0) fail("num_tokens: must be >= 0");
@@ -41,8 +44,10 @@ size_t scratch_bound(const MoeConfig<Kernel>& cfg, int64_t num_experts, int64_t 
   if (num_tokens == 0) return 0;
   const int64_t tc = std::min(num_tokens, tokens_per_chunk(topk));
   const int64_t elem = sizeof(typename Family<Kernel>::Elem);
+  const size_t kscratch = Family<Kernel>::kernel_scratch(
+      *cfg.gemm, pk, max_call_rows(cfg.tiles, cfg.gemm->mr, tc, topk), hidden, intermediate);
   ChunkSizes s = worst_case(cfg, elem, num_experts, hidden, intermediate, tc, topk,
-                            resolve_threads(num_threads));
+                            resolve_threads(num_threads), kscratch);
   size_t bound = plan(s).total;
   if (cfg.tiles.fuse_gemm1 && cfg.tiles.fuse_gemm2) {
     // A call with fewer slots may lay y out apart (at most kFusedGemm2MaxY bytes) after the
@@ -56,14 +61,14 @@ size_t scratch_bound(const MoeConfig<Kernel>& cfg, int64_t num_experts, int64_t 
 
 template <class Packed>
 size_t packed_bound(const Packed& packed, int64_t num_tokens, int64_t topk, int num_threads) {
-  return scratch_bound(packed.config(), packed.num_experts(), packed.hidden(),
+  return scratch_bound(packed.config(), &packed, packed.num_experts(), packed.hidden(),
                        packed.intermediate(), num_tokens, topk, num_threads);
 }
 
 }  // namespace
 
 float quantize_row(const void* x, DType dt, int64_t n, int8_t* q) {
-  return rowops::quantize_row(x, dt, n, q);
+  return rowops_registry().back()->quantize(x, dt, n, q);  // rowops_portable: the baseline
 }
 
 void fused_moe_int8(const PackedMoe& packed, const MoeCall& call) { run_op(packed, call); }
@@ -75,15 +80,15 @@ void fused_moe_bf16(const PackedMoeBf16& packed, const MoeCall& call) { run_op(p
 size_t fused_moe_scratch_bytes(const QGemmUkernel& kernel, int64_t num_experts, int64_t hidden,
                                int64_t intermediate, int64_t num_tokens, int64_t topk,
                                int num_threads) {
-  return scratch_bound(int8_config(&kernel), num_experts, hidden, intermediate, num_tokens, topk,
-                       num_threads);
+  return scratch_bound(int8_config(&kernel), nullptr, num_experts, hidden, intermediate, num_tokens,
+                       topk, num_threads);
 }
 
 size_t fused_moe_scratch_bytes(const BGemmUkernel& kernel, int64_t num_experts, int64_t hidden,
                                int64_t intermediate, int64_t num_tokens, int64_t topk,
                                int num_threads) {
-  return scratch_bound(bf16_config(&kernel), num_experts, hidden, intermediate, num_tokens, topk,
-                       num_threads);
+  return scratch_bound(bf16_config(&kernel), nullptr, num_experts, hidden, intermediate, num_tokens,
+                       topk, num_threads);
 }
 
 size_t fused_moe_scratch_bytes(const PackedMoe& packed, int64_t num_tokens, int64_t topk,
@@ -94,8 +99,8 @@ size_t fused_moe_scratch_bytes(const PackedMoe& packed, int64_t num_tokens, int6
 size_t fused_moe_scratch_bytes(const Q4GemmUkernel& kernel, int64_t num_experts, int64_t hidden,
                                int64_t intermediate, int64_t num_tokens, int64_t topk,
                                int num_threads) {
-  return scratch_bound(w4_config(&kernel), num_experts, hidden, intermediate, num_tokens, topk,
-                       num_threads);
+  return scratch_bound(w4_config(&kernel), nullptr, num_experts, hidden, intermediate, num_tokens,
+                       topk, num_threads);
 }
 
 size_t fused_moe_scratch_bytes(const PackedMoeW4& packed, int64_t num_tokens, int64_t topk,

@@ -4,7 +4,9 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <exception>
 #include <type_traits>
 
 #include "bench_hooks.h"  // no-ops unless built with CPUMOE_BENCH_HOOKS
@@ -58,13 +60,27 @@ inline void run_item(const Fn& fn, int64_t i, int tid) {
 // Runs fn(i, tid) for i in [0, n) on up to `threads` threads, dynamically scheduled; tid in
 // [0, threads) indexes per-thread scratch. It is this loop's own index, never a caller's (a
 // caller may itself be inside an OpenMP region).
+// An exception thrown by an item (std::bad_alloc while packing, an ArgumentError) must not leave
+// an OpenMP region, where it would end the process: the first one is kept, the items not yet
+// started are skipped, and it is rethrown on the calling thread after the region.
 template <class Fn>
 void parallel_for(int64_t n, int threads, const Fn& fn) {
 #if defined(_OPENMP)
   if (threads > 1 && n > 1) {
     const int team = int(std::min<int64_t>(threads, n));  // no idle threads to wake
+    std::exception_ptr first;
+    std::atomic<bool> failed{false};
 #pragma omp parallel for schedule(dynamic, 1) num_threads(team)
-    for (int64_t i = 0; i < n; ++i) run_item(fn, i, omp_get_thread_num());
+    for (int64_t i = 0; i < n; ++i) {
+      if (failed.load(std::memory_order_relaxed)) continue;
+      try {
+        run_item(fn, i, omp_get_thread_num());
+      } catch (...) {
+#pragma omp critical(cpumoe_parallel_for_error)
+        if (!failed.exchange(true)) first = std::current_exception();
+      }
+    }
+    if (first) std::rethrow_exception(first);
     return;
   }
 #endif

@@ -15,7 +15,8 @@
 //      loop: no barrier between the GEMMs)
 //   6. GEMM2 tasks                                      y [P, H] fp32
 //   7. combine per token: out[t] = sum_j w[t,j] * y[slot(t,j)] in fp32, stored in the input dtype
-// All buffers live in the calling thread's scratch block, laid out by plan().
+// All buffers live in the calling thread's scratch block, laid out by plan(), the GEMM kernels'
+// scratch too (a slice per thread: Family::kernel_scratch); nothing is allocated in between.
 #pragma once
 
 #include <algorithm>
@@ -23,7 +24,7 @@
 
 #include "bench_hooks.h"
 #include "cpumoe/moe.h"
-#include "ukernels/rowops/quantize.h"
+#include "combine.h"
 #include "family.h"
 #include "parallel.h"
 #include "plan.h"
@@ -44,7 +45,8 @@ class Pipeline {
       : pk(p), c(call), kern(*p.config().gemm), ro(*p.config().rowops), tp(p.config().tiles),
         threads(th), t0(t_begin), tc(t_count), E(p.num_experts()), H(p.hidden()),
         I(p.intermediate()), k(call.topk),
-        sizes(chunk_sizes(sizeof(Elem), E, H, I, tc, k, threads)) {}
+        sizes(chunk_sizes(sizeof(Elem), E, H, I, tc, k, threads,
+                          F::kernel_scratch(kern, &p, max_call_rows(tp, kern.mr, tc, k), H, I))) {}
 
   // The phases in order; the one bench-hook phase marker stands here.
   void run() {
@@ -70,6 +72,11 @@ class Pipeline {
   template <class T>
   T* at(size_t offset) const {
     return reinterpret_cast<T*>(base + offset);
+  }
+
+  // Thread tid's kernel scratch (ChunkSizes::kscratch bytes, 64-byte aligned) for its GEMM calls.
+  void* kernel_scratch(int tid) const {
+    return base + pl.kscratch + size_t(tid) * sizes.kscratch;
   }
 
   const uint8_t* x_row(int64_t t) const {
@@ -157,14 +164,14 @@ class Pipeline {
     const size_t* off = at<size_t>(off_at);
     Task* tasks = at<Task>(tasks_at);
     make_tasks(r, tp, kern.mr, kern.nr, n, threads, tasks);
-    parallel_for(n_tasks, threads, [&](int64_t i, int) -> int64_t {
+    parallel_for(n_tasks, threads, [&](int64_t i, int tid) -> int64_t {
       const Task& tk = tasks[i];
       const int64_t row0 = r.first[tk.e] + tk.m0;
       const uint8_t* lp = lhs + off[tk.e] + kern.lhs_packed_offset(tk.m0, depth);
       const uint8_t* rp =
           static_cast<const uint8_t*>(weights(tk.e)) + F::rhs_offset(kern, pk, tk.n0, depth);
       F::run(kern, pk, tk, depth, lp, rp, dst + row0 * n + tk.n0, n, row_scale + row0, scale(tk.e),
-             bias(tk.e), stream);
+             bias(tk.e), kernel_scratch(tid), stream);
       // The task's work for the bench hooks: multiply-adds over the kernel's padded tiles.
       return round_up(tk.m, kern.mr) * round_up(tk.n, kern.nr) * round_up(depth, kern.kr);
     });
@@ -205,8 +212,9 @@ class Pipeline {
       const Task& tk = tasks[i];
       const int64_t row0 = r.first[tk.e] + tk.m0;
       float* ht = thread_h ? h + int64_t(tid) * rows_per * 2 * I : h + row0 * 2 * I;
-      F::run(kern, pk, tk, H, lhs1 + off1[tk.e] + kern.lhs_packed_offset(tk.m0, H), pk.w13(tk.e), ht,
-             2 * I, row_scale + row0, F::scale13(pk, tk.e), pk.b13(tk.e));
+      F::run(kern, pk, tk, H, lhs1 + off1[tk.e] + kern.lhs_packed_offset(tk.m0, H), pk.w13(tk.e),
+             ht, 2 * I, row_scale + row0, F::scale13(pk, tk.e), pk.b13(tk.e),
+             kernel_scratch(tid));
       for (int64_t p = 0; p < tk.m; ++p) {
         F::activate(ro, c.activation, ht + p * 2 * I, I, c.dtype, tmp + int64_t(tid) * I,
                     qa + (row0 + p) * I, sa + row0 + p);
@@ -218,7 +226,7 @@ class Pipeline {
       if (fused2) {  // GEMM2 of these rows, all H columns (a task of phase 6 spanning them all)
         const Task t2{tk.e, tk.m0, tk.m, 0, H};
         F::run(kern, pk, t2, I, lp2, pk.w2(tk.e), y + row0 * H, H, sa + row0,
-               F::scale2(pk, tk.e), pk.b2(tk.e));
+               F::scale2(pk, tk.e), pk.b2(tk.e), kernel_scratch(tid));
         work += round_up(tk.m, kern.mr) * round_up(H, kern.nr) * round_up(I, kern.kr);
       }
       return work;
@@ -274,9 +282,9 @@ class Pipeline {
         *yr = y + r.pos_of[t * k + j] * H;
         return true;
       };
-      rowops::weighted_sum_row(k, slot, H, c.dtype,
-                               static_cast<uint8_t*>(c.out) + (t0 + t) * c.out_row_stride * xes,
-                               accs + int64_t(tid) * H, ro.weighted_sum_pass);
+      weighted_sum_row(k, slot, H, c.dtype,
+                       static_cast<uint8_t*>(c.out) + (t0 + t) * c.out_row_stride * xes,
+                       accs + int64_t(tid) * H, ro.weighted_sum_pass);
     });
   }
 

@@ -29,6 +29,8 @@ struct ChunkSizes {
   int64_t tasks1 = 0, tasks2 = 0; // GEMM tasks
   size_t y_apart = 0;  // > 0: y gets this many bytes of its own after phases 1-5's buffers
                        // (GEMM2 runs inside phase 4's tasks: fuse_gemm2); 0: y reuses them
+  size_t kscratch = 0;  // per thread: the GEMM kernel's scratch for one call (a 64-byte multiple,
+                        // Family::kernel_scratch); the kernels never allocate
 };
 
 // Largest y (bytes) laid out apart for fuse_gemm2: decode and small batches, where the barrier
@@ -44,15 +46,23 @@ struct ChunkPlan {
   size_t xq, xs, rows, row_scale, off1, lhs1, tasks1, h, qa, tmp;  // phases 1-5
   size_t y;  // phases 6-7, over the above (or after them: y_apart)
   size_t sa, off2, lhs2, tasks2, accs;                              // written in 5 / 6, read after
+  size_t kscratch;  // thread tid's kernel scratch at kscratch + tid * ChunkSizes::kscratch (4-6)
   size_t total;
 };
 
 ChunkPlan plan(const ChunkSizes& s);
 
-// The sizes known before routing (P, lhs and tasks stay 0).
+// The most rows of one GEMM call in a chunk of tc tokens: a task's rows, at most the slots.
+inline int64_t max_call_rows(const MoeTilePolicy& tp, int64_t mr, int64_t tc, int64_t k) {
+  return std::min(rows_per_task(tp, mr), tc * k);
+}
+
+// The sizes known before routing (P, lhs and tasks stay 0); kscratch: the kernel's scratch per
+// thread (Family::kernel_scratch at max_call_rows).
 inline ChunkSizes chunk_sizes(int64_t elem, int64_t E, int64_t H, int64_t I, int64_t tc,
-                              int64_t k, int threads) {
+                              int64_t k, int threads, size_t kscratch) {
   ChunkSizes s;
+  s.kscratch = kscratch;
   s.elem = elem;
   s.E = E;
   s.H = H;
@@ -75,9 +85,9 @@ size_t lhs_bytes(const Kernel& kern, int64_t rows, int64_t depth) {
 // (every layout of qgemm.h does), plus the 64-byte alignment of each slice.
 template <class Kernel>
 ChunkSizes worst_case(const MoeConfig<Kernel>& cfg, int64_t elem, int64_t E, int64_t H, int64_t I,
-                      int64_t tc, int64_t k, int threads) {
+                      int64_t tc, int64_t k, int threads, size_t kscratch) {
   const Kernel& kern = *cfg.gemm;
-  ChunkSizes s = chunk_sizes(elem, E, H, I, tc, k, threads);
+  ChunkSizes s = chunk_sizes(elem, E, H, I, tc, k, threads, kscratch);
   s.P = checked_mul(tc, k, "scratch");
   // The kernels' size functions compute about m * depth * elem bytes (m rounded up to a tile of
   // at most 32 rows, elem <= 2) in 64 bits: keep that far from overflowing (a guard, not a size).

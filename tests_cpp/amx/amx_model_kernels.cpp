@@ -35,7 +35,7 @@ extern const cpumoe::Q4GemmUkernel q4gemm_amx_tilemodel =
         cpumoe::q4_amx::kMr, cpumoe::q4_amx::pack_lhs,
         cpumoe::pack_rhs_q4<cpumoe::q4_amx::Packing, cpumoe::q4_vnni::HalvesInNibbles,
                             cpumoe::q4_vnni::OffsetInt4>,
-        cpumoe::q4_amx::run_f32<AmxTileModel>);
+        cpumoe::q4_amx::run_f32<AmxTileModel>, cpumoe::q4_amx::scratch_bytes);
 
 float amx_model_run_int8_once() {
   constexpr int64_t m = 32, n = 32, k = 64;

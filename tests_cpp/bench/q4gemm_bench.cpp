@@ -193,6 +193,13 @@ int main(int argc, char** argv) {
     std::printf("%s: %lld experts of %.3f MB (int8: %lld of %.3f MB)\n", fm.label.c_str(),
                 (long long)buf4.experts, double(one4.size()) / 1e6, (long long)buf8.experts,
                 double(one8.size()) / 1e6);
+    // Each thread's kernel scratch (Q4GemmEpilogue::scratch): 64-byte aligned, at the largest m.
+    const size_t sbytes = q4->scratch_bytes(max_m, n, k, fm.w);
+    std::vector<std::vector<uint8_t>> scratch(size_t(a.threads), std::vector<uint8_t>(sbytes + 64));
+    auto scratch_of = [&](int t) {
+      const auto at = reinterpret_cast<uintptr_t>(scratch[size_t(t)].data());
+      return static_cast<void*>(scratch[size_t(t)].data() + (64 - at % 64) % 64);
+    };
     for (int64_t m : a.ms) {
       Contender probe{"read probe (same bytes as " + fm.label + ")", one4.size(), {}};
       Contender c4{std::string(q4->name) + " " + fm.label, one4.size(), {}};
@@ -212,7 +219,7 @@ int main(int argc, char** argv) {
           sink[size_t(t)] += s0 + s1 + s2 + s3;
         }));
         c4.secs.push_back(timed(a.threads, a.calls, buf4.experts, &cur_4, [&](int t, int64_t e) {
-          const cpumoe::Q4GemmEpilogue ep{lscale.data(), nullptr};
+          const cpumoe::Q4GemmEpilogue ep{lscale.data(), nullptr, false, scratch_of(t)};
           q4->run_f32(m, n, k, fm.w, lhs4.data(), buf4.expert(e), out[size_t(t)].data(), n, ep);
         }));
         c8.secs.push_back(timed(a.threads, a.calls, buf8.experts, &cur_8, [&](int t, int64_t e) {

@@ -13,6 +13,7 @@
 // of the routing (PERF.md) and the packed weight bytes of each format.
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -126,6 +127,13 @@ int main(int argc, char** argv) {
     q4->pack_lhs(m, k, rows.data(), lhs4[s].data());
   }
   std::vector<float> rs(size_t(2 * a.H + 2 * a.I), 0.02f);
+  // The kernel's scratch (Q4GemmEpilogue::scratch), 64-byte aligned, at the largest call.
+  size_t sbytes = 0;
+  for (int s = 0; s < 2; ++s)
+    sbytes = std::max(sbytes, q4->scratch_bytes(std::max<int64_t>(mmax, 1), q4g[s].n, q4g[s].k, w));
+  std::vector<uint8_t> scratch_store(sbytes + 64);
+  void* scratch = scratch_store.data() +
+                  (64 - reinterpret_cast<uintptr_t>(scratch_store.data()) % 64) % 64;
 
   auto layer8 = [&] {
     for (int64_t m : me)
@@ -139,7 +147,7 @@ int main(int argc, char** argv) {
       if (m > 0)
         for (int s = 0; s < 2; ++s)
           q4->run_f32(m, q4g[s].n, q4g[s].k, w, lhs4[s].data(), q4g[s].rhs.data(), out.data(),
-                      q4g[s].n, cpumoe::Q4GemmEpilogue{ls.data(), nullptr});
+                      q4g[s].n, cpumoe::Q4GemmEpilogue{ls.data(), nullptr, false, scratch});
   };
   std::printf("problem H=%lld I=%lld E=%lld topk=%lld T=%lld iters=%lld smmla_floor_per_call=%lld\n",
               (long long)a.H, (long long)a.I, (long long)a.E, (long long)a.topk, (long long)a.T,

@@ -313,7 +313,8 @@ size_t fused_moe_scratch_bytes(const PackedMoe& packed, int64_t num_tokens, int6
 size_t fused_moe_scratch_bytes(const QGemmUkernel& kernel, int64_t num_experts, int64_t hidden,
                                int64_t intermediate, int64_t num_tokens, int64_t topk,
                                int num_threads = 0);
-/// The bounds of W4A8 calls.
+/// The bounds of W4A8 calls; the kernel's bound holds for any format and group a layer of
+/// these sizes can have (the kernels' own scratch depends on them, and is part of the bound).
 size_t fused_moe_scratch_bytes(const PackedMoeW4& packed, int64_t num_tokens, int64_t topk,
                                int num_threads = 0);
 size_t fused_moe_scratch_bytes(const Q4GemmUkernel& kernel, int64_t num_experts, int64_t hidden,

@@ -70,12 +70,17 @@ struct W4Layout {
   int64_t scale_bytes() const { return format == W4Format::mxfp4 ? 1 : 4; }
 };
 
-/// The epilogue of Q4GemmUkernel::run_f32 (the weight scales live in the packed B).
+/// The epilogue of Q4GemmUkernel::run_f32 (the weight scales live in the packed B) and the
+/// call's scratch.
 struct Q4GemmEpilogue {
   const float* lhs_scale;  ///< [m]: per-row (per-token) scale, from the first row of the call
   const float* bias;       ///< [n] or nullptr, from the first column of the call
   /// dst is large and not read again soon (QGemmEpilogue::stream_dst); same values either way.
   bool stream_dst = false;
+  /// Q4GemmUkernel::scratch_bytes(m, n, k, w) bytes, 64-byte aligned, that the call may
+  /// overwrite (contents in and out undefined); may be nullptr when that is 0. The caller owns
+  /// it: kernels never allocate.
+  void* scratch = nullptr;
 };
 
 /// One microkernel variant. Sizes in elements; pointers non-null where their size is non-zero.
@@ -107,9 +112,15 @@ struct Q4GemmUkernel {
                    int64_t code_stride, const void* scales, int64_t scale_stride,
                    void* rhs_packed);
 
+  /// Bytes of scratch one run_f32 call of this shape needs (Q4GemmEpilogue::scratch), 0 for
+  /// kernels that need none. Non-decreasing in @p m and @p n, so a caller reserves it once at
+  /// the largest shape it will call (the MoE planner: a task's rows and columns, k = H or I).
+  size_t (*scratch_bytes)(int64_t m, int64_t n, int64_t k, const W4Layout& w);
+
   /// dst[i * dst_stride + j] for i < m, j < n as in the file comment; nothing else of dst is
   /// written. @p lhs_packed / @p rhs_packed point at row 0 / column 0 of the call.
-  /// @pre k % w.group == 0.
+  /// @pre k % w.group == 0; ep.scratch holds scratch_bytes(m, n, k, w) bytes, 64-byte aligned,
+  ///      used by no other call at the same time.
   void (*run_f32)(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs_packed,
                   const void* rhs_packed, float* dst, int64_t dst_stride,
                   const Q4GemmEpilogue& ep);

@@ -92,7 +92,9 @@ void pack_rhs_q4(int64_t n, int64_t k, const W4Layout& w, const uint8_t* codes,
   if (n <= 0 || groups <= 0) return;
   // from[position] = c * g + kk, or nib where no code goes: cols[nib] holds 16, which rec maps to
   // 0 in both nibbles (the position stays 0, not recoded).
-  std::vector<int32_t> from(static_cast<size_t>(nib), static_cast<int32_t>(nib));
+  // The two tables below are the one allocation left in the kernels: packing runs at prepack,
+  // never inside an op (cmake/CheckIsaObjects.cmake, KernelsDoNotAllocate).
+  std::vector<int32_t> from(static_cast<size_t>(nib), int32_t(nib));  // alloc-ok: prepack
   for (int64_t c = 0; c < Nr; ++c)
     for (int64_t kk = 0; kk < g; ++kk) from[size_t(Arrange::index(c, kk, g))] = int32_t(c * g + kk);
   // Recoded nibble by position parity, plus the untouched hole value at index 16.
@@ -101,7 +103,8 @@ void pack_rhs_q4(int64_t n, int64_t k, const W4Layout& w, const uint8_t* codes,
     for (int c = 0; c < 16; ++c) rec[p][c] = uint8_t(Recode::code(uint8_t(c), p, w.format) & 15);
     rec[p][16] = 0;
   }
-  std::vector<uint8_t> cols(size_t(nib) + 1);  // the group's Nr columns side by side, then 16
+  // The group's Nr columns side by side, then 16.
+  std::vector<uint8_t> cols(size_t(nib) + 1);  // alloc-ok: prepack only
   cols[size_t(nib)] = 16;
   for (int64_t j0 = 0; j0 < n; j0 += Nr) {
     uint8_t* blk = dst + size_t(j0 / Nr) * P::block_bytes(k, w);
@@ -145,17 +148,23 @@ inline void store_q4_row(float* dst, const float* acc, int64_t n, float lhs_scal
   }
 }
 
+/// Q4GemmUkernel::scratch_bytes of a kernel that needs no scratch.
+inline size_t q4_no_scratch(int64_t, int64_t, int64_t, const W4Layout&) { return 0; }
+
 /// The interface table of a q4gemm kernel whose A is packed as LhsP (a QGemmPacking) and B as
 /// RhsP (a Q4Packing); kr is that of LhsP.
 template <class LhsP, class RhsP>
 constexpr Q4GemmUkernel make_q4gemm(const char* name, Isa isa, int64_t mr,
                                     decltype(Q4GemmUkernel::pack_lhs) pack_lhs,
                                     decltype(Q4GemmUkernel::pack_rhs) pack_rhs,
-                                    decltype(Q4GemmUkernel::run_f32) run_f32) {
+                                    decltype(Q4GemmUkernel::run_f32) run_f32,
+                                    decltype(Q4GemmUkernel::scratch_bytes) scratch_bytes =
+                                        q4_no_scratch) {
   static_assert(kW4GroupMultiple % LhsP::kKr == 0, "K is never padded: kr must divide 32");
-  return Q4GemmUkernel{name,         isa,           mr,       RhsP::kNr,     LhsP::kKr,
-                       LhsP::lhs_size, LhsP::lhs_offset, pack_lhs, RhsP::rhs_size,
-                       RhsP::rhs_offset, pack_rhs, run_f32};
+  return Q4GemmUkernel{name,           isa,          mr,           RhsP::kNr,
+                       LhsP::kKr,      LhsP::lhs_size, LhsP::lhs_offset, pack_lhs,
+                       RhsP::rhs_size, RhsP::rhs_offset, pack_rhs,   scratch_bytes,
+                       run_f32};
 }
 
 }  // namespace

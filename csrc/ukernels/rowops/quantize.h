@@ -4,7 +4,8 @@
 /// storing an fp32 row in a dtype, the weighted combine. Every RowOps variant (cpumoe/rowops.h)
 /// gives these bits; the vector ones are written once in rowops_vec.h, which runs the remainders
 /// of its rows through the forms here. rowops_portable is these forms on x86-64.
-/// Header-only; internal to the row operations, the dispatcher (csrc/moe) and their tests.
+/// Header-only; internal to the row operations and their tests (the dispatcher, csrc/moe, reaches
+/// them through the RowOps interface only).
 #pragma once
 
 #include <algorithm>
@@ -119,8 +120,9 @@ inline float quantize_row_with_amax(const float* a, int64_t n, float amax, int8_
 }
 
 namespace detail {
-// One pass of weighted_sum_row over NJ slots (0 < NJ <= 8), unrolled so that the weights stay in
-// registers; first: the sums start at 0.0f (else from acc); last: they go to dst, else to acc.
+// One pass of the weighted combine (moe/combine.h: weighted_sum_row) over NJ slots (0 < NJ <= 8),
+// unrolled so that the weights stay in registers; first: the sums start at 0.0f (else from acc);
+// last: they go to dst, else to acc.
 template <int NJ>
 inline void weighted_sum_pass(const float* const* ys, const float* ws, int64_t n, bool first,
                               bool last, DType dt, void* dst, float* acc) {
@@ -156,43 +158,6 @@ inline void weighted_sum_pass(int nj, const float* const* ys, const float* ws, i
   with_slot_count(nj, [&](auto kNj) {
     detail::weighted_sum_pass<kNj()>(ys, ws, n, first, last, dt, dst, acc);
   });
-}
-
-/// The signature of a weighted_sum_pass (this one, or a RowOps variant's).
-using WeightedSumPass = void (*)(int nj, const float* const* ys, const float* ws, int64_t n,
-                                 bool first, bool last, DType dt, void* dst, float* acc);
-
-/// dst = sum over the slots j < count with slot(j, &y, &w) true of w * y[0..n), in fp32, in
-/// order from 0.0f (the bits of `acc = 0; for each slot: acc[i] += w * y[i]`), stored in dtype
-/// dt; no slot: zeros. Up to 8 slots are summed in registers per pass over the row (by @p pass);
-/// acc (n floats of scratch) carries the sums between passes when there are more.
-template <class Slot>
-inline void weighted_sum_row(int64_t count, const Slot& slot, int64_t n, DType dt, void* dst,
-                             float* acc, WeightedSumPass pass = &weighted_sum_pass) {
-  constexpr int kFused = 8;
-  const float* ys[kFused];
-  float ws[kFused];
-  int64_t j = 0;
-  bool first = true;
-  for (;;) {
-    int nj = 0;
-    for (; j < count && nj < kFused; ++j)
-      if (slot(j, &ys[nj], &ws[nj])) ++nj;
-    bool last = true;  // no valid slot after these?
-    for (int64_t r = j; r < count && last; ++r) {
-      const float* yr;
-      float wr;
-      last = !slot(r, &yr, &wr);
-    }
-    if (nj == 0) {  // no slot at all (nj is 0 only then): zeros
-      std::fill(acc, acc + n, 0.0f);
-      store_row(acc, n, dt, dst);
-      return;
-    }
-    pass(nj, ys, ws, n, first, last, dt, dst, acc);
-    if (last) return;
-    first = false;
-  }
 }
 
 }  // namespace rowops

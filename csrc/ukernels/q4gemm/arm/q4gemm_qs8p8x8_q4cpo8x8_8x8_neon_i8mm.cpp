@@ -15,7 +15,8 @@
 // so at the group end X - Y is 16 times column pair q + 2's sum (scvtf #4 undoes the 16), and Y
 // is column pair q's sum once 8 sum a is taken off: the accumulators start each group at
 // -8 sum a of their rows over the group (init_sums: made per call from packed A, 64 bytes per row
-// pair and group). One instruction unpacks 32 weights (the naive shl / and pair takes two).
+// pair and group, in the call's scratch: scratch_bytes). One instruction unpacks 32 weights (the
+// naive shl / and pair takes two).
 // mxfp4 codes go through a tbl of the format's table on r & 0x0f and r >> 4 (2 * E2M1 up to 12:
 // no such trick), in the same arrangement, and start from zero. Groups of 32 k (mxfp4's, and int4
 // g32 as a variant) are one iteration of the k loop: no loop there.
@@ -50,7 +51,6 @@
 #include <algorithm>
 
 #include "cpumoe/q4gemm.h"
-#include "ukernels/common/kernel_scratch.h"
 #include "ukernels/q4gemm/arm/q4gemm_arm_common.h"
 #include "ukernels/q4gemm/q4gemm_common.h"
 #include "ukernels/qgemm/arm/qs8p8x8_pack.h"
@@ -92,10 +92,15 @@ struct Call {
 // (one ld1 fills four accumulators), S0 and S1 its rows' sums over the group (a one-row tile:
 // [-8 S0, -8 S0, -8 S0, -8 S0], see the one-row tiles); then one group of
 // slack (the asm loads the next group's values after the last). Sums of int8 over a group fit
-// int32 easily (|8 S| <= 1024 * kW4MaxGroup).
-const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a) {
+// int32 easily (|8 S| <= 1024 * kW4MaxGroup). In the call's scratch; mxfp4 needs none.
+size_t scratch_bytes(int64_t m, int64_t n, int64_t k, const W4Layout& w) {
+  if (w.format != W4Format::int4 || m <= 0 || n <= 0) return 0;
+  return size_t(((m + kMr - 1) / kMr) * (k / w.group) + 1) * 64 * sizeof(int32_t);
+}
+
+const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a, void* scratch) {
   const int64_t groups = k / g, tiles = (m + kMr - 1) / kMr;
-  int32_t* const buf = kernel_scratch_i32(size_t((tiles * groups + 1) * 64));
+  int32_t* const buf = static_cast<int32_t*>(scratch);
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t rows = std::min(kMr, m - t * kMr), np = (rows + 1) / 2;
     const int8_t* blk = a + t * kMr * k;
@@ -445,7 +450,7 @@ void run(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs, co
   const int64_t groups = k / w.group;
   const Call cl{w.group, groups, Packing::block_bytes(k, w), w4_decode_table(w.format),
                 kInt4 ? 64 : 0};
-  const int32_t* init = kInt4 ? init_sums(m, k, w.group, a) : kZeros;
+  const int32_t* init = kInt4 ? init_sums(m, k, w.group, a, ep.scratch) : kZeros;
   const int64_t nblocks = (n + kNr - 1) / kNr;
   const int64_t step = m <= kMr ? nblocks : kStepBlocks;
   for (int64_t jb = 0; jb < nblocks; jb += step) {
@@ -468,6 +473,7 @@ void run_int4(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lh
 extern const Q4GemmUkernel q4gemm_qs8p8x8_q4cpo8x8_8x8_neon_i8mm =
     make_q4gemm<LhsPacking, Packing>("q4gemm_qs8p8x8_q4cpo8x8_8x8_neon_i8mm", Isa::neon_i8mm, kMr,
                                      pack_lhs, pack_rhs_q4<Packing, PairNibbles, OffsetLowInt4>,
-                                     q4_run_f32<run_int4, run<W4Format::mxfp4, true>>);
+                                     q4_run_f32<run_int4, run<W4Format::mxfp4, true>>,
+                                     scratch_bytes);
 
 }  // namespace cpumoe

@@ -10,7 +10,8 @@
 // the high ones as two's complement, so the raw byte read as int8 is 16 hi + lo + 8 and one
 // `and #0x0f` makes the other operand (as in the I8MM kernel, whose file comment has the algebra):
 // per 4-k group and row, Y = SDOT(r & 0x0f) = sum a lo + 8 sum a and X = SDOT(r) = 16 sum a hi + Y;
-// each group's accumulators start at -8 sum a over the group (init_sums: per call, from A), and
+// each group's accumulators start at -8 sum a over the group (init_sums: per call, from A, into
+// the call's scratch: scratch_bytes), and
 // at the group end X - Y is 16 times columns 4-7's sums (scvtf #4), Y columns 0-3's. mxfp4 codes
 // go through `and` / `ushr` + `tbl` (q4gemm_arm_common.h) and start from zero.
 //
@@ -35,7 +36,6 @@
 #include <algorithm>
 
 #include "cpumoe/q4gemm.h"
-#include "ukernels/common/kernel_scratch.h"
 #include "ukernels/q4gemm/arm/q4gemm_arm_common.h"
 #include "ukernels/q4gemm/q4gemm_common.h"
 
@@ -58,10 +58,15 @@ struct Interleaved4 {
 // The int4 accumulators' start values of the m rows of A (row-major, k apart): row i's group gi
 // at int32 (i * groups + gi) * 8: -8 S eight times (one ld1 fills both accumulators of the row),
 // S the row's sum over the group; then one group of slack (the asm loads the next group's values
-// after the last).
-const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a) {
+// after the last). In the call's scratch (scratch_bytes); mxfp4 needs none.
+size_t scratch_bytes(int64_t m, int64_t n, int64_t k, const W4Layout& w) {
+  if (w.format != W4Format::int4 || m <= 0 || n <= 0) return 0;
+  return size_t(m * (k / w.group) + 1) * 8 * sizeof(int32_t);
+}
+
+const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a, void* scratch) {
   const int64_t groups = k / g;
-  int32_t* const buf = kernel_scratch_i32(size_t((m * groups + 1) * 8));
+  int32_t* const buf = static_cast<int32_t*>(scratch);
   int32_t* d = buf;
   for (int64_t i = 0; i < m; ++i)
     for (int64_t gi = 0; gi < groups; ++gi, d += 8) {
@@ -186,7 +191,7 @@ void run(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs, co
   const auto* a = static_cast<const int8_t*>(lhs);
   const auto* b = static_cast<const uint8_t*>(rhs);
   constexpr bool kInt4 = F == W4Format::int4;
-  const int32_t* init = kInt4 ? init_sums(m, k, w.group, a) : kZeros;
+  const int32_t* init = kInt4 ? init_sums(m, k, w.group, a, ep.scratch) : kZeros;
   for (int64_t j0 = 0; j0 < n; j0 += kNr) {
     const int64_t nc = std::min(kNr, n - j0);
     const uint8_t* blk = b + Packing::rhs_offset(j0, k, w);
@@ -211,6 +216,6 @@ void run(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs, co
 extern const Q4GemmUkernel q4gemm_qs8r_q4ci8x4_4x8_neon_dotprod = make_q4gemm<LhsPacking, Packing>(
     "q4gemm_qs8r_q4ci8x4_4x8_neon_dotprod", Isa::neon_dotprod, kMr, pack_lhs_qs8r<LhsPacking>,
     pack_rhs_q4<Packing, Interleaved4, OffsetLowInt4>,
-    q4_run_f32<run<W4Format::int4>, run<W4Format::mxfp4>>);
+    q4_run_f32<run<W4Format::int4>, run<W4Format::mxfp4>>, scratch_bytes);
 
 }  // namespace cpumoe

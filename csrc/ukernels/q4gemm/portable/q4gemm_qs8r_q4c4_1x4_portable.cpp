@@ -4,7 +4,8 @@
 // group's codes column by column (column c's g codes at c * g, two per byte, low nibble first).
 // Per block, row chunk and group, the 4 x g codes are decoded once through the format's table
 // into int8, then each row's 4 dot products run over plain int8 (vectorized at the baseline ISA,
-// as in the int8 portable kernel) and are scaled into fp32 accumulators. Features used: none.
+// as in the int8 portable kernel) and are scaled into fp32 accumulators; the decoded group lives
+// in the call's scratch (4 g bytes: scratch_bytes). Features used: none.
 #include <algorithm>
 #include <cstring>
 
@@ -30,13 +31,17 @@ inline int32_t dot(const int8_t* __restrict a, const int8_t* __restrict b, int64
   return s;
 }
 
+size_t scratch_bytes(int64_t m, int64_t n, int64_t /*k*/, const W4Layout& w) {
+  return m > 0 && n > 0 ? size_t(kNr * w.group) : 0;
+}
+
 void run_f32(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs, const void* rhs,
              float* dst, int64_t dst_stride, const Q4GemmEpilogue& ep) {
   const int64_t g = w.group, groups = k / g;
   const int8_t* table = w4_decode_table(w.format);
   const auto* a = static_cast<const int8_t*>(lhs);
   const auto* b = static_cast<const uint8_t*>(rhs);
-  std::vector<int8_t> vals(size_t(kNr * g));  // one group of a block, decoded
+  int8_t* const vals = static_cast<int8_t*>(ep.scratch);  // one group of a block, decoded
   for (int64_t j0 = 0; j0 < n; j0 += kNr) {
     const int64_t nc = std::min(kNr, n - j0);
     const uint8_t* blk = b + Packing::rhs_offset(j0, k, w);
@@ -46,8 +51,8 @@ void run_f32(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs
       for (int64_t gi = 0; gi < groups; ++gi) {
         const uint8_t* grp = blk + gi * Packing::group_bytes(w);
         for (int64_t x = 0; x < kNr * g / 2; ++x) {
-          vals[size_t(2 * x)] = table[grp[x] & 15];
-          vals[size_t(2 * x + 1)] = table[grp[x] >> 4];
+          vals[2 * x] = table[grp[x] & 15];
+          vals[2 * x + 1] = table[grp[x] >> 4];
         }
         float s[kNr];
         for (int64_t c = 0; c < kNr; ++c)
@@ -55,7 +60,7 @@ void run_f32(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs
         for (int64_t i = 0; i < mc; ++i) {
           const int8_t* ar = a + (i0 + i) * k + gi * g;
           for (int64_t c = 0; c < kNr; ++c)
-            acc[i][c] = acc[i][c] + float(dot(ar, vals.data() + c * g, g)) * s[c];
+            acc[i][c] = acc[i][c] + float(dot(ar, vals + c * g, g)) * s[c];
         }
       }
       for (int64_t i = 0; i < mc; ++i)
@@ -69,6 +74,6 @@ void run_f32(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs
 
 extern const Q4GemmUkernel q4gemm_qs8r_q4c4_1x4_portable = make_q4gemm<LhsPacking, Packing>(
     "q4gemm_qs8r_q4c4_1x4_portable", Isa::portable, kMr, pack_lhs_qs8r<LhsPacking>,
-    pack_rhs_q4<Packing, ColumnMajor>, run_f32);
+    pack_rhs_q4<Packing, ColumnMajor>, run_f32, scratch_bytes);
 
 }  // namespace cpumoe

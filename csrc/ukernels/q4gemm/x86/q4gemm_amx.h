@@ -24,8 +24,8 @@
 // After the last group each row gets * lhs_scale, + bias, and masked stores (nothing past n).
 // The int32 sums are exact (|sum| <= 128 * 12 * kW4MaxGroup < 2^31); the padding rows' results
 // are dropped. fp32 accumulators: one block's 32 columns for every row of the call, in registers
-// for calls of at most 8 rows (most experts' at T = 128), else in the thread's kernel scratch
-// with the panels.
+// for calls of at most 8 rows (most experts' at T = 128), else in the call's scratch with the
+// panels (scratch_bytes).
 // Measured (Sapphire Rapids, one thread, n = 1536, k = 2048, cpumoe_q4gemm_bench): at m = 16,
 // int4 g = 128 in 0.7x the VNNI kernel's time, mxfp4 and g = 32 in about 0.6x; at g = 32 the
 // tiles take a store and an fp32 epilogue per 32 k, so they stay slower than the W8A8 tiles.
@@ -39,7 +39,6 @@
 #include <type_traits>
 
 #include "cpumoe/q4gemm.h"
-#include "ukernels/common/kernel_scratch.h"
 #include "ukernels/common/x86/amx_gemm.h"
 #include "ukernels/common/x86/avx512_common.h"
 #include "ukernels/q4gemm/x86/q4gemm_avx512_vnni.h"
@@ -222,6 +221,14 @@ inline void block_in_registers(int64_t m, int64_t j0, int64_t n, const uint8_t* 
   }
 }
 
+// Scratch of a call (ep.scratch, 64-byte aligned): two group panels (each 2 halves x g / 4 rows
+// x 64 bytes; see each_group), then m x 32 fp32 accumulators (unused for calls of at most
+// kRegRows rows); none for the calls the VNNI kernel runs.
+inline size_t scratch_bytes(int64_t m, int64_t n, int64_t /*k*/, const W4Layout& w) {
+  if (m < kAmxMinRows || n <= 0) return 0;
+  return (2 * size_t(8 * w.group) + size_t(m) * kNr) * sizeof(int32_t);
+}
+
 template <class Tiles, bool Mx>
 void run_tiles(int64_t m, int64_t n, int64_t k, const W4Layout& w, const uint8_t* a,
                const uint8_t* rhs, float* dst, int64_t ld, const Q4GemmEpilogue& ep) {
@@ -229,10 +236,8 @@ void run_tiles(int64_t m, int64_t n, int64_t k, const W4Layout& w, const uint8_t
   const int64_t lda = Q4LhsRowSums::row_bytes(k), bstride = int64_t(Packing::block_bytes(k, w));
   const int64_t gbytes = Packing::group_bytes(w), cbytes = Packing::codes_bytes(w);
   const int64_t hbytes = 16 * w.scale_bytes();  // the high half's scales after the low's
-  // Scratch: two group panels (each 2 halves x g / 4 rows x 64 bytes; see each_group), then
-  // m x 32 fp32 accumulators (unused for calls of at most kRegRows rows).
-  const size_t panel_i32 = size_t(8 * g);
-  int32_t* scratch = kernel_scratch_i32(2 * panel_i32 + size_t(m) * kNr);
+  const size_t panel_i32 = size_t(8 * g);  // see scratch_bytes
+  int32_t* scratch = static_cast<int32_t*>(ep.scratch);
   uint8_t* panels[2] = {reinterpret_cast<uint8_t*>(scratch),
                         reinterpret_cast<uint8_t*>(scratch + panel_i32)};
   float* acc = reinterpret_cast<float*>(scratch + 2 * panel_i32);

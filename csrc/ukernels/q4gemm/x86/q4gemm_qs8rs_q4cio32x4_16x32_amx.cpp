@@ -18,6 +18,6 @@ extern const Q4GemmUkernel q4gemm_qs8rs_q4cio32x4_16x32_amx =
     make_q4gemm<q4_amx::LhsPacking, q4_amx::Packing>(
         "q4gemm_qs8rs_q4cio32x4_16x32_amx", Isa::amx, q4_amx::kMr, q4_amx::pack_lhs,
         pack_rhs_q4<q4_amx::Packing, q4_vnni::HalvesInNibbles, q4_vnni::OffsetInt4>,
-        q4_amx::run_f32<AmxHwTiles>);
+        q4_amx::run_f32<AmxHwTiles>, q4_amx::scratch_bytes);
 
 }  // namespace cpumoe
