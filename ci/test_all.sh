@@ -237,7 +237,9 @@ stage_cross_python() {
   done
 }
 
+timings=()
 for s in "${stages[@]}"; do
+  t0=$SECONDS
   case "$s" in
     native) stage_native ;;
     x86-haswell) stage_x86_haswell ;;
@@ -250,5 +252,6 @@ for s in "${stages[@]}"; do
     fuzz) fuzz_checkpoint ;;
     *) echo "unknown stage: $s (native, x86-haswell, python, python-local, vllm, cross, cross-python, sanitize, fuzz)" >&2; exit 2 ;;
   esac
+  timings+=("$s $((SECONDS - t0)) s")
 done
-log "all requested stages passed: ${stages[*]}"
+log "all requested stages passed: ${stages[*]} (${timings[*]/%/,} total $SECONDS s)"

@@ -111,8 +111,8 @@ class Int8Experts:
     Args:
       hidden: H. intermediate: I (per expert, per tensor-parallel rank). num_experts: E, the
         experts held here (local). topk: k, experts per token.
-      activation: an activation spec of :func:`cpumoe.ops.parse_activation` ("silu", "gelu",
-        "gelu_tanh", "swigluoai", "silu_clamp(limit=10)", ...; or an enum with that value).
+      activation: an activation spec of :func:`cpumoe.ops.parse_activation` (a name of
+        ``cpumoe.ACTIVATIONS``, with parameters where it takes them; or an enum with that value).
       expert_map: optional int [E_global] (global id -> local id, or -1 for an expert held
         elsewhere), for expert parallelism; ``apply`` then takes global topk ids.
       isa: cap the kernel path (e.g. "portable"); default: the best this CPU runs.

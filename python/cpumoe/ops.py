@@ -13,11 +13,44 @@ from ._tensors import (FLOAT_DTYPES, View, as_float32, check_dtype, check_rows, 
 #: string: the name alone, or with its parameters, e.g. "silu_clamp(limit=10)" (see
 #: :func:`activation_spec`).
 ACTIVATIONS = tuple(a["name"] for a in _C.activations())
+#: The weight formats by name, from the extension's table (weight_format.h): the values of
+#: ``packed.weight_format`` (see :func:`formats`).
+FORMATS = tuple(f["name"] for f in _C.formats())
 PackedMoe = _C.PackedMoe
 PackedMoeBf16 = _C.PackedMoeBf16
 PackedMoeW4 = _C.PackedMoeW4
+# The packed class of each kernel family of the table.
+_PACKED_OF_FAMILY = {"qgemm": PackedMoe, "q4gemm": PackedMoeW4, "bgemm": PackedMoeBf16}
+
+
+def _packed_kinds(activations: Optional[str] = None) -> Tuple[Any, ...]:
+    """The packed classes of the formats whose op takes ``activations`` ("int8" / "bf16"; None:
+    every format), in table order."""
+    return tuple(dict.fromkeys(_PACKED_OF_FAMILY[f["family"]] for f in _C.formats()
+                               if activations in (None, f["activations"])))
+
+
+def _expected_packed(activations: Optional[str] = None) -> str:
+    """What ``packed`` may be, for a TypeError: each format's class and prepack function."""
+    return ", ".join(f"cpumoe.{_PACKED_OF_FAMILY[f['family']].__name__} from {f['prepack']}() "
+                     f"({f['name']})" for f in _C.formats()
+                     if activations in (None, f["activations"]))
+
+
 #: The packed kinds fused_moe_int8 runs (int8 activations): W8A8 and W4A8.
-_INT8_PACKED = (PackedMoe, PackedMoeW4)
+_INT8_PACKED = _packed_kinds("int8")
+_ANY_PACKED = _packed_kinds()
+
+
+def formats() -> List[Dict[str, Any]]:
+    """The weight formats, one dict per row of the extension's table: ``name``, ``bits`` (per
+    weight), ``value_code`` ("int", "e2m1", "bf16"), ``scale`` ("fp32_per_channel",
+    "fp32_per_group", "e8m0_per_block" or "none") and ``scale_bytes`` (one scale in prepack's
+    input), ``group`` ("none", "multiple": any multiple of ``group_size`` up to ``group_max``,
+    "exact": ``group_size``), ``zero_point``, ``family`` (the kernel family that reads it),
+    ``activations`` (its op's: "int8", quantized per token, or "bf16") and ``prepack`` (the
+    function of this package that packs it)."""
+    return [dict(f) for f in _C.formats()]
 
 
 def activations() -> List[Dict[str, Any]]:
@@ -299,10 +332,9 @@ def scratch_bytes(T: int, k: int, packed: Any, *, num_threads: Optional[int] = N
     (16384 token-expert slots). The calling thread keeps its scratch for its next calls, so a
     thread's steady-state use is this bound for its largest call; ``num_threads`` as in the op
     (default: the OpenMP default; torch inputs use torch's count, which only changes a few KB)."""
-    if not isinstance(packed, (PackedMoe, PackedMoeBf16, PackedMoeW4)):
-        raise TypeError(f"packed: expected cpumoe.PackedMoe from prepack(), cpumoe.PackedMoeW4 "
-                        f"from prepack_int4() / prepack_mxfp4() or cpumoe.PackedMoeBf16 from "
-                        f"prepack_bf16(), got {type(packed).__name__}")
+    if not isinstance(packed, _ANY_PACKED):
+        raise TypeError(f"packed: expected a packed layer ({_expected_packed()}), got "
+                        f"{type(packed).__name__}")
     for name, v, low in (("T", T, 0), ("k", k, 1)):
         if not isinstance(v, int) or isinstance(v, bool) or not low <= v < 2**63:
             raise ValueError(f"{name}: must be an int in [{low}, 2**63), got {v!r}")
@@ -313,9 +345,9 @@ def fused_moe(x: Any, packed: Any, topk_weights: Any, topk_ids: Any, *,
               activation: str = "silu", skip_weighted: bool = False, out: Any = None,
               expert_map: Any = None, num_threads: Optional[int] = None) -> Any:
     """The fused MoE layer: ``out[t] = sum_j topk_weights[t, j] * FFN_{topk_ids[t, j]}(x[t])``
-    on any packed layer; the packed object knows its weight format (``packed.weight_format``:
-    "int8", "int4", "mxfp4" run the int8 op, int8 activations quantized per token; "bf16" the
-    BF16 op, bf16 activations).
+    on any packed layer; the packed object knows its weight format (``packed.weight_format``, a
+    name of :data:`FORMATS`), whose row of :func:`formats` says the op's ``activations``: "int8"
+    (activations quantized per token) or "bf16".
 
     Args:
       x: [T, H] float32 / float16 / bfloat16, rows contiguous (row stride may exceed H).
@@ -335,22 +367,21 @@ def fused_moe(x: Any, packed: Any, topk_weights: Any, topk_ids: Any, *,
       num_threads: default: torch's count for torch tensors, else OpenMP's.
     Returns ``out``, or a new tensor/array of x's kind, dtype and shape [T, H].
 
-    int8 / int4 / mxfp4: dynamic per-token int8 quantization of x and of the activation, fp32
-    accumulation. bf16: x (if not bf16) and the activation output rounded to bf16 (nearest
-    even), products exact and summed in fp32. Either way the combine is fp32 and the result is
-    stored in x's dtype. A token whose row of x holds a NaN or an inf gets an all-NaN output row
-    (as the reference); NaN/inf router weights or biases propagate through the fp32 arithmetic;
-    an all-zero token quantizes to zeros. Paths of different ISAs give the same bits for the int8
-    op; for the bf16 op they may differ in the last bits of their fp32 sums (each deterministic
-    for any thread count). Thread-safe: concurrent calls (the GIL is released) each use their
+    int8 activations: dynamic per-token int8 quantization of x and of the activation, fp32
+    accumulation. bf16 activations: x (if not bf16) and the activation output rounded to bf16
+    (nearest even), products exact and summed in fp32. Either way the combine is fp32 and the
+    result is stored in x's dtype. A token whose row of x holds a NaN or an inf gets an all-NaN
+    output row (as the reference); NaN/inf router weights or biases propagate through the fp32
+    arithmetic; an all-zero token quantizes to zeros. Paths of different ISAs give the same bits
+    for the int8 op; for the bf16 op they may differ in the last bits of their fp32 sums (each
+    deterministic for any thread count). Thread-safe: concurrent calls (the GIL is released) each use their
     own thread's scratch, at most :func:`scratch_bytes` and kept for that thread's next call.
     On torch tensors it compiles: under ``torch.compile(fullgraph=True)`` the call is one
     ``cpumoe::fused_moe_packed`` node (see :mod:`cpumoe.torch_ops`).
     """
-    if not isinstance(packed, (PackedMoe, PackedMoeW4, PackedMoeBf16)):
-        raise TypeError(f"packed: expected a packed layer (cpumoe.PackedMoe from prepack(), "
-                        f"cpumoe.PackedMoeW4 from prepack_int4() / prepack_mxfp4() or "
-                        f"cpumoe.PackedMoeBf16 from prepack_bf16()), got {type(packed).__name__}")
+    if not isinstance(packed, _ANY_PACKED):
+        raise TypeError(f"packed: expected a packed layer ({_expected_packed()}), got "
+                        f"{type(packed).__name__}")
     tops = _torch_ops_for(x, topk_weights, topk_ids, activation, skip_weighted, out, expert_map,
                           num_threads)
     if tops is not None:
@@ -366,8 +397,8 @@ def fused_moe_int8(x: Any, packed: Any, topk_weights: Any, topk_ids: Any,
     """:func:`fused_moe` on a layer of int8 activations (``packed`` from :func:`prepack`,
     :func:`prepack_int4` or :func:`prepack_mxfp4`; a bf16 layer is a TypeError)."""
     if not isinstance(packed, _INT8_PACKED):
-        raise TypeError(f"packed: expected cpumoe.PackedMoe from prepack() or cpumoe.PackedMoeW4 "
-                        f"from prepack_int4() / prepack_mxfp4(), got {type(packed).__name__}")
+        raise TypeError(f"packed: expected a layer of int8 activations "
+                        f"({_expected_packed('int8')}), got {type(packed).__name__}")
     return fused_moe(x, packed, topk_weights, topk_ids, activation=activation,
                      skip_weighted=skip_weighted, out=out, expert_map=expert_map,
                      num_threads=num_threads)

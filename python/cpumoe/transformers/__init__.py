@@ -29,8 +29,8 @@ the candidates come from what the module declares (``act_fn``, a ``limit`` / ``s
 an ``alpha`` / ``swiglu_alpha``), and the module's own ``_apply_gate`` is probed over values of
 both signs from 1e-3 to 1e4 and around each declared limit, in its dtype and in float32, so a
 clamp cannot go unnoticed; the probe also tells whether gate and up are concatenated halves or
-interleaved. Qwen2/3-MoE, Mixtral, OLMoE, DeepSeek-V2/V3 (``act_fn`` silu, or gelu / gelu_tanh
-by ``hidden_act``), gpt-oss and MiniMax-M3 (clamped swiglu with alpha 1.702 and limit 7.0:
+interleaved. Qwen2/3-MoE, Mixtral, OLMoE, DeepSeek-V2/V3 (``act_fn`` silu, or a gelu form by
+``hidden_act``), gpt-oss and MiniMax-M3 (clamped swiglu with alpha 1.702 and limit 7.0:
 cpumoe's ``swigluoai``), DeepSeek-V4, GLM5-Next and HY-V4 (``silu(min(g, L)) * clamp(u, -L,
 L)``: ``silu_clamp(limit=L)``) are taken as they are, biases included; the backends then run
 the activation with the module's own parameters (:func:`cpumoe.activation_spec`). Step3p7's

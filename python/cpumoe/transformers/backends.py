@@ -29,7 +29,7 @@ class _InferenceOnly(torch.autograd.Function):
                            "another experts_implementation")
 
 
-def _forward(module, hidden_states, top_k_index, top_k_weights, kind, op):
+def _forward(module, hidden_states, top_k_index, top_k_weights, kind):
     st = states(module).get(kind)
     if st is None:
         if torch.compiler.is_compiling():
@@ -55,7 +55,7 @@ def _forward(module, hidden_states, top_k_index, top_k_weights, kind, op):
     ids = ids.contiguous()
 
     def run(x_):
-        return op(x_, st.packed, tw, ids, st.activation)
+        return _ops.fused_moe(x_, st.packed, tw, ids, activation=st.activation)
 
     if x.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling():
         out = _InferenceOnly.apply(x, run)
@@ -64,27 +64,16 @@ def _forward(module, hidden_states, top_k_index, top_k_weights, kind, op):
     return out.reshape(shape) if flat else out
 
 
-def _forward_int8(self, hidden_states, top_k_index, top_k_weights):
-    return _forward(self, hidden_states, top_k_index, top_k_weights, "int8", _ops.fused_moe_int8)
+def _backend_forward(kind):
+    """The registered forward of the backend that packs weight format ``kind``."""
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return _forward(self, hidden_states, top_k_index, top_k_weights, kind)
+    forward.__name__ = forward.__qualname__ = f"_forward_{kind}"
+    return forward
 
 
-def _forward_bf16(self, hidden_states, top_k_index, top_k_weights):
-    return _forward(self, hidden_states, top_k_index, top_k_weights, "bf16", _ops.fused_moe_bf16)
-
-
-def _forward_int4(self, hidden_states, top_k_index, top_k_weights):
-    return _forward(self, hidden_states, top_k_index, top_k_weights, "int4", _ops.fused_moe_int8)
-
-
-def _forward_mxfp4(self, hidden_states, top_k_index, top_k_weights):
-    return _forward(self, hidden_states, top_k_index, top_k_weights, "mxfp4",
-                    _ops.fused_moe_int8)
-
-
-ExpertsInterface.register("cpumoe", _forward_int8)
-ExpertsInterface.register("cpumoe_bf16", _forward_bf16)
-ExpertsInterface.register("cpumoe_int4", _forward_int4)
-ExpertsInterface.register("cpumoe_mxfp4", _forward_mxfp4)
+for _backend, _kind in BACKENDS.items():
+    ExpertsInterface.register(_backend, _backend_forward(_kind))
 
 
 # ---------------------------------------------------------------------------- whole models

@@ -166,7 +166,7 @@ def _probe_gating(module: torch.nn.Module, inter: int, dtype: torch.dtype):
     """(activation spec, gate/up interleaved in the module) of the first candidate spec whose
     reference reproduces the module's ``_apply_gate`` at every probe point, in ``dtype`` (the
     module's) and in float32 (where the bound is tight enough to tell apart what bf16 cannot:
-    gelu from gelu_tanh or quick_gelu; skipped only if the gate does not run in float32); else
+    the erf gelu from its tanh form or quick_gelu; skipped only if the gate does not run in float32); else
     (None, the closest miss)."""
     declared = _declared(module)
     specs = _candidates(declared)

@@ -22,13 +22,11 @@ from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
     UnquantizedFusedMoEMethod)
 from vllm.platforms import current_platform
 
-#: vLLM activation -> cpumoe activation name (its parameters: activation_of).
-VLLM_ACTIVATIONS = {
-    MoEActivation.SILU: "silu",  # with a swiglu_limit: silu_clamp (DeepSeek-V4's clamped SwiGLU)
-    MoEActivation.GELU: "gelu",
-    MoEActivation.GELU_TANH: "gelu_tanh",
-    MoEActivation.SWIGLUOAI: "swigluoai",  # gate/up interleaved in w13, as cpumoe expects
-}
+#: vLLM activation -> cpumoe activation name (its parameters: activation_of). vLLM spells the
+#: activations cpumoe shares with it as cpumoe does (SILU with a swiglu_limit is silu_clamp,
+#: DeepSeek-V4's clamped SwiGLU; SWIGLUOAI interleaves gate/up in w13 as cpumoe does;
+#: SWIGLUOAI_UNINTERLEAVE and SWIGLUSTEP are not cpumoe's).
+VLLM_ACTIVATIONS = {a: a.value for a in MoEActivation if a.value in _ops.ACTIVATIONS}
 _ALIGN = 8  # cpumoe needs H and I to be multiples of 8
 
 

@@ -204,10 +204,15 @@ class Int8:
                                        None, None, None, None, True)
 
 
+#: The activations vLLM's unquantized CPU kernel runs: its MoEActivation names that are cpumoe's
+#: too (vLLM and cpumoe spell them alike), without parameters.
+_VLLM_CPU_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
+
 class Bf16:
     """``cpu_fused_moe`` after ``prepack_moe_weight`` (vLLM's unquantized CPU MoE): isa ``"amx"``
-    when the CPU has AMX tiles, else ``"vec"``, which is what vLLM picks. silu, gelu, gelu_tanh,
-    swigluoai (interleaved w13), biases as bf16, fp32 router weights, int32 ids."""
+    when the CPU has AMX tiles, else ``"vec"``, which is what vLLM picks. The activations of vLLM's
+    MoEActivation that cpumoe has too (swigluoai: interleaved w13), biases as bf16, fp32 router
+    weights, int32 ids."""
 
     name = "vllm-bf16"
 
@@ -218,7 +223,7 @@ class Bf16:
             raise Unsupported(f"activations must be bf16, not {x_dtype}")
         E, two_i, H = w13.shape
         _check_common(torch.bfloat16, H, two_i // 2)
-        if activation not in ("silu", "gelu", "gelu_tanh", "swigluoai"):
+        if activation not in _VLLM_CPU_ACTIVATIONS:  # its kernel: the bare names, no parameters
             raise Unsupported(f"no activation {activation}")
         self.isa = "amx" if has_amx() else "vec"
         self.w13 = torch.empty_like(w13)
