@@ -3,16 +3,18 @@
 #   native     CMake build + GoogleTest via ctest on this machine; on x86-64 also x86-haswell:
 #              the kernel and MoE test binaries under qemu-x86_64 -cpu Haswell (AVX2 path, no
 #              AVX-512), also runnable alone after native
-#   python     pip install . + pytest (torch backend, then numpy backend), then 30 s of the
-#              checkpoint loader's fuzz (fuzz: that step alone, on the installed package)
+#   python     pip install . + pytest (torch backend, then numpy backend in the binding tier),
+#              then 30 s of the checkpoint loader's fuzz (fuzz: that step alone, on the installed package)
 #   python-local  the same tests on a cmake-built extension, nothing installed (for development;
 #              not in the default list)
 #   cross      aarch64 cross build; the qemu instruction counter's self-test
-#              (tests_cpp/bench/qemu_plugin); ctest under qemu-aarch64 for -cpu max (I8MM path),
-#              neoverse-n1 (no I8MM: must fall back, never SIGILL) and cortex-a57 (Armv8.0),
-#              then on max with CPUMOE_ISA=neon_bf16 and =neon_dotprod
+#              (tests_cpp/bench/qemu_plugin); ctest under qemu-aarch64 for -cpu max (I8MM path,
+#              every kernel's tester and grid), then without the kernel grids on neoverse-n1 (no
+#              I8MM: must fall back, never SIGILL), cortex-a57 (Armv8.0) and on max with
+#              CPUMOE_ISA=neon_bf16 and =neon_dotprod
 #   cross-python  the cross-built extension + pytest on an aarch64 CPython under qemu (numpy
-#              backend), on max and neoverse-n1
+#              backend, binding tier: CPUMOE_TEST_TIER, tests_py/conftest.py), on max and
+#              neoverse-n1
 #   sanitize   CMakePresets.json preset asan (ASan + UBSan, every report fatal): the full ctest
 #              (LeakSanitizer on), then the op's pytest files through the ASan runtime
 #   vllm       (after python) the vLLM venv (ci/setup_vllm_venv.sh: made once, cpumoe reinstalled
@@ -76,8 +78,9 @@ stage_python() {
   # Run from the repo root: python/cpumoe is not importable from here, so the installed package is
   # the one tested.
   "$PY" -m pytest tests_py -q
-  log "python: pytest again on the numpy backend (torch never imported)"
-  CPUMOE_TEST_BACKEND=numpy "$PY" -m pytest tests_py -q -p no:cacheprovider
+  # The kernel grids ran above; this run checks the numpy front end (tests_py/conftest.py, tiers).
+  log "python: pytest again on the numpy backend (torch never imported), binding tier"
+  CPUMOE_TEST_TIER=binding CPUMOE_TEST_BACKEND=numpy "$PY" -m pytest tests_py -q -p no:cacheprovider
   fuzz_checkpoint
 }
 
@@ -195,6 +198,10 @@ aarch64_python() {
   mapfile -t PY_CMAKE_ARGS < <(bash ci/setup_aarch64_python.sh --print-cmake-args)
 }
 
+# The ctest names of the kernel testers and grids (every supported kernel, whatever the CPU model
+# or cap): run once per build on the CPU that supports the most kernels.
+KERNEL_GRIDS='QGemmKernelTest|BGemmKernelTest|Q4GemmKernelTest|MoeGridTest|MoeBf16GridTest|MoeW4\.Grid|Fuzz\.'
+
 stage_cross() {
   log "cross: aarch64 build (with the Python module), ctest under qemu"
   aarch64_python
@@ -206,9 +213,16 @@ stage_cross() {
   # program with a known instruction mix.
   log "cross: the qemu instruction counter's self-test"
   bash tests_cpp/bench/qemu_plugin/selftest.sh
-  for cpu in max neoverse-n1 cortex-a57; do
-    log "cross: ctest with QEMU_CPU=$cpu"
-    QEMU_CPU=$cpu ctest --test-dir "$BUILD/aarch64" --output-on-failure -j "$JOBS"
+  log "cross: ctest with QEMU_CPU=max"
+  QEMU_CPU=max ctest --test-dir "$BUILD/aarch64" --output-on-failure -j "$JOBS"
+  # CPUs without I8MM / BF16 (neoverse-n1) or without dotprod (cortex-a57): what only they can
+  # show is that dispatch falls back and nothing dies of an illegal instruction. The kernel
+  # testers and grids run every kernel a CPU supports, so -cpu max already ran the dotprod and
+  # portable kernels' grids bit for bit (qemu executes an instruction alike on every CPU model).
+  for cpu in neoverse-n1 cortex-a57; do
+    log "cross: ctest with QEMU_CPU=$cpu (without the kernel grids)"
+    QEMU_CPU=$cpu ctest --test-dir "$BUILD/aarch64" --output-on-failure -j "$JOBS" \
+      -E "$KERNEL_GRIDS"
   done
   # The lower paths selected on -cpu max through the CPUMOE_ISA cap (what the dispatcher,
   # selection and default PackedMoe then use). The kernel tester and the MoE grid run every
@@ -217,7 +231,7 @@ stage_cross() {
   for isa in neon_bf16 neon_dotprod; do
     log "cross: ctest with QEMU_CPU=max CPUMOE_ISA=$isa"
     QEMU_CPU=max CPUMOE_ISA=$isa ctest --test-dir "$BUILD/aarch64" --output-on-failure -j "$JOBS" \
-      -E 'QGemmKernelTest|BGemmKernelTest|Q4GemmKernelTest|MoeGridTest|MoeBf16GridTest|MoeW4\.Grid|Fuzz\.'
+      -E "$KERNEL_GRIDS"
   done
 }
 
@@ -231,7 +245,7 @@ stage_cross_python() {
   stage_package "$pkg" "$so"
   for cpu in max neoverse-n1; do
     log "cross-python: pytest with QEMU_CPU=$cpu"
-    QEMU_CPU=$cpu CPUMOE_TEST_BACKEND=numpy PYTHONPATH="$pkg:$SITE" \
+    QEMU_CPU=$cpu CPUMOE_TEST_TIER=binding CPUMOE_TEST_BACKEND=numpy PYTHONPATH="$pkg:$SITE" \
       qemu-aarch64 -L "$SYSROOT" "$SYSROOT/usr/bin/python3.11" -m pytest tests_py -q \
       -p no:cacheprovider
   done

@@ -163,7 +163,35 @@ def backend() -> Backend:
 
 
 def pytest_report_header(config):
-    return f"cpumoe test backend: {BACKEND_NAME} (CPUMOE_TEST_BACKEND to force torch or numpy)"
+    return (f"cpumoe test backend: {BACKEND_NAME} (CPUMOE_TEST_BACKEND to force torch or numpy); "
+            f"tier: {TIER} (CPUMOE_TEST_TIER: all, or binding)")
+
+
+# Tests in tiers: the kernels are proved bit for bit against the oracle by the C++ grids on every
+# path (native, Haswell, three qemu CPU models), and these Python grids prove the same through the
+# binding once, in the torch-backend run. The other runs (the numpy backend, the aarch64 CPython
+# under qemu) set CPUMOE_TEST_TIER=binding: they check the binding, the dtypes, the front ends and
+# the integrations, and skip the grids below.
+TIER = os.environ.get("CPUMOE_TEST_TIER", "all")
+if TIER not in ("all", "binding"):
+    raise RuntimeError(f"CPUMOE_TEST_TIER: all or binding, got {TIER!r}")
+KERNEL_GRIDS = (
+    "test_moe.py::test_matches_reference[",
+    "test_moe.py::test_same_bits_on_every_path_and_thread_count[",
+    "test_bf16.py::test_matches_reference_on_every_path[",
+    "test_w4a8.py::test_matches_reference_on_every_path[",
+    "test_reliability.py::test_bitwise_identical_for_1_2_4_threads_and_repeated_calls[",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    if TIER == "all":
+        return
+    skip = pytest.mark.skip(reason="kernel grid: proved by the C++ grids and the torch-backend "
+                                   "run (CPUMOE_TEST_TIER=binding)")
+    for item in items:
+        if any(g in item.nodeid for g in KERNEL_GRIDS):
+            item.add_marker(skip)
 
 
 # ---------------------------------------------------------------------------- problems
