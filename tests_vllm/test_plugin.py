@@ -304,3 +304,34 @@ def test_w4a16_needs_pack_quantized():
     moe = types.SimpleNamespace(hidden_dim=2048, intermediate_size_per_partition=768)
     kind, why = kinds._ct_kind(CompressedTensorsConfig, _ct_scheme(w, None, "int-quantized"), moe)
     assert kind is None and "format 'int-quantized'" in why
+
+
+def test_experts_run_the_layers_clamped_silu_and_refuse_another_activation():
+    """A SILU layer with swiglu_limit runs cpumoe's silu_clamp with that limit (values past the
+    clamp: plain silu would differ); an activation other than the layer's is refused."""
+    g = torch.Generator().manual_seed(3)
+    E, H, I, k, T = 4, 64, 32, 2, 9
+    q13, s13 = quantize_per_channel(torch.randn(E, 2 * I, H, generator=g) * 4)
+    q2, s2 = quantize_per_channel(torch.randn(E, H, I, generator=g))
+    x = (torch.randn(T, H, generator=g) * 4).to(torch.bfloat16)
+    ids = torch.randint(0, E, (T, k), generator=g, dtype=torch.int32)
+    tw = torch.rand(T, k, generator=g)
+    ex = _experts(L.CpumoeInt8Experts, E, H, I, k)
+    ex.moe_config.activation = MoEActivation.SILU
+    ex._act, ex._act_why = kinds.activation_of(
+        types.SimpleNamespace(activation=MoEActivation.SILU, swiglu_limit=2.0, swiglu_alpha=None,
+                              swiglu_beta=None))
+    assert ex._act == "silu_clamp(limit=2)"
+    ex.process_weights_after_loading(_layer(w13_weight=q13, w2_weight=q2,
+                                            w13_weight_scale=s13.unsqueeze(-1),
+                                            w2_weight_scale=s2.unsqueeze(-1)))
+    got = _call(ex, x, tw, ids)
+    want = ref_fused_moe_int8(x, q13, q2, s13, s2, tw, ids, "silu_clamp(limit=2)")
+    plain = ref_fused_moe_int8(x, q13, q2, s13, s2, tw, ids, "silu")
+    scale = float(want.float().abs().max())
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * scale)
+    assert float((plain.float() - want.float()).abs().max()) > 0.2 * scale  # the clamp fired
+    out = torch.empty_like(x)
+    with pytest.raises(ValueError, match="activation 'gelu'"):
+        ex.apply(out, x, None, None, tw, ids, MoEActivation.GELU, 0, None, None, None, None,
+                 None, None, False)

@@ -170,10 +170,13 @@ class _CpumoeExperts(mk.FusedMoEExpertsModular):
               a2_scale: Optional[torch.Tensor], workspace13: torch.Tensor,
               workspace2: torch.Tensor, expert_tokens_meta: Optional[mk.ExpertTokensMetadata],
               apply_router_weight_on_input: bool) -> None:
+        # The activation vLLM passes is the layer's (its parameters are in self._act's spec: a
+        # SILU layer with a swiglu_limit runs silu_clamp); another one is refused, not mapped.
         act = self._act
-        if act is None or VLLM_ACTIVATIONS.get(activation) != _ops.parse_activation(act)[0]:
+        built_for = getattr(self.moe_config, "activation", activation)
+        if act is None or activation not in VLLM_ACTIVATIONS or activation != built_for:
             raise ValueError(f"cpumoe ({self.layer_name}): activation {activation.value!r}: "
-                             f"{self._act_why or f'the layer was packed for {act}'}")
+                             f"{self._act_why or f'the layer runs {act}'}")
         if topk_weights.dtype != torch.float32:
             topk_weights = topk_weights.float()
         # apply_router_weight_on_input (top-1): vLLM's prepare step already scaled x by the
