@@ -23,6 +23,7 @@
 #include "cpumoe/probes.h"
 #include "cpumoe/q4gemm.h"
 #include "cpumoe/qgemm.h"
+#include "cpumoe/weight_format.h"
 
 namespace py = pybind11;
 using namespace cpumoe;
@@ -83,29 +84,62 @@ MoeConfig<Kernel> config_for(const std::optional<std::string>& isa,
   return build(nullptr, &cap);
 }
 
-// Python names of the two packed kinds.
+// The format table (weight_format.h) for Python: one dict per format.
+py::list formats_list() {
+  py::list out;
+  for (const WeightFormatInfo& info : kWeightFormatTable) {
+    py::dict d;
+    d["name"] = info.name;
+    d["bits"] = info.bits;
+    d["value_code"] = info.value_code;
+    d["scale"] = scale_kind_name(info.scale);
+    d["scale_bytes"] = info.scale_bytes;
+    d["group"] = group_rule_name(info.group);
+    d["group_size"] = info.group_size;
+    d["group_max"] = info.group_max;
+    d["zero_point"] = info.zero_point;
+    d["family"] = kernel_family_name(info.family);
+    d["activations"] = info.activations;
+    d["prepack"] = info.prepack;
+    out.append(d);
+  }
+  return out;
+}
+
+// Python names of the packed kinds and the family each packs for.
 template <class P>
 struct PackedNames;
 template <>
 struct PackedNames<PackedMoe> {
   static constexpr const char* cls = "PackedMoe";
-  static constexpr const char* maker = "prepack";
+  static constexpr KernelFamily family = KernelFamily::qgemm;
 };
 template <>
 struct PackedNames<PackedMoeBf16> {
   static constexpr const char* cls = "PackedMoeBf16";
-  static constexpr const char* maker = "prepack_bf16";
+  static constexpr KernelFamily family = KernelFamily::bgemm;
 };
 template <>
 struct PackedNames<PackedMoeW4> {
   static constexpr const char* cls = "PackedMoeW4";
-  static constexpr const char* maker = "prepack_int4() or cpumoe.prepack_mxfp4";
+  static constexpr KernelFamily family = KernelFamily::q4gemm;
 };
 
-// packed.weight_format: "int8", "bf16", "int4" or "mxfp4".
-const char* weight_format(const PackedMoe&) { return "int8"; }
-const char* weight_format(const PackedMoeBf16&) { return "bf16"; }
-const char* weight_format(const PackedMoeW4& p) { return w4_format_name(p.format()); }
+// "cpumoe.prepack_int4() or cpumoe.prepack_mxfp4()": the prepack functions of the table's rows
+// of @p family.
+std::string makers(KernelFamily family) {
+  std::string out;
+  for (const WeightFormatInfo& info : kWeightFormatTable)
+    if (info.family == family)
+      out += (out.empty() ? "cpumoe." : " or cpumoe.") + std::string(info.prepack) + "()";
+  return out;
+}
+
+// packed.weight_format: the name of its row of the format table.
+template <class P>
+const char* weight_format(const P& p) {
+  return weight_format_name(p.weight_format());
+}
 
 // The packed weights behind a Python object. An instance whose C++ object was never constructed
 // (PackedMoe.__new__ without prepack, a subclass skipping __init__) has no holder: refuse it with
@@ -117,7 +151,7 @@ std::shared_ptr<const P> packed_of(py::handle h) {
     p = py::cast<std::shared_ptr<P>>(h);
   } catch (const py::cast_error&) {
     throw py::type_error(std::string("packed: not an initialised cpumoe.") + PackedNames<P>::cls +
-                         " (create it with cpumoe." + PackedNames<P>::maker + "())");
+                         " (create it with " + makers(PackedNames<P>::family) + ")");
   }
   if (!p) throw py::type_error("packed: is None");
   return p;
@@ -306,6 +340,9 @@ PYBIND11_MODULE(_C, m) {
   // Raised for bad argument values; a ValueError to Python callers.
   py::register_exception<ArgumentError>(m, "ArgumentError", PyExc_ValueError);
 
+  m.def("formats", &formats_list,
+        "The weight formats (weight_format.h's table): name, bits, value_code, scale, "
+        "scale_bytes, group, group_size, group_max, zero_point, family, activations, prepack.");
   m.def("activations", &activations_list,
         "The op's activations: name, interleaved (gate/up at even/odd columns), params (name -> "
         "default, None when required), formula.");
@@ -417,9 +454,11 @@ PYBIND11_MODULE(_C, m) {
         w.num_experts = E;
         w.hidden = H;
         w.intermediate = I;
-        if (format == "int4") w.format = W4Format::int4;
-        else if (format == "mxfp4") w.format = W4Format::mxfp4;
-        else throw ArgumentError("format: must be int4 or mxfp4, got '" + format + "'");
+        WeightFormat f;
+        if (!parse_weight_format(format.c_str(), &f) || !w4_format_of(f, &w.format))
+          throw ArgumentError("format: must be one of " +
+                              weight_format_names(KernelFamily::q4gemm) + ", got '" + format +
+                              "'");
         w.group_size = group;
         w.w13 = ptr<const void>(w13);
         w.w2 = ptr<const void>(w2);

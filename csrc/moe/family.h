@@ -106,8 +106,8 @@ struct Family<Q4GemmUkernel> : Family<QGemmUkernel> {
   // The kernel's scratch_bytes (64-byte multiple) at the largest call of a chunk: m rows (a
   // task's), GEMM1 n <= 2I at k = H, GEMM2 n <= H at k = I (scratch_bytes grows with m and n).
   // For the packed layer's layout, or (pk == nullptr: fused_moe_scratch_bytes of a kernel) the
-  // most over every layout an E x H x I layer can have: int4 with any group that divides H and
-  // I, mxfp4 (group 32).
+  // most over every layout an E x H x I layer can have: each q4gemm row of the format table with
+  // each group its rule allows that divides H and I.
   static size_t kernel_scratch(const Q4GemmUkernel& kern, const Packed* pk, int64_t m, int64_t H,
                                int64_t I) {
     auto at = [&](const W4Layout& w) {
@@ -115,10 +115,14 @@ struct Family<Q4GemmUkernel> : Family<QGemmUkernel> {
     };
     if (pk != nullptr) return align_up(at(pk->layout()));
     size_t most = 0;
-    for (int64_t g = kW4GroupMultiple; g <= std::min({H, I, kW4MaxGroup}); g += kW4GroupMultiple)
-      if (H % g == 0 && I % g == 0) most = std::max(most, at(W4Layout{W4Format::int4, g}));
-    if (H % kW4GroupMultiple == 0 && I % kW4GroupMultiple == 0)
-      most = std::max(most, at(W4Layout{W4Format::mxfp4, kW4GroupMultiple}));
+    for (const WeightFormatInfo& info : kWeightFormatTable) {
+      W4Format f;
+      if (!w4_format_of(info.format, &f)) continue;
+      const int64_t step = info.group_size;  // exact: one size; multiple: each multiple
+      const int64_t last = info.group == GroupRule::exact ? step : info.group_max;
+      for (int64_t g = step; g <= std::min({H, I, last}); g += step)
+        if (H % g == 0 && I % g == 0) most = std::max(most, at(W4Layout{f, g}));
+    }
     return align_up(most);
   }
   static void run(const Q4GemmUkernel& kern, const Packed& pk, const Task& tk, int64_t depth,

@@ -190,16 +190,13 @@ namespace {
 // code to 4 bits, so memory the caller rewrites meanwhile can change values, never addresses.
 const MoeWeightsW4& checked(const MoeWeightsW4& w) {
   using moe_detail::checked_mul;
+  W4Format known;
+  if (!w4_format_of(weight_format_of(w.format), &known))
+    fail("format: must be one of " + weight_format_names(KernelFamily::q4gemm));
   const bool mx = w.format == W4Format::mxfp4;
-  if (w.format != W4Format::int4 && !mx) fail("format: must be int4 or mxfp4");
   const int64_t g = w.group_size;
-  if (mx && g != kW4GroupMultiple)
-    fail("group_size: mxfp4 groups are 32 k, got " + std::to_string(g));
-  if (g < kW4GroupMultiple || g % kW4GroupMultiple != 0)
-    fail("group_size: must be a positive multiple of 32, got " + std::to_string(g));
-  if (g > kW4MaxGroup)
-    fail("group_size: at most " + std::to_string(kW4MaxGroup) + " (the kernels' int32 group "
-         "sums), got " + std::to_string(g));
+  const std::string group_problem = weight_format_group_problem(weight_format_of(w.format), g);
+  if (!group_problem.empty()) fail(group_problem);
   if (w.num_experts < 1 || w.hidden < 1 || w.intermediate < 1) return w;  // the base says why
   if (w.hidden % g != 0)
     fail("w13: hidden size H = " + std::to_string(w.hidden) + " is not a multiple of group_size " +

@@ -374,8 +374,9 @@ def fused_moe(x: Any, packed: Any, topk_weights: Any, topk_ids: Any, *,
     output row (as the reference); NaN/inf router weights or biases propagate through the fp32
     arithmetic; an all-zero token quantizes to zeros. Paths of different ISAs give the same bits
     for the int8 op; for the bf16 op they may differ in the last bits of their fp32 sums (each
-    deterministic for any thread count). Thread-safe: concurrent calls (the GIL is released) each use their
-    own thread's scratch, at most :func:`scratch_bytes` and kept for that thread's next call.
+    deterministic for any thread count). Thread-safe: concurrent calls (the GIL is released)
+    each use their own thread's scratch, at most :func:`scratch_bytes` and kept for that
+    thread's next call.
     On torch tensors it compiles: under ``torch.compile(fullgraph=True)`` the call is one
     ``cpumoe::fused_moe_packed`` node (see :mod:`cpumoe.torch_ops`).
     """

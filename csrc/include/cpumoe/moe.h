@@ -25,6 +25,7 @@
 #include "cpumoe/q4gemm.h"
 #include "cpumoe/qgemm.h"
 #include "cpumoe/rowops.h"  // MoeConfig, kAmaxFloor
+#include "cpumoe/weight_format.h"
 
 namespace cpumoe {
 
@@ -113,7 +114,8 @@ struct MoeWeightsBf16 {
 ///   - mxfp4: gpt-oss's layout: w13 uint8 [E, 2I, H / 32, 16] and w2 [E, H, I / 32, 16], two
 ///            E2M1 codes per byte, the low nibble first (k even); s13 uint8 [E, 2I, H / 32] and s2
 ///            [E, H, I / 32] E8M0 scales (255 is NaN: its group's outputs are NaN).
-/// g = group_size: a multiple of kW4GroupMultiple dividing H and I (mxfp4: 32).
+/// g = group_size: as the format's row of the format table says (int4: a multiple of
+/// kW4GroupMultiple up to kW4MaxGroup; mxfp4: 32), dividing H and I.
 struct MoeWeightsW4 {
   int64_t num_experts = 0;
   int64_t hidden = 0;
@@ -205,6 +207,8 @@ class PackedMoe : public PackedExperts<QGemmUkernel> {
   /// Packs @p w for the chain @p config (from int8_config); as above otherwise.
   PackedMoe(const MoeWeights& w, const MoeConfig<QGemmUkernel>& config, int num_threads = 0);
 
+  /// The row of the format table (weight_format.h) this layer is packed in.
+  WeightFormat weight_format() const { return WeightFormat::int8; }
   const float* s13(int64_t e) const { return s13_.get() + e * 2 * intermediate(); }
   const float* s2(int64_t e) const { return s2_.get() + e * hidden(); }
 
@@ -224,6 +228,7 @@ class PackedMoeW4 : public PackedExperts<Q4GemmUkernel> {
   /// Packs @p w for the chain @p config (from w4_config); as above otherwise.
   PackedMoeW4(const MoeWeightsW4& w, const MoeConfig<Q4GemmUkernel>& config, int num_threads = 0);
   W4Format format() const { return layout_.format; }
+  WeightFormat weight_format() const { return weight_format_of(layout_.format); }
   int64_t group_size() const { return layout_.group; }
   const W4Layout& layout() const { return layout_; }
 
@@ -241,6 +246,7 @@ class PackedMoeBf16 : public PackedExperts<BGemmUkernel> {
   /// Packs @p w for the chain @p config (from bf16_config); as above otherwise.
   PackedMoeBf16(const MoeWeightsBf16& w, const MoeConfig<BGemmUkernel>& config,
                 int num_threads = 0);
+  WeightFormat weight_format() const { return WeightFormat::bf16; }
 };
 
 /// One call of the op. Rows of x and out may be strided (row stride >= H); elements within a row

@@ -32,22 +32,37 @@
 #include <vector>
 
 #include "cpumoe/cpu_features.h"
+#include "cpumoe/weight_format.h"
 
 namespace cpumoe {
 
-/// The 4-bit weight formats.
-enum class W4Format : int32_t { int4 = 1, mxfp4 = 2 };
+/// The 4-bit weight formats: the q4gemm rows of the format table (weight_format.h), with the
+/// same values as their WeightFormat enumerators.
+enum class W4Format : int32_t {
+  int4 = int32_t(WeightFormat::int4),
+  mxfp4 = int32_t(WeightFormat::mxfp4),
+};
+static_assert(weight_format_info(WeightFormat::int4).family == KernelFamily::q4gemm &&
+                  weight_format_info(WeightFormat::mxfp4).family == KernelFamily::q4gemm,
+              "a W4Format is a q4gemm row of the format table");
 
-/// Every group size is a multiple of this (mxfp4's group is exactly this).
-constexpr int64_t kW4GroupMultiple = 32;
-/// The largest group a packed layer takes: the kernels' int32 group sums (some hold the values
-/// times 16) stay exact up to here with room to spare (65536 * 127 * 8 * 16 < 2^31).
-constexpr int64_t kW4MaxGroup = 65536;
+/// The format-table enumerator of @p f.
+constexpr WeightFormat weight_format_of(W4Format f) { return WeightFormat(int32_t(f)); }
+/// The W4Format of @p f into @p out; false when @p f is not a q4gemm format.
+constexpr bool w4_format_of(WeightFormat f, W4Format* out) {
+  if (weight_format_info(f).format != f || weight_format_info(f).family != KernelFamily::q4gemm)
+    return false;
+  *out = W4Format(int32_t(f));
+  return true;
+}
 
-/// "int4" / "mxfp4".
-const char* w4_format_name(W4Format f);
+/// "int4" / "mxfp4": the table's name.
+constexpr const char* w4_format_name(W4Format f) {
+  return weight_format_name(weight_format_of(f));
+}
 
-/// The int8 values of the 16 codes of format @p f (see the file comment).
+/// The int8 values of the 16 codes of format @p f (see the file comment); nullptr for a value
+/// without a table.
 const int8_t* w4_decode_table(W4Format f);
 
 /// The fp32 scale of an mxfp4 group whose E8M0 byte is @p e: 2^(e - 128), NaN for e = 255
@@ -66,8 +81,11 @@ inline float w4_mxfp4_scale(uint8_t e) {
 struct W4Layout {
   W4Format format = W4Format::int4;
   int64_t group = 32;  ///< a multiple of kW4GroupMultiple; exactly 32 for mxfp4
-  /// Bytes of one group scale in the input of pack_rhs: 4 (fp32, int4) or 1 (E8M0, mxfp4).
-  int64_t scale_bytes() const { return format == W4Format::mxfp4 ? 1 : 4; }
+  /// Bytes of one group scale in the input of pack_rhs (the table's: 4 for int4's fp32, 1 for
+  /// mxfp4's E8M0).
+  constexpr int64_t scale_bytes() const {
+    return weight_format_scale_bytes(weight_format_of(format));
+  }
 };
 
 /// The epilogue of Q4GemmUkernel::run_f32 (the weight scales live in the packed B) and the

@@ -1,4 +1,5 @@
-// The 4-bit weight formats of q4gemm.h: their code tables and names. Built without ISA flags.
+// The 4-bit weight formats of q4gemm.h: their code tables (the names are the format table's,
+// weight_format.h). Built without ISA flags.
 #include "cpumoe/q4gemm.h"
 
 namespace cpumoe {
@@ -10,8 +11,12 @@ constexpr int8_t kInt4[16] = {0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2
 constexpr int8_t kMxfp4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 }  // namespace
 
-const char* w4_format_name(W4Format f) { return f == W4Format::mxfp4 ? "mxfp4" : "int4"; }
-
-const int8_t* w4_decode_table(W4Format f) { return f == W4Format::mxfp4 ? kMxfp4 : kInt4; }
+const int8_t* w4_decode_table(W4Format f) {
+  switch (f) {
+    case W4Format::int4: return kInt4;
+    case W4Format::mxfp4: return kMxfp4;
+  }
+  return nullptr;
+}
 
 }  // namespace cpumoe

@@ -1,0 +1,228 @@
+// The weight-format table (weight_format.h): in enum order, names that round-trip through the
+// parser, and what the q4gemm rows promise (a decode table, the scale size prepack reads, the group
+// rule the packer enforces) holding for the code that uses them.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "cpumoe/moe.h"
+#include "cpumoe/weight_format.h"
+
+namespace {
+
+using cpumoe::KernelFamily;
+using cpumoe::kWeightFormatTable;
+using cpumoe::W4Format;
+using cpumoe::WeightFormat;
+using cpumoe::WeightFormatInfo;
+
+TEST(WeightFormat, TableIsInEnumOrder) {
+  ASSERT_EQ(cpumoe::kNumWeightFormats, 4);
+  std::set<std::string> names;
+  for (int i = 0; i < cpumoe::kNumWeightFormats; ++i) {
+    const WeightFormatInfo& info = kWeightFormatTable[i];
+    EXPECT_EQ(int(info.format), i) << info.name;
+    EXPECT_EQ(&cpumoe::weight_format_info(info.format), &info);
+    EXPECT_TRUE(names.insert(info.name).second) << "duplicate name " << info.name;
+    EXPECT_FALSE(info.zero_point) << info.name;  // no format has one yet
+    const bool activations_ok = std::string(info.activations) == "int8" ||
+                                std::string(info.activations) == "bf16";
+    EXPECT_TRUE(activations_ok) << info.name;
+    // Each family runs one op: qgemm and q4gemm the int8 one, bgemm the bf16 one.
+    EXPECT_EQ(std::string(info.activations),
+              info.family == KernelFamily::bgemm ? "bf16" : "int8")
+        << info.name;
+  }
+  EXPECT_EQ(cpumoe::weight_format_names(), "int8, int4, mxfp4, bf16");
+  EXPECT_EQ(cpumoe::weight_format_names(KernelFamily::q4gemm), "int4, mxfp4");
+}
+
+TEST(WeightFormat, NamesRoundTripThroughTheParser) {
+  for (const WeightFormatInfo& info : kWeightFormatTable) {
+    WeightFormat f = WeightFormat(-1);
+    ASSERT_TRUE(cpumoe::parse_weight_format(info.name, &f)) << info.name;
+    EXPECT_EQ(f, info.format);
+    EXPECT_STREQ(cpumoe::weight_format_name(f), info.name);
+  }
+  for (const char* bad : {"", "INT4", "int4 ", "fp8", "mxfp"}) {
+    WeightFormat f = WeightFormat::bf16;
+    EXPECT_FALSE(cpumoe::parse_weight_format(bad, &f)) << bad;
+    EXPECT_EQ(f, WeightFormat::bf16) << "untouched on failure";
+  }
+}
+
+// Every q4gemm row is a W4Format with a decode table that reads its value code; every other row
+// is not a W4Format.
+TEST(WeightFormat, Q4GemmRowsHaveDecodeTables) {
+  // 2 * E2M1 of codes 0-7 (bit 3 the sign).
+  const int kE2m1x2[8] = {0, 1, 2, 3, 4, 6, 8, 12};
+  int q4_rows = 0;
+  for (const WeightFormatInfo& info : kWeightFormatTable) {
+    W4Format f = W4Format::int4;
+    const bool q4 = cpumoe::w4_format_of(info.format, &f);
+    EXPECT_EQ(q4, info.family == KernelFamily::q4gemm) << info.name;
+    if (!q4) continue;
+    ++q4_rows;
+    EXPECT_EQ(cpumoe::weight_format_of(f), info.format);
+    EXPECT_STREQ(cpumoe::w4_format_name(f), info.name);
+    EXPECT_EQ(info.bits, 4) << info.name;
+    const int8_t* table = cpumoe::w4_decode_table(f);
+    ASSERT_NE(table, nullptr) << info.name;
+    for (int c = 0; c < 16; ++c) {
+      int want = 0;
+      if (std::string(info.value_code) == "int") want = c < 8 ? c : c - 16;
+      else if (std::string(info.value_code) == "e2m1") want = (c & 8 ? -1 : 1) * kE2m1x2[c & 7];
+      else ADD_FAILURE() << info.name << ": value code " << info.value_code << " not checked here";
+      EXPECT_EQ(int(table[c]), want) << info.name << " code " << c;
+    }
+    EXPECT_NE(info.group, cpumoe::GroupRule::none) << info.name;
+    EXPECT_EQ(info.group_size % cpumoe::kW4GroupMultiple, 0) << info.name;
+    const cpumoe::W4Layout layout{f, info.group_size};
+    EXPECT_EQ(layout.scale_bytes(), info.scale_bytes);
+    EXPECT_EQ(cpumoe::weight_format_scale_bytes(info.format), info.scale_bytes);
+    EXPECT_EQ(info.scale_bytes,
+              info.scale == cpumoe::ScaleKind::e8m0_per_block ? 1 : 4) << info.name;
+  }
+  EXPECT_EQ(q4_rows, 2);
+  EXPECT_EQ(cpumoe::weight_format_scale_bytes(WeightFormat(7)), 0);
+  W4Format f;
+  EXPECT_FALSE(cpumoe::w4_format_of(WeightFormat(7), &f));
+}
+
+// The group rule of each row is the one the packer enforces (its messages too).
+TEST(WeightFormat, GroupRules) {
+  for (const WeightFormatInfo& info : kWeightFormatTable) {
+    auto problem = [&](int64_t g) { return cpumoe::weight_format_group_problem(info.format, g); };
+    switch (info.group) {
+      case cpumoe::GroupRule::none:
+        EXPECT_EQ(problem(0), "") << info.name;
+        EXPECT_NE(problem(32), "") << info.name;
+        break;
+      case cpumoe::GroupRule::exact:
+        EXPECT_EQ(problem(info.group_size), "") << info.name;
+        EXPECT_EQ(problem(2 * info.group_size), std::string("group_size: ") + info.name +
+                                                    " groups are " +
+                                                    std::to_string(info.group_size) + " k, got " +
+                                                    std::to_string(2 * info.group_size));
+        break;
+      case cpumoe::GroupRule::multiple:
+        EXPECT_EQ(problem(info.group_size), "") << info.name;
+        EXPECT_EQ(problem(info.group_max), "") << info.name;
+        EXPECT_EQ(problem(info.group_size + 1).rfind("group_size: must be a positive multiple", 0),
+                  0u);
+        EXPECT_EQ(problem(0).rfind("group_size: must be a positive multiple", 0), 0u);
+        EXPECT_EQ(problem(info.group_max + info.group_size).rfind("group_size: at most", 0), 0u);
+        break;
+    }
+  }
+}
+
+// One small W4 layer of @p info's format: E = 1, H = I = 64, codes and scales from a fixed
+// pattern; scales given in a buffer of exactly E x N x groups x scale_bytes bytes plus a tail.
+struct SmallW4 {
+  static constexpr int64_t E = 1, H = 64, I = 64;
+  const WeightFormatInfo& info;
+  W4Format f;
+  int64_t g;
+  std::vector<uint8_t> w13, w2, s13, s2;
+  explicit SmallW4(const WeightFormatInfo& row) : info(row), g(row.group_size) {
+    EXPECT_TRUE(cpumoe::w4_format_of(row.format, &f));
+    const bool packed_codes = std::string(row.value_code) == "e2m1";  // two codes a byte
+    const int64_t per13 = 2 * I * H, per2 = H * I;
+    w13.resize(size_t(packed_codes ? per13 / 2 : per13));
+    w2.resize(size_t(packed_codes ? per2 / 2 : per2));
+    for (size_t x = 0; x < w13.size(); ++x) w13[x] = uint8_t(packed_codes ? x * 37 : x % 16 - 8);
+    for (size_t x = 0; x < w2.size(); ++x) w2[x] = uint8_t(packed_codes ? x * 53 : x % 15 - 7);
+    const size_t tail = 64;
+    s13.assign(size_t(2 * I * (H / g) * row.scale_bytes) + tail, 0xEE);
+    s2.assign(size_t(H * (I / g) * row.scale_bytes) + tail, 0xEE);
+    fill_scales(&s13, 2 * I * (H / g));
+    fill_scales(&s2, H * (I / g));
+  }
+  void fill_scales(std::vector<uint8_t>* s, int64_t count) const {
+    for (int64_t x = 0; x < count; ++x) {
+      if (info.scale_bytes == 1) {
+        (*s)[size_t(x)] = uint8_t(120 + x % 10);  // E8M0
+      } else {
+        const float v = 0.01f * float(1 + x % 7);
+        std::memcpy(s->data() + x * 4, &v, 4);
+      }
+    }
+  }
+  cpumoe::MoeWeightsW4 weights() const {
+    cpumoe::MoeWeightsW4 w;
+    w.num_experts = E;
+    w.hidden = H;
+    w.intermediate = I;
+    w.format = f;
+    w.group_size = g;
+    w.w13 = w13.data();
+    w.w2 = w2.data();
+    w.s13 = s13.data();
+    w.s2 = s2.data();
+    return w;
+  }
+};
+
+std::vector<uint8_t> packed_w13(const cpumoe::PackedMoeW4& p) {
+  const size_t n = p.kernel().rhs_packed_size(2 * p.intermediate(), p.hidden(), p.layout());
+  const auto* b = static_cast<const uint8_t*>(p.w13(0));
+  return std::vector<uint8_t>(b, b + n);
+}
+
+// Prepack reads exactly scale_bytes per scale (the table's): the bytes after the last scale
+// change nothing, the last scale's first byte does; and the packed layer says its row.
+TEST(WeightFormat, ScaleBytesAreWhatPrepackReads) {
+  const cpumoe::Q4GemmUkernel* portable = cpumoe::q4gemm_registry().back();
+  for (const WeightFormatInfo& info : kWeightFormatTable) {
+    if (info.family != KernelFamily::q4gemm) continue;
+    SmallW4 a(info);
+    const cpumoe::PackedMoeW4 pa(a.weights(), portable, 1);
+    EXPECT_EQ(pa.weight_format(), info.format);
+    EXPECT_STREQ(cpumoe::weight_format_name(pa.weight_format()), info.name);
+    SmallW4 tail(info);
+    const size_t used = tail.s13.size() - 64;
+    for (size_t x = used; x < tail.s13.size(); ++x) tail.s13[x] = 0x11;
+    EXPECT_EQ(packed_w13(cpumoe::PackedMoeW4(tail.weights(), portable, 1)), packed_w13(pa))
+        << info.name << ": prepack read past E x N x groups x " << info.scale_bytes << " bytes";
+    SmallW4 last(info);
+    last.s13[used - size_t(info.scale_bytes)] ^= 0x01;
+    EXPECT_NE(packed_w13(cpumoe::PackedMoeW4(last.weights(), portable, 1)), packed_w13(pa))
+        << info.name << ": the last scale not read at " << info.scale_bytes << " bytes a scale";
+  }
+}
+
+TEST(WeightFormat, PackedClassesSayTheirRow) {
+  constexpr int64_t E = 1, H = 8, I = 8;
+  std::vector<int8_t> q13(size_t(E * 2 * I * H), 1), q2(size_t(E * H * I), 1);
+  std::vector<float> s13(size_t(E * 2 * I), 0.5f), s2(size_t(E * H), 0.5f);
+  cpumoe::MoeWeights w;
+  w.num_experts = E;
+  w.hidden = H;
+  w.intermediate = I;
+  w.w13 = q13.data();
+  w.w2 = q2.data();
+  w.s13 = s13.data();
+  w.s2 = s2.data();
+  const cpumoe::PackedMoe p8(w, nullptr, 1);
+  EXPECT_EQ(p8.weight_format(), WeightFormat::int8);
+  EXPECT_EQ(cpumoe::weight_format_info(p8.weight_format()).family, KernelFamily::qgemm);
+
+  std::vector<uint16_t> b13(size_t(E * 2 * I * H), 0x3f80), b2(size_t(E * H * I), 0x3f80);
+  cpumoe::MoeWeightsBf16 wb;
+  wb.num_experts = E;
+  wb.hidden = H;
+  wb.intermediate = I;
+  wb.w13 = b13.data();
+  wb.w2 = b2.data();
+  const cpumoe::PackedMoeBf16 p16(wb, nullptr, 1);
+  EXPECT_EQ(p16.weight_format(), WeightFormat::bf16);
+  EXPECT_EQ(cpumoe::weight_format_info(p16.weight_format()).family, KernelFamily::bgemm);
+}
+
+}  // namespace
