@@ -257,6 +257,8 @@ TEST(ActivationSpec, ParsesParametersAndPrintsThemBack) {
   EXPECT_TRUE(std::isinf(s.limit));
   EXPECT_TRUE(cpumoe::activation_spec_problem(s).empty());
   EXPECT_EQ(cpumoe::activation_spec_str(parse_ok("gelu()")), "gelu");
+  EXPECT_EQ(parse_ok("silu_clamp(limit=+1.5)").limit, 1.5f);
+  EXPECT_TRUE(std::isinf(parse_ok("silu_clamp(limit=1e400)").limit));  // past float: inf
 }
 
 TEST(ActivationSpec, RefusesWhatCannotRun) {

@@ -26,6 +26,7 @@
 /// reads the table through cpumoe._C.activations()) then take it.
 #pragma once
 
+#include <charconv>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -157,7 +158,7 @@ inline std::string activation_spec_str(const ActivationSpec& s) {
 }
 
 /// Parses "name" or "name(key=value, ...)" with keys limit / alpha (those the activation takes;
-/// each at most once; values as strtof reads them, "inf" allowed for limit). On failure returns
+/// each at most once; values as std::from_chars reads them, "inf" allowed for limit). On failure returns
 /// false and says why in @p why (if not null); @p out is then untouched. A spec that parses may
 /// still fail activation_spec_problem() (a required limit missing, a limit <= 0).
 inline bool parse_activation_spec(const std::string& text, ActivationSpec* out,
@@ -198,10 +199,17 @@ inline bool parse_activation_spec(const std::string& text, ActivationSpec* out,
       std::string key = item.substr(0, eq), val = item.substr(eq + 1);
       while (!key.empty() && key.back() == ' ') key.pop_back();
       while (!val.empty() && val.front() == ' ') val.erase(val.begin());
-      char* end = nullptr;
-      const float v = val.empty() ? 0.0f : std::strtof(val.c_str(), &end);
-      if (val.empty() || end == nullptr || *end != '\0')
+      // from_chars: the C locale's number syntax whatever the process's locale (strtof would
+      // stop at the '.' of "1.5" under a locale with a decimal comma); a leading '+' allowed.
+      float v = 0.0f;
+      const char* first = val.data() + (!val.empty() && val[0] == '+' ? 1 : 0);
+      const char* last = val.data() + val.size();
+      const std::from_chars_result r = std::from_chars(first, last, v);
+      if (val.empty() || r.ptr != last ||
+          (r.ec != std::errc() && r.ec != std::errc::result_out_of_range))
         return fail("'" + text + "': " + key + " is not a number ('" + val + "')");
+      if (r.ec == std::errc::result_out_of_range)  // past the float range: +-inf or 0 as strtof
+        v = std::strtof(std::string(first, last).c_str(), nullptr);
       if (key == "limit" && info.has_limit && !seen_limit) {
         spec.limit = v;
         seen_limit = true;
