@@ -1,0 +1,67 @@
+/// @file moe_weights.h
+/// The prepack inputs of the fused-MoE ops: a layer's expert weights as a checkpoint gives them
+/// (int8 with per-channel scales, 4-bit with group scales, bf16), dense and row-major, with
+/// optional biases. Read once by the packed classes (packed.h); never kept.
+#pragma once
+
+#include <cstdint>
+
+#include "cpumoe/dtype.h"
+#include "cpumoe/q4gemm.h"
+#include "cpumoe/weight_format.h"
+
+namespace cpumoe {
+
+/// Plain (unpacked) int8 expert weights as given by a checkpoint; all arrays dense, row-major.
+struct MoeWeights {
+  int64_t num_experts = 0;   ///< E
+  int64_t hidden = 0;        ///< H
+  int64_t intermediate = 0;  ///< I
+  const int8_t* w13 = nullptr;  ///< [E, 2I, H]; rows [0, I) gate, [I, 2I) up (swigluoai: even/odd)
+  const int8_t* w2 = nullptr;   ///< [E, H, I]
+  const float* s13 = nullptr;   ///< [E, 2I] per-output-channel scales, finite and > 0
+  const float* s2 = nullptr;    ///< [E, H]
+  const void* b13 = nullptr;    ///< [E, 2I] or nullptr, of type b13_dtype
+  DType b13_dtype = DType::f32;
+  const void* b2 = nullptr;     ///< [E, H] or nullptr, of type b2_dtype
+  DType b2_dtype = DType::f32;
+};
+
+/// Plain bf16 expert weights (raw bf16 bit patterns), the layout of MoeWeights without scales.
+struct MoeWeightsBf16 {
+  int64_t num_experts = 0;
+  int64_t hidden = 0;
+  int64_t intermediate = 0;
+  const uint16_t* w13 = nullptr;  ///< [E, 2I, H] bf16
+  const uint16_t* w2 = nullptr;   ///< [E, H, I] bf16
+  const void* b13 = nullptr;      ///< [E, 2I] or nullptr, of type b13_dtype
+  DType b13_dtype = DType::f32;
+  const void* b2 = nullptr;       ///< [E, H] or nullptr, of type b2_dtype
+  DType b2_dtype = DType::f32;
+};
+
+/// Plain 4-bit expert weights (W4A8), in one of two input forms:
+///   - int4:  w13 int8 [E, 2I, H] and w2 int8 [E, H, I] holding values in [-8, 7] (one per byte);
+///            s13 fp32 [E, 2I, H / g], s2 fp32 [E, H, I / g] group scales, finite and > 0.
+///   - mxfp4: gpt-oss's layout: w13 uint8 [E, 2I, H / 32, 16] and w2 [E, H, I / 32, 16], two
+///            E2M1 codes per byte, the low nibble first (k even); s13 uint8 [E, 2I, H / 32] and s2
+///            [E, H, I / 32] E8M0 scales (255 is NaN: its group's outputs are NaN).
+/// g = group_size: as the format's row of the format table says (int4: a multiple of
+/// kW4GroupMultiple up to kW4MaxGroup; mxfp4: 32), dividing H and I.
+struct MoeWeightsW4 {
+  int64_t num_experts = 0;
+  int64_t hidden = 0;
+  int64_t intermediate = 0;
+  W4Format format = W4Format::int4;
+  int64_t group_size = 32;
+  const void* w13 = nullptr;
+  const void* w2 = nullptr;
+  const void* s13 = nullptr;
+  const void* s2 = nullptr;
+  const void* b13 = nullptr;  ///< [E, 2I] or nullptr, of type b13_dtype
+  DType b13_dtype = DType::f32;
+  const void* b2 = nullptr;   ///< [E, H] or nullptr, of type b2_dtype
+  DType b2_dtype = DType::f32;
+};
+
+}  // namespace cpumoe
