@@ -101,7 +101,7 @@ def test_compressed_tensors_int4_checkpoint(tmp_path, preset, g):
     ref = R.ref_fused_moe_int4(x, lw.w13, lw.w2, lw.s13, lw.s2, tw, ids, group_size=g)
     packed = lw.prepack()
     assert packed.weight_format == "int4" and packed.group_size == g
-    for path in cpumoe.available_paths("w4"):
+    for path in cpumoe.available_paths("int4"):
         out = cpumoe.fused_moe_int8(x, lw.prepack(isa=path), tw, ids)
         assert_moe_close(cpumoe_backend_numpy(), out, ref)
     # Expert parallelism: experts 1 and 3 only.
@@ -171,7 +171,7 @@ def test_gpt_oss_mxfp4_layer(tmp_path):
     x, tw, ids = _routing(7, E, 2, H)
     ref = R.ref_fused_moe_mxfp4(x, lw.w13, lw.s13, lw.w2, lw.s2, tw, ids, activation="swigluoai",
                                 b13=lw.b13, b2=lw.b2)
-    for path in cpumoe.available_paths("w4"):
+    for path in cpumoe.available_paths("int4"):
         out = cpumoe.fused_moe_int8(x, lw.prepack(isa=path), tw, ids, activation="swigluoai")
         assert_moe_close(cpumoe_backend_numpy(), out, ref)
     part = load_mxfp4_moe_layer(tmp_path, 0, experts=[2])

@@ -99,3 +99,15 @@ def test_an_unknown_format_name_lists_the_tables_names():
         with pytest.raises(ValueError, match="format: must be one of " +
                            re.escape(", ".join(q4)) + f", got '{re.escape(bad)}'"):
             _C.prepack_w4(E, H, I, bad, 32, 0, 0, 0, 0, 0, "float32", 0, "float32", None, 1)
+
+
+def test_paths_take_the_format_names():
+    """available_paths / selected_path name the layers by weight format (the one vocabulary);
+    "w4" stays int4's earlier name; anything else lists the formats."""
+    for fmt in cpumoe.FORMATS:
+        paths = cpumoe.available_paths(fmt)
+        assert paths and paths[-1] == "portable"
+        assert cpumoe.selected_path(op=fmt) in paths
+    assert cpumoe.available_paths("w4") == cpumoe.available_paths("int4")
+    with pytest.raises(ValueError, match="one of " + ", ".join(cpumoe.FORMATS)):
+        cpumoe.available_paths("fp8")

@@ -100,7 +100,7 @@ def test_matches_reference_on_every_path(backend, case):
     out = p.run(packed)
     assert backend.dtype_name(out) == case["dtype"]
     assert_moe_close(backend, out, p.reference())
-    for path in cpumoe.available_paths("w4")[1:]:
+    for path in cpumoe.available_paths("int4")[1:]:
         other = p.run(p.prepack(isa=path))
         assert np.array_equal(backend.bits(other), backend.bits(out)), f"path {path} differs"
 
@@ -140,7 +140,7 @@ def test_packed_bytes_half_of_w8a8():
     weights = E * 3 * H * I
     assert weights // 2 <= p4.packed_bytes - weights // 128 * 4 <= weights // 2 + 64 * 1024
     assert p4.packed_bytes < 0.55 * p8.packed_bytes
-    assert "int4" in repr(p4) and p4.path in cpumoe.available_paths("w4")
+    assert "int4" in repr(p4) and p4.path in cpumoe.available_paths("int4")
 
 
 def test_mxfp4_nan_scale_gives_nan_rows():

@@ -116,19 +116,26 @@ def w4_kernels() -> List[Dict[str, Any]]:
     return [dict(k) for k in _C.w4_kernels()]
 
 
+#: The kernel listing and selection of each kernel family of the format table.
+_KERNELS_OF_FAMILY = {"qgemm": (_C.kernels, _C.select_kernel),
+                      "q4gemm": (_C.w4_kernels, _C.select_w4_kernel),
+                      "bgemm": (_C.bf16_kernels, _C.select_bf16_kernel)}
+
+
 def _family(op: str):
-    if op == "int8":
-        return _C.kernels, _C.select_kernel
-    if op == "bf16":
-        return _C.bf16_kernels, _C.select_bf16_kernel
-    if op == "w4":
-        return _C.w4_kernels, _C.select_w4_kernel
-    raise ValueError(f"op: must be 'int8', 'bf16' or 'w4', got {op!r}")
+    """The kernel family functions of the layers of weight format ``op`` (a name of
+    :data:`FORMATS`; "w4", the earlier name of the 4-bit layers, is int4's)."""
+    fmt = "int4" if op == "w4" else op
+    row = next((f for f in _C.formats() if f["name"] == fmt), None)
+    if row is None:
+        raise ValueError(f"op: must be a weight format, one of {', '.join(FORMATS)}, got {op!r}")
+    return _KERNELS_OF_FAMILY[row["family"]]
 
 
 def available_paths(op: str = "int8") -> List[str]:
-    """Paths (ISA levels) this CPU runs for ``op`` ("int8", "bf16" or "w4"), best first,
-    ``"portable"`` last, capped by CPUMOE_ISA."""
+    """Paths (ISA levels) this CPU runs for layers of weight format ``op`` (a name of
+    :data:`FORMATS`, e.g. "int8", "mxfp4", "bf16"), best first, ``"portable"`` last, capped by
+    CPUMOE_ISA."""
     kernels_of, _ = _family(op)
     cap = _C.env_isa_cap()
     ladder = _C.isa_ladder()
@@ -138,8 +145,8 @@ def available_paths(op: str = "int8") -> List[str]:
 
 
 def selected_path(isa: Optional[str] = None, op: str = "int8") -> str:
-    """The path prepack (``op="bf16"``: prepack_bf16, ``"w4"``: prepack_int4 / prepack_mxfp4) picks
-    by default, or under the cap ``isa``."""
+    """The path the prepack of weight format ``op`` (as :func:`available_paths`) picks by
+    default, or under the cap ``isa``."""
     kernels_of, select = _family(op)
     name = select(isa)
     return next(k["isa"] for k in kernels_of() if k["name"] == name)

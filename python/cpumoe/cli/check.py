@@ -177,8 +177,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {case['name']:<{width}}" + "".join(f"{c:>14}" for c in cells)
               + f"  {'yes' if same else 'NO'}", file=out)
 
-    # W4A8: its own kernel family and paths (cpumoe.available_paths("w4")).
-    w4_paths = [p for p in cpumoe.available_paths("w4") if p in paths or p == "portable"]
+    # W4A8: its own kernel family and paths (cpumoe.available_paths("int4")).
+    w4_paths = [p for p in cpumoe.available_paths("int4") if p in paths or p == "portable"]
     print(f"  W4A8 (int4 / mxfp4 weights) on {', '.join(w4_paths)}", file=out)
     for fmt, g, act in W4_CASES:
         results, same = _run_w4_case(lib, fmt, g, act, w4_paths, layer.threads)
