@@ -5,8 +5,8 @@
 /// strides beyond k and k / group), packed by the kernel's own packers, run whole and at m / n
 /// offsets at multiples of mr / nr, compared with the naive oracle (reference/gemm_w4) bit for
 /// bit (a NaN where the oracle has one). Checks the packed sizes' guard zones, that a call stays
-/// inside the scratch_bytes it is given, and that nothing outside the destination block is
-/// written.
+/// inside the scratch_bytes (pack_rhs: pack_scratch_bytes) it is given, and that nothing outside
+/// the destination block is written.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -92,9 +92,15 @@ class Q4GemmTester {
     const size_t rhs_size = kern.rhs_packed_size(n_, k_, w_);
     GuardedBuffer lhs(lhs_size), rhs(rhs_size);
     kern.pack_lhs(m_, k_, rows.data(), lhs.data());
-    kern.pack_rhs(n_, k_, w_, codes.data(), ldc, scales.data(), lds, rhs.data());
+    // The packer's scratch as PackedExperts plans it: pack_scratch_bytes of this call, 64-byte
+    // aligned, starting as garbage (GuardedBuffer's pattern); none when that is 0.
+    const size_t pbytes = kern.pack_scratch_bytes(n_, k_, w_);
+    GuardedBuffer pscratch(pbytes);
+    kern.pack_rhs(n_, k_, w_, codes.data(), ldc, scales.data(), lds, rhs.data(),
+                  pbytes > 0 ? pscratch.data() : nullptr);
     ASSERT_TRUE(lhs.guard_intact()) << "pack_lhs wrote past lhs_packed_size";
     ASSERT_TRUE(rhs.guard_intact()) << "pack_rhs wrote past rhs_packed_size";
+    ASSERT_TRUE(pscratch.guard_intact()) << "pack_rhs wrote past pack_scratch_bytes";
 
     std::vector<float> ls(static_cast<size_t>(m_)), bias(static_cast<size_t>(n_));
     std::uniform_real_distribution<float> dl(1e-4f, 2.0f), db(-5.0f, 5.0f);

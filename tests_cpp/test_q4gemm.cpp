@@ -126,11 +126,17 @@ TEST_P(Q4GemmKernelTest, PackingIsFullyDetermined) {
       }
       const size_t rs = kernel().rhs_packed_size(n, k, w);
       std::vector<uint8_t> r0(rs, 0x00), r1(rs, 0xff);
-      kernel().pack_rhs(n, k, w, codes.data(), ldc, sc.data(), lds, r0.data());
-      kernel().pack_rhs(n, k, w, codes2.data(), ldc, sc2.data(), lds, r1.data());
+      // Nor on what its scratch held: 0x00 for one call, 0xff for the other.
+      const size_t ps = kernel().pack_scratch_bytes(n, k, w);
+      GuardedBuffer s0(ps), s1(ps);
+      std::memset(s0.data(), 0x00, ps);
+      std::memset(s1.data(), 0xff, ps);
+      kernel().pack_rhs(n, k, w, codes.data(), ldc, sc.data(), lds, r0.data(), s0.data());
+      kernel().pack_rhs(n, k, w, codes2.data(), ldc, sc2.data(), lds, r1.data(), s1.data());
+      EXPECT_TRUE(s0.guard_intact() && s1.guard_intact()) << "pack_rhs wrote past its scratch";
       EXPECT_EQ(r0, r1) << cpumoe::w4_format_name(fm.f) << " n=" << n
                         << ": pack_rhs left bytes unwritten, read past the group scales or "
-                           "read a code's high bits";
+                           "read a code's high bits or its scratch's old contents";
     }
   }
 }
@@ -173,7 +179,8 @@ TEST_P(Q4GemmKernelTest, EmptyShapesWriteNothing) {
   std::vector<float> sc(16, 1.0f);
   GuardedBuffer lhs(kernel().lhs_packed_size(8, k)), rhs(kernel().rhs_packed_size(8, k, w));
   kernel().pack_lhs(8, k, rows.data(), lhs.data());
-  kernel().pack_rhs(8, k, w, codes.data(), k, sc.data(), 2, rhs.data());
+  GuardedBuffer pscratch(kernel().pack_scratch_bytes(8, k, w));
+  kernel().pack_rhs(8, k, w, codes.data(), k, sc.data(), 2, rhs.data(), pscratch.data());
   const std::vector<float> ls(8, 1.0f);
   for (auto [m, n] : {std::pair<int64_t, int64_t>{0, 8}, {8, 0}, {0, 0}}) {
     ASSERT_EQ(kernel().scratch_bytes(m, n, k, w), 0u) << "m=" << m << " n=" << n;

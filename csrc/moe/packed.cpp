@@ -6,7 +6,6 @@
 #include <new>
 #include <string>
 #include <tuple>
-#include <vector>
 
 #include "cpumoe/moe.h"
 #include "parallel.h"
@@ -62,7 +61,8 @@ struct PlainPacker final : RhsPacker {
   }
   size_t w13_bytes() const override { return k->rhs_packed_size(2 * i, h); }
   size_t w2_bytes() const override { return k->rhs_packed_size(h, i); }
-  void pack(int64_t e, void* d13, void* d2) const override {
+  size_t scratch_bytes() const override { return 0; }  // int8 / bf16 pack_rhs need none
+  void pack(int64_t e, void* d13, void* d2, void* /*scratch*/) const override {
     k->pack_rhs(2 * i, h, w13 + e * 2 * i * h, h, d13);
     k->pack_rhs(h, i, w2 + e * h * i, i, d2);
   }
@@ -113,8 +113,19 @@ PackedExperts<Kernel>::PackedExperts(int64_t e, int64_t h, int64_t i,
   w13_.reset(static_cast<uint8_t*>(moe_detail::alloc_large(checked_bytes(w13_stride_, e_, "w13"))));
   w2_.reset(static_cast<uint8_t*>(moe_detail::alloc_large(checked_bytes(w2_stride_, e_, "w2"))));
   if (!w13_ || !w2_) throw std::bad_alloc();
-  moe_detail::parallel_for(e_, threads, [&](int64_t x, int) {
-    packer.pack(x, w13_.get() + size_t(x) * w13_stride_, w2_.get() + size_t(x) * w2_stride_);
+  // One scratch block per thread of the loop below, allocated here: an allocation failure is a
+  // bad_alloc before any thread starts, and no packer allocates inside the region.
+  const int team = int(std::min<int64_t>(threads, e_));
+  const size_t scratch_stride = moe_detail::align_up(packer.scratch_bytes());
+  std::unique_ptr<uint8_t, AlignedFree> scratch;
+  if (scratch_stride > 0) {
+    scratch.reset(static_cast<uint8_t*>(
+        moe_detail::alloc_large(checked_bytes(scratch_stride, team, "pack scratch"))));
+    if (!scratch) throw std::bad_alloc();
+  }
+  moe_detail::parallel_for(e_, team, [&](int64_t x, int tid) {
+    packer.pack(x, w13_.get() + size_t(x) * w13_stride_, w2_.get() + size_t(x) * w2_stride_,
+                scratch ? scratch.get() + size_t(tid) * scratch_stride : nullptr);
   });
   if (b13 != nullptr) {
     b13_ = to_f32(b13, b13_dtype, e_ * 2 * i_);
@@ -248,31 +259,43 @@ struct W4Packer final : RhsPacker {
     return k->rhs_packed_size(2 * w.intermediate, w.hidden, layout);
   }
   size_t w2_bytes() const override { return k->rhs_packed_size(w.hidden, w.intermediate, layout); }
+  // Scratch of one pack_one call: mxfp4's unpacked codes (one matrix, a few MB), then the
+  // kernel's pack_rhs scratch, each 64-byte aligned.
+  size_t one_scratch_bytes(int64_t n, int64_t depth) const {
+    const size_t codes =
+        layout.format == W4Format::mxfp4 ? moe_detail::align_up(size_t(n) * size_t(depth)) : 0;
+    return codes + moe_detail::align_up(k->pack_scratch_bytes(n, depth, layout));
+  }
+  size_t scratch_bytes() const override {
+    return std::max(one_scratch_bytes(2 * w.intermediate, w.hidden),
+                    one_scratch_bytes(w.hidden, w.intermediate));
+  }
   // Matrix e of [E, n, depth]: codes, then the kernel's packing. int4 values (int8, two's
   // complement) are their own codes (pack_rhs reads the low 4 bits); mxfp4's two codes per byte
-  // are spread one per byte first.
+  // are spread one per byte first, into @p scratch (one_scratch_bytes(n, depth) bytes).
   void pack_one(const void* src, const void* scales, int64_t e, int64_t n, int64_t depth,
-                void* dst) const {
+                void* dst, void* scratch) const {
     const size_t count = size_t(n) * size_t(depth);
-    std::vector<uint8_t> codes;  // mxfp4 only: one matrix (a few MB), freed with the call
+    auto* ws = static_cast<uint8_t*>(scratch);
     const uint8_t* c = static_cast<const uint8_t*>(src) + size_t(e) * count;
     if (layout.format == W4Format::mxfp4) {
-      codes.resize(count);
+      uint8_t* codes = ws;
+      ws += moe_detail::align_up(count);
       const uint8_t* b = static_cast<const uint8_t*>(src) + size_t(e) * count / 2;
       for (size_t x = 0; x < count / 2; ++x) {  // low nibble: the even k
         codes[2 * x] = b[x] & 15;
         codes[2 * x + 1] = b[x] >> 4;
       }
-      c = codes.data();
+      c = codes;
     }
     const int64_t groups = depth / layout.group;
     const auto* sc = static_cast<const uint8_t*>(scales) +
                      size_t(e) * size_t(n) * size_t(groups) * size_t(layout.scale_bytes());
-    k->pack_rhs(n, depth, layout, c, depth, sc, groups, dst);
+    k->pack_rhs(n, depth, layout, c, depth, sc, groups, dst, ws);
   }
-  void pack(int64_t e, void* d13, void* d2) const override {
-    pack_one(w.w13, w.s13, e, 2 * w.intermediate, w.hidden, d13);
-    pack_one(w.w2, w.s2, e, w.hidden, w.intermediate, d2);
+  void pack(int64_t e, void* d13, void* d2, void* scratch) const override {
+    pack_one(w.w13, w.s13, e, 2 * w.intermediate, w.hidden, d13, scratch);
+    pack_one(w.w2, w.s2, e, w.hidden, w.intermediate, d2, scratch);
   }
 };
 

@@ -188,7 +188,10 @@ int main(int argc, char** argv) {
       else { const float v = 0.001f * float(1 + rng() % 100); std::memcpy(&sc[size_t(4 * j)], &v, 4); }
     }
     std::vector<uint8_t> one4(q4->rhs_packed_size(n, k, fm.w));
-    q4->pack_rhs(n, k, fm.w, codes.data(), k, sc.data(), groups, one4.data());
+    // The packer's scratch (Q4GemmUkernel::pack_scratch_bytes), 64-byte aligned.
+    std::vector<uint8_t> ps(q4->pack_scratch_bytes(n, k, fm.w) + 64);
+    void* ps64 = ps.data() + (64 - reinterpret_cast<uintptr_t>(ps.data()) % 64) % 64;
+    q4->pack_rhs(n, k, fm.w, codes.data(), k, sc.data(), groups, one4.data(), ps64);
     const ExpertBuffer buf4(one4.size(), a.mib, one4.data());
     std::printf("%s: %lld experts of %.3f MB (int8: %lld of %.3f MB)\n", fm.label.c_str(),
                 (long long)buf4.experts, double(one4.size()) / 1e6, (long long)buf8.experts,

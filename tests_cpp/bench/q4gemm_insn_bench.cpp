@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -113,10 +114,13 @@ int main(int argc, char** argv) {
     q8[s] = {n, k, std::vector<uint8_t>(qk->rhs_packed_size(n, k))};
     qk->pack_rhs(n, k, wv.data(), k, q8[s].rhs.data());
     q4g[s] = {n, k, std::vector<uint8_t>(q4->rhs_packed_size(n, k, w))};
+    // The packer's scratch (Q4GemmUkernel::pack_scratch_bytes), 64-byte aligned.
+    std::vector<uint8_t> ps(q4->pack_scratch_bytes(n, k, w) + 64);
+    void* ps64 = ps.data() + (64 - reinterpret_cast<uintptr_t>(ps.data()) % 64) % 64;
     q4->pack_rhs(n, k, w, codes.data(), k,
                  w.format == cpumoe::W4Format::mxfp4 ? static_cast<const void*>(e8.data())
                                                      : static_cast<const void*>(sc.data()),
-                 k / w.group, q4g[s].rhs.data());
+                 k / w.group, q4g[s].rhs.data(), ps64);
     bytes8 += q8[s].rhs.size();
     bytes4 += q4g[s].rhs.size();
     const int64_t m = std::max<int64_t>(mmax, 1);

@@ -23,7 +23,13 @@ struct RhsPacker {
   virtual void check() const = 0;
   virtual size_t w13_bytes() const = 0;
   virtual size_t w2_bytes() const = 0;
-  virtual void pack(int64_t e, void* w13_dst, void* w2_dst) const = 0;
+  /// Bytes of scratch one pack call needs (the largest over w13 and w2), 0 for none: the caller
+  /// allocates one block per thread before its parallel loop, so packing never allocates.
+  virtual size_t scratch_bytes() const = 0;
+  /// Packs expert @p e.
+  /// @pre @p scratch holds scratch_bytes() bytes, 64-byte aligned, used by no other call at the
+  ///      same time (contents in and out undefined; may be nullptr when that is 0).
+  virtual void pack(int64_t e, void* w13_dst, void* w2_dst, void* scratch) const = 0;
 };
 
 /// Expert weights packed for one kernel of a family (QGemmUkernel: int8, BGemmUkernel: bf16):

@@ -124,11 +124,20 @@ struct Q4GemmUkernel {
   size_t (*rhs_packed_offset)(int64_t n_idx, int64_t k, const W4Layout& w);
   /// Packs B: column j's codes (one per byte, its low 4 bits: the high ones are ignored, so int4
   /// values given as two's-complement int8 are their own codes) at codes + j * code_stride, its k / group
+  /// Bytes of scratch one pack_rhs call of this shape needs, 0 when it needs none. PackedExperts
+  /// reserves it before its parallel loop, one block per thread, at the largest over a layer's
+  /// w13 and w2 shapes.
+  size_t (*pack_scratch_bytes)(int64_t n, int64_t k, const W4Layout& w);
+  /// Packs B: column j's codes (one per byte, its low 4 bits: the high ones are ignored, so int4
+  /// values given as two's-complement int8 are their own codes) at codes + j * code_stride, its k / group
   /// scales at scales + j * scale_stride * w.scale_bytes() bytes (fp32 for int4, E8M0 bytes for
   /// mxfp4). Every column's codes and scales are read, nothing else.
+  /// @pre @p scratch holds pack_scratch_bytes(n, k, w) bytes, 64-byte aligned, used by no other
+  ///      call at the same time (contents in and out undefined; may be nullptr when that is 0).
+  ///      The caller owns it: kernels never allocate.
   void (*pack_rhs)(int64_t n, int64_t k, const W4Layout& w, const uint8_t* codes,
                    int64_t code_stride, const void* scales, int64_t scale_stride,
-                   void* rhs_packed);
+                   void* rhs_packed, void* scratch);
 
   /// Bytes of scratch one run_f32 call of this shape needs (Q4GemmEpilogue::scratch), 0 for
   /// kernels that need none. Non-decreasing in @p m and @p n, so a caller reserves it once at

@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 #include "cpumoe/q4gemm.h"
 #include "ukernels/qgemm/qgemm_common.h"
@@ -72,6 +71,20 @@ void store_group_scale(uint8_t* d, const uint8_t* s, W4Format f) {
   }
 }
 
+/// Bytes of pack_rhs_q4's `from` table (an int32 per nibble position of a group, @p nib of them),
+/// rounded to 64 so the `cols` bytes after it start a cache line.
+inline size_t q4_pack_from_bytes(int64_t nib) { return size_t(round_up(nib * 4, 64)); }
+
+/// Q4GemmUkernel::pack_scratch_bytes of pack_rhs_q4 over packing P: its two per-call tables
+/// (Nr * group int32, then Nr * group + 1 bytes), 0 when the call packs nothing. Depends on the
+/// group only, so one block serves every shape of a layer.
+template <class P>
+size_t q4_pack_scratch_bytes(int64_t n, int64_t k, const W4Layout& w) {
+  if (n <= 0 || w.group <= 0 || k / w.group <= 0) return 0;
+  const int64_t nib = P::kNr * w.group;
+  return q4_pack_from_bytes(nib) + size_t(round_up(nib + 1, 64));
+}
+
 /// Q4GemmUkernel::pack_rhs for packing P whose nibble arrangement is Arrange::index(c, kk, g):
 /// the position (0 .. Nr * g) of column c's code kk (0 <= kk < g) in its group's code bytes (byte
 /// index / 2, low nibble when even). Recode::code(code, position, format) is the nibble stored
@@ -81,20 +94,24 @@ void store_group_scale(uint8_t* d, const uint8_t* s, W4Format f) {
 /// The arrangement is the same in every group, so it is read once per call into a table of
 /// where each nibble comes from, and every group's code bytes are then written in order from the
 /// group's Nr columns gathered side by side (several times faster than placing each code by its
-/// index: packing a layer is a model's start-up time).
+/// index: packing a layer is a model's start-up time). Both tables live in the caller's scratch
+/// (q4_pack_scratch_bytes<P>): the packer runs in PackedExperts' parallel loop, where a kernel
+/// must not allocate.
 template <class P, class Arrange, class Recode = KeepCodes>
 void pack_rhs_q4(int64_t n, int64_t k, const W4Layout& w, const uint8_t* codes,
-                 int64_t code_stride, const void* scales, int64_t scale_stride, void* packed) {
+                 int64_t code_stride, const void* scales, int64_t scale_stride, void* packed,
+                 void* scratch) {
   constexpr int64_t Nr = P::kNr;
   const int64_t g = w.group, groups = k / g, sb = w.scale_bytes(), nib = Nr * g;
   const auto* sc = static_cast<const uint8_t*>(scales);
   auto* dst = static_cast<uint8_t*>(packed);
   if (n <= 0 || groups <= 0) return;
   // from[position] = c * g + kk, or nib where no code goes: cols[nib] holds 16, which rec maps to
-  // 0 in both nibbles (the position stays 0, not recoded).
-  // The two tables below are the one allocation left in the kernels: packing runs at prepack,
-  // never inside an op (cmake/CheckIsaObjects.cmake, KernelsDoNotAllocate).
-  std::vector<int32_t> from(static_cast<size_t>(nib), int32_t(nib));  // alloc-ok: prepack
+  // 0 in both nibbles (the position stays 0, not recoded). Scratch layout as in
+  // q4_pack_scratch_bytes.
+  auto* from = static_cast<int32_t*>(scratch);
+  uint8_t* cols = static_cast<uint8_t*>(scratch) + q4_pack_from_bytes(nib);
+  std::fill(from, from + nib, int32_t(nib));
   for (int64_t c = 0; c < Nr; ++c)
     for (int64_t kk = 0; kk < g; ++kk) from[size_t(Arrange::index(c, kk, g))] = int32_t(c * g + kk);
   // Recoded nibble by position parity, plus the untouched hole value at index 16.
@@ -104,19 +121,18 @@ void pack_rhs_q4(int64_t n, int64_t k, const W4Layout& w, const uint8_t* codes,
     rec[p][16] = 0;
   }
   // The group's Nr columns side by side, then 16.
-  std::vector<uint8_t> cols(size_t(nib) + 1);  // alloc-ok: prepack only
   cols[size_t(nib)] = 16;
   for (int64_t j0 = 0; j0 < n; j0 += Nr) {
     uint8_t* blk = dst + size_t(j0 / Nr) * P::block_bytes(k, w);
     const size_t used = size_t(groups * P::group_bytes(w));
     std::memset(blk + used, 0, P::block_bytes(k, w) - used);
     const int64_t valid = std::min(Nr, n - j0);
-    std::memset(cols.data() + valid * g, 0, size_t((Nr - valid) * g));  // padding columns: 0
+    std::memset(cols + valid * g, 0, size_t((Nr - valid) * g));  // padding columns: 0
     for (int64_t gi = 0; gi < groups; ++gi) {
       uint8_t* grp = blk + size_t(gi * P::group_bytes(w));
       for (int64_t c = 0; c < valid; ++c) {
         const uint8_t* col = codes + (j0 + c) * code_stride + gi * g;
-        uint8_t* d = cols.data() + c * g;
+        uint8_t* d = cols + c * g;
         for (int64_t kk = 0; kk < g; ++kk) d[kk] = uint8_t(col[kk] & 15);
       }
       for (int64_t b = 0; b < nib / 2; ++b)
@@ -152,7 +168,8 @@ inline void store_q4_row(float* dst, const float* acc, int64_t n, float lhs_scal
 inline size_t q4_no_scratch(int64_t, int64_t, int64_t, const W4Layout&) { return 0; }
 
 /// The interface table of a q4gemm kernel whose A is packed as LhsP (a QGemmPacking) and B as
-/// RhsP (a Q4Packing); kr is that of LhsP.
+/// RhsP (a Q4Packing) by @p pack_rhs, a pack_rhs_q4<RhsP, ...> (its scratch is
+/// q4_pack_scratch_bytes<RhsP>); kr is that of LhsP.
 template <class LhsP, class RhsP>
 constexpr Q4GemmUkernel make_q4gemm(const char* name, Isa isa, int64_t mr,
                                     decltype(Q4GemmUkernel::pack_lhs) pack_lhs,
@@ -163,8 +180,8 @@ constexpr Q4GemmUkernel make_q4gemm(const char* name, Isa isa, int64_t mr,
   static_assert(kW4GroupMultiple % LhsP::kKr == 0, "K is never padded: kr must divide 32");
   return Q4GemmUkernel{name,           isa,          mr,           RhsP::kNr,
                        LhsP::kKr,      LhsP::lhs_size, LhsP::lhs_offset, pack_lhs,
-                       RhsP::rhs_size, RhsP::rhs_offset, pack_rhs,   scratch_bytes,
-                       run_f32};
+                       RhsP::rhs_size, RhsP::rhs_offset, q4_pack_scratch_bytes<RhsP>,
+                       pack_rhs,       scratch_bytes,  run_f32};
 }
 
 }  // namespace
