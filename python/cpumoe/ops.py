@@ -399,14 +399,18 @@ def fused_moe(x: Any, packed: Any, topk_weights: Any, topk_ids: Any, *,
                   out, expert_map, num_threads)
 
 
+def _require_kind(packed: Any, kinds: Any, expected: str) -> None:
+    """The TypeError of an alias given a packed layer of another kind (``expected`` names it)."""
+    if not isinstance(packed, kinds):
+        raise TypeError(f"packed: expected {expected}, got {type(packed).__name__}")
+
+
 def fused_moe_int8(x: Any, packed: Any, topk_weights: Any, topk_ids: Any,
                    activation: str = "silu", skip_weighted: bool = False, out: Any = None, *,
                    expert_map: Any = None, num_threads: Optional[int] = None) -> Any:
     """:func:`fused_moe` on a layer of int8 activations (``packed`` from :func:`prepack`,
     :func:`prepack_int4` or :func:`prepack_mxfp4`; a bf16 layer is a TypeError)."""
-    if not isinstance(packed, _INT8_PACKED):
-        raise TypeError(f"packed: expected a layer of int8 activations "
-                        f"({_expected_packed('int8')}), got {type(packed).__name__}")
+    _require_kind(packed, _INT8_PACKED, f"a layer of int8 activations ({_expected_packed('int8')})")
     return fused_moe(x, packed, topk_weights, topk_ids, activation=activation,
                      skip_weighted=skip_weighted, out=out, expert_map=expert_map,
                      num_threads=num_threads)
@@ -417,9 +421,7 @@ def fused_moe_bf16(x: Any, packed: PackedMoeBf16, topk_weights: Any, topk_ids: A
                    expert_map: Any = None, num_threads: Optional[int] = None) -> Any:
     """:func:`fused_moe` on a bf16 layer (``packed`` from :func:`prepack_bf16`; another kind
     is a TypeError)."""
-    if not isinstance(packed, PackedMoeBf16):
-        raise TypeError(f"packed: expected cpumoe.PackedMoeBf16 from prepack_bf16(), got "
-                        f"{type(packed).__name__}")
+    _require_kind(packed, PackedMoeBf16, "cpumoe.PackedMoeBf16 from prepack_bf16()")
     return fused_moe(x, packed, topk_weights, topk_ids, activation=activation,
                      skip_weighted=skip_weighted, out=out, expert_map=expert_map,
                      num_threads=num_threads)
