@@ -54,12 +54,22 @@ ActivationSpec parse_act(const std::string& text) {
   return spec;
 }
 
+// A table of rows for Python: one dict per row, {"name": row.name} and what fill(row, d) adds.
+template <class Row, size_t N, class Fill>
+py::list table_list(const Row (&rows)[N], const Fill& fill) {
+  py::list out;
+  for (const Row& row : rows) {
+    py::dict d;
+    d["name"] = row.name;
+    fill(row, d);
+    out.append(d);
+  }
+  return out;
+}
+
 // The activation table (activation.h) for Python: one dict per activation.
 py::list activations_list() {
-  py::list out;
-  for (const ActivationInfo& info : kActivationTable) {
-    py::dict d;
-    d["name"] = info.name;
+  return table_list(kActivationTable, [](const ActivationInfo& info, py::dict& d) {
     d["interleaved"] = info.interleaved;
     py::dict params;
     auto dflt = [](float v) -> py::object {
@@ -69,9 +79,7 @@ py::list activations_list() {
     if (info.has_alpha) params["alpha"] = dflt(info.default_alpha);
     d["params"] = params;  // name -> default (None: required)
     d["formula"] = info.formula;
-    out.append(d);
-  }
-  return out;
+  });
 }
 
 // The chain (kernel, row ops, tile policy) of a family that prepack builds under the cap `isa`:
@@ -86,10 +94,7 @@ MoeConfig<Kernel> config_for(const std::optional<std::string>& isa,
 
 // The format table (weight_format.h) for Python: one dict per format.
 py::list formats_list() {
-  py::list out;
-  for (const WeightFormatInfo& info : kWeightFormatTable) {
-    py::dict d;
-    d["name"] = info.name;
+  return table_list(kWeightFormatTable, [](const WeightFormatInfo& info, py::dict& d) {
     d["bits"] = info.bits;
     d["value_code"] = info.value_code;
     d["scale"] = scale_kind_name(info.scale);
@@ -101,9 +106,7 @@ py::list formats_list() {
     d["family"] = kernel_family_name(info.family);
     d["activations"] = info.activations;
     d["prepack"] = info.prepack;
-    out.append(d);
-  }
-  return out;
+  });
 }
 
 // Python names of the packed kinds and the family each packs for.

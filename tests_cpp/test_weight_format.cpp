@@ -12,6 +12,7 @@
 
 #include "cpumoe/moe.h"
 #include "cpumoe/weight_format.h"
+#include "moe_test_util.h"
 
 namespace {
 
@@ -199,17 +200,10 @@ TEST(WeightFormat, ScaleBytesAreWhatPrepackReads) {
 
 TEST(WeightFormat, PackedClassesSayTheirRow) {
   constexpr int64_t E = 1, H = 8, I = 8;
-  std::vector<int8_t> q13(size_t(E * 2 * I * H), 1), q2(size_t(E * H * I), 1);
-  std::vector<float> s13(size_t(E * 2 * I), 0.5f), s2(size_t(E * H), 0.5f);
-  cpumoe::MoeWeights w;
-  w.num_experts = E;
-  w.hidden = H;
-  w.intermediate = I;
-  w.w13 = q13.data();
-  w.w2 = q2.data();
-  w.s13 = s13.data();
-  w.s2 = s2.data();
-  const cpumoe::PackedMoe p8(w, nullptr, 1);
+  const cpumoe_test::MoeData d =
+      cpumoe_test::make_moe_data({1, E, 1, H, I}, cpumoe::DType::f32, cpumoe::Activation::silu,
+                                 false, 1);
+  const cpumoe::PackedMoe p8(d.weights(), nullptr, 1);
   EXPECT_EQ(p8.weight_format(), WeightFormat::int8);
   EXPECT_EQ(cpumoe::weight_format_info(p8.weight_format()).family, KernelFamily::qgemm);
 

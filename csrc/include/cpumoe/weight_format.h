@@ -149,30 +149,18 @@ inline std::string weight_format_names(KernelFamily family) {
   return weight_format_names_if([&](const WeightFormatInfo& i) { return i.family == family; });
 }
 
+/// The names of the enumerators above, for cpumoe._C.formats() (indexed by the enum's value).
 constexpr const char* kernel_family_name(KernelFamily f) {
-  switch (f) {
-    case KernelFamily::qgemm: return "qgemm";
-    case KernelFamily::q4gemm: return "q4gemm";
-    case KernelFamily::bgemm: return "bgemm";
-  }
-  return "?";
+  constexpr const char* names[] = {"qgemm", "q4gemm", "bgemm"};
+  return unsigned(f) < 3 ? names[int(f)] : "?";
 }
-constexpr const char* scale_kind_name(ScaleKind s) {
-  switch (s) {
-    case ScaleKind::none: return "none";
-    case ScaleKind::fp32_per_channel: return "fp32_per_channel";
-    case ScaleKind::fp32_per_group: return "fp32_per_group";
-    case ScaleKind::e8m0_per_block: return "e8m0_per_block";
-  }
-  return "?";
+constexpr const char* scale_kind_name(ScaleKind k) {
+  constexpr const char* names[] = {"none", "fp32_per_channel", "fp32_per_group", "e8m0_per_block"};
+  return unsigned(k) < 4 ? names[int(k)] : "?";
 }
 constexpr const char* group_rule_name(GroupRule g) {
-  switch (g) {
-    case GroupRule::none: return "none";
-    case GroupRule::multiple: return "multiple";
-    case GroupRule::exact: return "exact";
-  }
-  return "?";
+  constexpr const char* names[] = {"none", "multiple", "exact"};
+  return unsigned(g) < 3 ? names[int(g)] : "?";
 }
 
 /// Empty if format @p f takes group size @p g (with GroupRule::none: only g == 0), else why not
