@@ -3,7 +3,7 @@
 // getppid() calls, which the counter turns into "mark" lines; subtract two marks for one region.
 //
 //   cpumoe_moe_bench [--H 2048] [--I 768] [--E 128] [--k 8] [--T 16] [--iters 3]
-//                    [--act silu|gelu|gelu_tanh|swigluoai] [--dtype f32|bf16|f16]
+//                    [--act SPEC, e.g. silu or silu_clamp(limit=10)] [--dtype f32|bf16|f16]
 //                    [--isa CAP] [--threads N] [--phases 0|1] [--tasks 0|1]
 //                    [--format int8|int4|mxfp4] [--group G] [--fuse 0|1|2] [--routings N]
 //
@@ -102,9 +102,11 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  cpumoe::Activation activation;
-  if (!cpumoe::parse_activation(act.c_str(), &activation)) {
-    std::fprintf(stderr, "unknown activation %s\n", act.c_str());
+  cpumoe::ActivationSpec activation;  // a spec: "silu", "silu_clamp(limit=10)", ...
+  std::string why;
+  if (!cpumoe::parse_activation_spec(act, &activation, &why) ||
+      !(why = cpumoe::activation_spec_problem(activation)).empty()) {
+    std::fprintf(stderr, "activation: %s\n", why.c_str());
     return 2;
   }
   cpumoe::DType dt;
