@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from . import _C
 from ._tensors import (FLOAT_DTYPES, View, as_float32, check_dtype, check_rows, check_shape,
@@ -399,10 +399,11 @@ def fused_moe(x: Any, packed: Any, topk_weights: Any, topk_ids: Any, *,
                   out, expert_map, num_threads)
 
 
-def _require_kind(packed: Any, kinds: Any, expected: str) -> None:
-    """The TypeError of an alias given a packed layer of another kind (``expected`` names it)."""
+def _require_kind(packed: Any, kinds: Any, expected: Callable[[], str]) -> None:
+    """The TypeError of an alias given a packed layer of another kind (``expected()`` names it;
+    called only then: under torch.compile the check must not reach the extension)."""
     if not isinstance(packed, kinds):
-        raise TypeError(f"packed: expected {expected}, got {type(packed).__name__}")
+        raise TypeError(f"packed: expected {expected()}, got {type(packed).__name__}")
 
 
 def fused_moe_int8(x: Any, packed: Any, topk_weights: Any, topk_ids: Any,
@@ -410,7 +411,8 @@ def fused_moe_int8(x: Any, packed: Any, topk_weights: Any, topk_ids: Any,
                    expert_map: Any = None, num_threads: Optional[int] = None) -> Any:
     """:func:`fused_moe` on a layer of int8 activations (``packed`` from :func:`prepack`,
     :func:`prepack_int4` or :func:`prepack_mxfp4`; a bf16 layer is a TypeError)."""
-    _require_kind(packed, _INT8_PACKED, f"a layer of int8 activations ({_expected_packed('int8')})")
+    _require_kind(packed, _INT8_PACKED,
+                  lambda: f"a layer of int8 activations ({_expected_packed('int8')})")
     return fused_moe(x, packed, topk_weights, topk_ids, activation=activation,
                      skip_weighted=skip_weighted, out=out, expert_map=expert_map,
                      num_threads=num_threads)
@@ -421,7 +423,7 @@ def fused_moe_bf16(x: Any, packed: PackedMoeBf16, topk_weights: Any, topk_ids: A
                    expert_map: Any = None, num_threads: Optional[int] = None) -> Any:
     """:func:`fused_moe` on a bf16 layer (``packed`` from :func:`prepack_bf16`; another kind
     is a TypeError)."""
-    _require_kind(packed, PackedMoeBf16, "cpumoe.PackedMoeBf16 from prepack_bf16()")
+    _require_kind(packed, PackedMoeBf16, lambda: "cpumoe.PackedMoeBf16 from prepack_bf16()")
     return fused_moe(x, packed, topk_weights, topk_ids, activation=activation,
                      skip_weighted=skip_weighted, out=out, expert_map=expert_map,
                      num_threads=num_threads)
