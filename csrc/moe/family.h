@@ -34,8 +34,8 @@ struct Family<QGemmUkernel> {
   // Step 3: the scale of a gathered row.
   static void gather_scale(float* dst, const float* src) { *dst = *src; }
   // Step 5: GEMM1 row h (2 * inter values) -> q, *scale, through tmp (inter floats).
-  static void activate(const RowOps& ro, const ActivationSpec& act, const float* h, int64_t inter, DType dt,
-                       float* tmp, Elem* q, float* scale) {
+  static void activate(const RowOps& ro, const ActivationSpec& act, const float* h, int64_t inter,
+                       DType dt, float* tmp, Elem* q, float* scale) {
     const float amax = ro.activate_round(act, h, inter, dt, tmp);  // the row rounded to dt
     CPUMOE_BENCH_STEP(bench_hooks::requant);
     *scale = ro.quantize_with_amax(tmp, inter, amax, q);
@@ -73,8 +73,8 @@ struct Family<BGemmUkernel> {
     ro.to_bf16(x, dt, n, q);
   }
   static void gather_scale(float*, const float*) {}
-  static void activate(const RowOps& ro, const ActivationSpec& act, const float* h, int64_t inter, DType,
-                       float*, Elem* q, float*) {
+  static void activate(const RowOps& ro, const ActivationSpec& act, const float* h, int64_t inter,
+                       DType, float*, Elem* q, float*) {
     ro.activate_bf16(act, h, inter, q);
   }
   static const float* scale13(const Packed&, int64_t) { return nullptr; }

@@ -39,7 +39,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import _C
+from .ops import ACTIVATIONS, activation_interleaved, parse_activation
 from .quantize import (CHANNEL_AMAX_FLOOR, FLOAT_DTYPES, MXFP4_INT, MXFP4_VALUES,  # noqa: F401
                        TOKEN_AMAX_FLOOR, dequantize_int4, dequantize_mxfp4, dtype_name_of,
                        e8m0_scale, like, mxfp4_codes, quantize_int4, quantize_mxfp4,
@@ -62,13 +62,8 @@ __all__ = [
     "round_to_dtype",
 ]
 
-#: The activations of the op, by name (the extension's table; specs with parameters such as
-#: "silu_clamp(limit=10)" are parsed by it too, so the reference runs what the op runs).
-ACTIVATIONS = tuple(a["name"] for a in _C.activations())
-#: Those whose gate and up are interleaved (even / odd columns of a GEMM1 row).
-_INTERLEAVED = frozenset(a["name"] for a in _C.activations() if a["interleaved"])
-
-
+# ACTIVATIONS, parse_activation and activation_interleaved are the op's own (cpumoe.ops, the
+# extension's table and parser): specs such as "silu_clamp(limit=10)" mean here what the op runs.
 _GELU_TANH_C = 0.7978845608
 _GELU_TANH_A = 0.044715
 
@@ -82,14 +77,6 @@ def _sigmoid64(v: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-v))
 
 
-def _parse_activation(spec) -> tuple:
-    """(name, limit, alpha) of an activation spec (the extension's parser and checks)."""
-    if not isinstance(spec, str):
-        raise TypeError(f"activation: must be a str, got {type(spec).__name__}")
-    name, _, limit, alpha = _C.parse_activation(spec)
-    return name, float(limit), float(alpha)
-
-
 def gated_activation(spec: str, h: np.ndarray, inter: int) -> np.ndarray:
     """Gated activation of GEMM1 rows h [P, 2I] (fp32) -> [P, I] fp32, for an activation spec
     ("silu", "silu_clamp(limit=10)", ...: see cpumoe.parse_activation).
@@ -98,8 +85,8 @@ def gated_activation(spec: str, h: np.ndarray, inter: int) -> np.ndarray:
     fp32 formula it stands for), then rounded once to fp32. Clamps keep NaN (np.minimum and
     np.clip do, as torch.clamp) and use the fp32 limit the op is given.
     """
-    name, limit, alpha = _parse_activation(spec)
-    if name in _INTERLEAVED:
+    name, _, limit, alpha = parse_activation(spec)
+    if activation_interleaved(spec):
         g, u = h[:, 0::2], h[:, 1::2]
     else:
         g, u = h[:, :inter], h[:, inter:]
@@ -145,7 +132,7 @@ def _linear(q, s, w, ws, b):
 
 
 def _check_activation(activation):
-    _parse_activation(activation)
+    parse_activation(activation)
 
 
 def _run_moe(x, w13, w2, topk_weights, topk_ids, skip_weighted, expert_ffn):
