@@ -128,7 +128,7 @@ struct PackedNames<PackedMoeW4> {
   static constexpr KernelFamily family = KernelFamily::q4gemm;
 };
 
-// "cpumoe.prepack_int4() or cpumoe.prepack_mxfp4()": the prepack functions of the table's rows
+// "cpumoe.prepack_int4() or ...": the prepack functions of the table's rows
 // of @p family.
 std::string makers(KernelFamily family) {
   std::string out;
@@ -407,7 +407,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("select_w4_kernel",
         [](std::optional<std::string> isa) { return config_for(isa, w4_config).gemm->name; },
         py::arg("isa") = py::none(),
-        "Name of the kernel prepack_int4 / prepack_mxfp4 would use (capped by isa and CPUMOE_ISA).");
+        "Name of the kernel the q4gemm formats' prepack would use (capped by isa and CPUMOE_ISA).");
 
   def_packed<PackedMoe>(m);
   def_packed<PackedMoeBf16>(m);
@@ -479,8 +479,8 @@ PYBIND11_MODULE(_C, m) {
       py::arg("w13"), py::arg("w2"), py::arg("s13"), py::arg("s2"), py::arg("b13"),
       py::arg("b13_dtype"), py::arg("b2"), py::arg("b2_dtype"), py::arg("isa"),
       py::arg("num_threads"),
-      "Packs 4-bit expert weights: int4 values (int8 buffers) with fp32 group scales, or mxfp4 "
-      "blocks with E8M0 scales (addresses of contiguous buffers).");
+      "Packs 4-bit expert weights of a q4gemm format (formats()) in its input form "
+      "(addresses of contiguous buffers).");
 
   def_op<PackedMoeW4>(m, "fused_moe_w4", fused_moe_int8,
                       "Runs the fused W4A8 MoE op on raw row-major buffers.");

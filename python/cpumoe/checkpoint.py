@@ -16,7 +16,7 @@ be all zeros (symmetric). Expert naming (``layout``):
 The layer is stacked to the op's layout: ``w13`` int8 [E, 2I, H] (gate rows then up rows; with
 ``activation="swigluoai"`` interleaved: even rows gate, odd rows up), ``w2`` int8 [E, H, I],
 ``s13`` [E, 2I], ``s2`` [E, H] float32, biases [E, 2I] / [E, H] float32 if the checkpoint has them.
-Fused expert tensors (one [E, ...] tensor per projection, as in the bf16/MXFP4 gpt-oss release)
+Fused expert tensors (one [E, ...] tensor per projection, as in gpt-oss's releases)
 are not read: no int8 W8A8 variant of that layout is documented.
 
 Files: a directory with ``model.safetensors.index.json`` (shards listed in its ``weight_map``) or
@@ -46,10 +46,12 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from . import ops as _ops
+from .quantize import QuantizedExperts
 
 __all__ = [
     "LAYOUTS",
     "Checkpoint",
+    "LoadedExperts",
     "MoeLayerWeights",
     "UnsupportedCheckpoint",
     "load_moe_layer",
@@ -445,29 +447,30 @@ def check_scheme(qcfg: Optional[dict], module: str) -> None:
 
 # ---------------------------------------------------------------------------- loading
 @dataclasses.dataclass
-class MoeLayerWeights:
-    """One MoE layer stacked to the op's layout (numpy; see :func:`cpumoe.prepack`).
+class LoadedExperts(QuantizedExperts):
+    """A MoE layer's experts read from a checkpoint, in their format's prepack input form (a
+    :class:`cpumoe.quantize.QuantizedExperts`, whose ``prepack()`` packs it), with where they came
+    from: the global ids of the E experts, in order, how many the layer has in all, the layer's
+    activation and index."""
 
-    w13 int8 [E, 2I, H], w2 int8 [E, H, I], s13 float32 [E, 2I], s2 float32 [E, H],
-    b13 float32 [E, 2I] or None, b2 float32 [E, H] or None. ``expert_ids`` are the global ids
-    of the E experts, in order; ``num_global_experts`` how many the layer has in all.
-    """
-
-    w13: np.ndarray
-    w2: np.ndarray
-    s13: np.ndarray
-    s2: np.ndarray
-    b13: Optional[np.ndarray]
-    b2: Optional[np.ndarray]
     expert_ids: List[int]
     num_global_experts: int
     activation: str
     layer: int
-    layout: str
 
-    @property
-    def num_experts(self) -> int:
-        return self.w13.shape[0]
+    def expert_map(self) -> np.ndarray:
+        """int32 [num_global_experts]: global id -> local id, -1 for experts not loaded."""
+        return expert_map_of(self.expert_ids, self.num_global_experts)
+
+
+@dataclasses.dataclass
+class MoeLayerWeights(LoadedExperts):
+    """One int8 MoE layer stacked to the op's layout (numpy; see :func:`cpumoe.prepack`), format
+    "int8": w13 int8 [E, 2I, H], w2 int8 [E, H, I], s13 float32 [E, 2I], s2 float32 [E, H],
+    b13 float32 [E, 2I] or None, b2 float32 [E, H] or None; ``layout`` the checkpoint's expert
+    naming."""
+
+    layout: str
 
     @property
     def hidden(self) -> int:
@@ -476,15 +479,6 @@ class MoeLayerWeights:
     @property
     def intermediate(self) -> int:
         return self.w2.shape[2]
-
-    def expert_map(self) -> np.ndarray:
-        """int32 [num_global_experts]: global id -> local id, -1 for experts not loaded."""
-        return expert_map_of(self.expert_ids, self.num_global_experts)
-
-    def prepack(self, isa: Optional[str] = None,
-                num_threads: Optional[int] = None) -> _ops.PackedMoe:
-        return _ops.prepack(self.w13, self.w2, self.s13, self.s2, self.b13, self.b2, isa=isa,
-                            num_threads=num_threads)
 
     def as_layer(self, framework: str = "numpy") -> Any:
         """An object with vLLM's attribute names (w13_weight, w2_weight, w13_weight_scale,
@@ -636,7 +630,8 @@ def load_moe_layer(path: Union[PathLike, Checkpoint], layer: int, *,
             b13[j, rg] = _vector(ck, mod(e, gate) + ".bias", I)
             b13[j, ru] = _vector(ck, mod(e, up) + ".bias", I)
             b2[j] = _vector(ck, mod(e, down) + ".bias", H)
-    return MoeLayerWeights(w13, w2, s13, s2, b13, b2, ids, n_global, activation, layer, layout)
+    return MoeLayerWeights("int8", 0, w13, w2, s13, s2, b13, b2, ids, n_global, activation,
+                           layer, layout)
 
 
 def load_packed_moe_layer(path: Union[PathLike, Checkpoint], layer: int, *,

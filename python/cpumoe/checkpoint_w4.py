@@ -23,14 +23,13 @@ for :func:`cpumoe.fused_moe_int8`. Anything that does not fit raises
 
 from __future__ import annotations
 
-import dataclasses
-from typing import List, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
 from . import ops as _ops
-from .checkpoint import (LAYOUTS, Checkpoint, PathLike, UnsupportedCheckpoint, check_zero_point,
-                         open_checkpoint, targets_module, expert_ids_of, expert_map_of)
+from .checkpoint import (LAYOUTS, Checkpoint, LoadedExperts, PathLike, UnsupportedCheckpoint,
+                         check_zero_point, open_checkpoint, targets_module, expert_ids_of)
 
 __all__ = ["W4LayerWeights", "dequantize_int4_linear", "int4_scheme_problem",
            "load_int4_moe_layer", "load_mxfp4_moe_layer", "unpack_int4"]
@@ -38,43 +37,9 @@ __all__ = ["W4LayerWeights", "dequantize_int4_linear", "int4_scheme_problem",
 _FLOAT = ("F32", "F16", "BF16", "F64")
 
 
-@dataclasses.dataclass
-class W4LayerWeights:
-    """One 4-bit MoE layer in the prepack functions' input form (numpy).
-
-    int4: ``w13`` int8 [E, 2I, H] / ``w2`` int8 [E, H, I] values in [-8, 7], ``s13`` float32
-    [E, 2I, H / g] / ``s2`` [E, H, I / g]. mxfp4: ``w13`` / ``w2`` uint8 blocks [E, N, K / 32, 16],
-    ``s13`` / ``s2`` uint8 E8M0 scales [E, N, K / 32]. Biases float32 or None.
-    """
-
-    weight_format: str
-    group_size: int
-    w13: np.ndarray
-    w2: np.ndarray
-    s13: np.ndarray
-    s2: np.ndarray
-    b13: Optional[np.ndarray]
-    b2: Optional[np.ndarray]
-    expert_ids: List[int]
-    num_global_experts: int
-    activation: str
-    layer: int
-
-    @property
-    def num_experts(self) -> int:
-        return self.w13.shape[0]
-
-    def expert_map(self) -> np.ndarray:
-        """int32 [num_global_experts]: global id -> local id, -1 for experts not loaded."""
-        return expert_map_of(self.expert_ids, self.num_global_experts)
-
-    def prepack(self, isa: Optional[str] = None,
-                num_threads: Optional[int] = None) -> _ops.PackedMoeW4:
-        if self.weight_format == "mxfp4":
-            return _ops.prepack_mxfp4(self.w13, self.s13, self.w2, self.s2, self.b13, self.b2,
-                                      isa=isa, num_threads=num_threads)
-        return _ops.prepack_int4(self.w13, self.w2, self.s13, self.s2, self.b13, self.b2,
-                                 group_size=self.group_size, isa=isa, num_threads=num_threads)
+class W4LayerWeights(LoadedExperts):
+    """One 4-bit MoE layer read from a checkpoint (numpy), in its format's prepack input form
+    (see :class:`cpumoe.checkpoint.LoadedExperts`)."""
 
 
 def _need(ck: Checkpoint, name: str, dtypes, shape) -> None:

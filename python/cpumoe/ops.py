@@ -9,6 +9,14 @@ from . import _C
 from ._tensors import (FLOAT_DTYPES, View, as_float32, check_dtype, check_rows, check_shape,
                        contiguous, empty_like_rows, view)
 
+#: The public API (re-exported by the package): the tables, the packed classes, prepack of each
+#: format (the table's ``prepack`` names), the op, the kernel and path queries.
+__all__ = ["ACTIVATIONS", "FORMATS", "PackedMoe", "PackedMoeBf16", "PackedMoeW4",
+           "activation_spec", "activations", "available_paths", "bf16_kernels", "cpu_features",
+           "formats", "fused_moe", "fused_moe_bf16", "fused_moe_int8", "kernels",
+           "parse_activation", *(f["prepack"] for f in _C.formats()), "scratch_bytes",
+           "selected_path", "w4_kernels"]
+
 #: The op's activations by name, from the extension's table (activation.h); each runs as a spec
 #: string: the name alone, or with its parameters, e.g. "silu_clamp(limit=10)" (see
 #: :func:`activation_spec`).

@@ -9,20 +9,28 @@ imported here (a tensor is recognised through ``sys.modules``).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 __all__ = [
     "CHANNEL_AMAX_FLOOR",
     "MXFP4_VALUES",
+    "QuantizedExperts",
     "TOKEN_AMAX_FLOOR",
     "dequantize_int4",
     "dequantize_mxfp4",
+    "dequantize_weights",
+    "group_sizes",
+    "quantize_experts",
     "quantize_int4",
     "quantize_mxfp4",
     "quantize_per_channel",
     "quantize_per_token",
+    "quantize_weights",
+    "quantized_formats",
     "round_to_dtype",
 ]
 
@@ -225,3 +233,166 @@ def quantize_mxfp4(w):
     code = code.reshape(*w32.shape[:-1], K // 32, 16, 2)
     blocks = (code[..., 0] | (code[..., 1] << 4)).astype(np.uint8)
     return like(w, blocks), like(w, (exp + 127).astype(np.uint8))
+
+
+# ---------------------------------------------------------------------------- by format name
+# What this module knows of each weight format of the extension's table (cpumoe.FORMATS): how
+# float weights become the format's prepack input (values, scales), how they turn back into
+# floats, and the order in which its prepack function takes them. A format is one row here;
+# everything below and every caller (the CLI, the benchmarks, the transformers backends) works
+# from the format's name.
+@dataclasses.dataclass(frozen=True)
+class _FormatIO:
+    quantize: Callable  # (w [..., N, K] float, group) -> (values, scales or None)
+    dequantize: Callable  # (values, scales, group) -> float32 [..., N, K]
+    prepack_args: Callable  # (w13, w2, s13, s2) -> the prepack function's positional weights
+    group_kw: bool  # whether the prepack function takes group_size=
+
+
+def _bf16_values(w, group):
+    torch = torch_of(w)
+    if torch is not None:
+        return w.to(torch.bfloat16), None  # round to nearest even, as round_to_dtype
+    import ml_dtypes
+    return np.asarray(w, dtype=np.float32).astype(ml_dtypes.bfloat16), None
+
+
+_FORMAT_IO = {
+    "int8": _FormatIO(lambda w, g: quantize_per_channel(w),
+                      lambda v, s, g: to_numpy(v).astype(np.float32)
+                      * to_numpy(s, float32=True)[..., None],
+                      lambda w13, w2, s13, s2: (w13, w2, s13, s2), False),
+    "int4": _FormatIO(quantize_int4, dequantize_int4,
+                      lambda w13, w2, s13, s2: (w13, w2, s13, s2), True),
+    "mxfp4": _FormatIO(lambda w, g: quantize_mxfp4(w), lambda v, s, g: dequantize_mxfp4(v, s),
+                       lambda w13, w2, s13, s2: (w13, s13, w2, s2), False),
+    "bf16": _FormatIO(_bf16_values, lambda v, s, g: to_numpy(v, float32=True),
+                      lambda w13, w2, s13, s2: (w13, w2), False),
+}
+
+
+def _format_io(fmt: str) -> _FormatIO:
+    io = _FORMAT_IO.get(fmt)
+    if io is None:
+        raise ValueError(f"weight format {fmt!r}: cpumoe.quantize has no quantizer for it "
+                         f"(it has: {', '.join(_FORMAT_IO)})")
+    return io
+
+
+def quantized_formats() -> Tuple[str, ...]:
+    """The formats of the extension's table (cpumoe.FORMATS, in its order) that
+    :func:`quantize_weights` and :func:`quantize_experts` can make."""
+    from .ops import FORMATS
+    return tuple(f for f in FORMATS if f in _FORMAT_IO)
+
+
+def group_sizes(fmt: str, *dims: int, preferred: Sequence[int] = (128, 64, 32)) -> List[int]:
+    """The group sizes of ``preferred`` (in that order) that format ``fmt`` allows and that divide
+    every one of ``dims`` (the K of the layer's matrices: H and I); a format with one fixed group
+    gives that one, a format without groups ``[0]``. Empty when none fits."""
+    from .ops import formats
+    row = next((r for r in formats() if r["name"] == fmt), None)
+    if row is None:
+        raise ValueError(f"weight format {fmt!r}: not one of cpumoe.FORMATS")
+    if row["group"] == "none":
+        return [0]
+    if row["group"] == "exact":
+        cands = [row["group_size"]]
+    else:
+        cands = [g for g in preferred
+                 if g % row["group_size"] == 0 and g <= row["group_max"]]
+    return [g for g in cands if all(d % g == 0 for d in dims)]
+
+
+def quantize_weights(fmt: str, w, group_size: int = 0):
+    """Weights ``w`` [..., N, K] (float) in format ``fmt``'s prepack input form: (values,
+    scales), scales None for a format without (bf16). ``group_size`` for a format that takes
+    one (see :func:`group_sizes`)."""
+    return _format_io(fmt).quantize(w, group_size)
+
+
+def dequantize_weights(fmt: str, values, scales, group_size: int = 0):
+    """The real weights (float32 [..., N, K]) of ``values`` / ``scales`` in format ``fmt``."""
+    return _format_io(fmt).dequantize(values, scales, group_size)
+
+
+@dataclasses.dataclass
+class QuantizedExperts:
+    """One layer's experts in a weight format's prepack input form (see :func:`quantize_experts`
+    and :func:`cpumoe.formats`): ``w13`` / ``s13`` for [E, 2I, H], ``w2`` / ``s2`` for [E, H, I]
+    (scales None for bf16), biases float32 or None."""
+
+    weight_format: str
+    group_size: int
+    w13: Any
+    w2: Any
+    s13: Any
+    s2: Any
+    b13: Any
+    b2: Any
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    def prepack(self, isa: Optional[str] = None, num_threads: Optional[int] = None):
+        """The packed layer (the format's prepack function of cpumoe.formats())."""
+        from . import ops
+        io = _format_io(self.weight_format)
+        fn = getattr(ops, next(r["prepack"] for r in ops.formats()
+                               if r["name"] == self.weight_format))
+        kw = {"group_size": self.group_size} if io.group_kw else {}
+        return fn(*io.prepack_args(self.w13, self.w2, self.s13, self.s2), self.b13, self.b2,
+                  isa=isa, num_threads=num_threads, **kw)
+
+    def dequantized(self, experts: Any = slice(None)):
+        """(w13, w2) float32 of the experts ``experts`` (an index or slice; default all)."""
+        def sub(a):
+            return None if a is None else a[experts]
+        return (dequantize_weights(self.weight_format, sub(self.w13), sub(self.s13),
+                                   self.group_size),
+                dequantize_weights(self.weight_format, sub(self.w2), sub(self.s2),
+                                   self.group_size))
+
+    def select(self, experts: Any) -> "QuantizedExperts":
+        """The same layer restricted to ``experts`` (an index array or slice)."""
+        def sub(a):
+            return None if a is None else a[experts]
+        return dataclasses.replace(self, w13=sub(self.w13), w2=sub(self.w2), s13=sub(self.s13),
+                                   s2=sub(self.s2), b13=sub(self.b13), b2=sub(self.b2))
+
+    def bytes_per_weight(self) -> float:
+        """Bytes the kernels read per weight: the values' bits and the scales of a group."""
+        from .ops import formats
+        row = next(r for r in formats() if r["name"] == self.weight_format)
+        per_scale = row["scale_bytes"] / self.group_size if self.group_size else 0.0
+        return row["bits"] / 8 + per_scale
+
+
+def quantize_experts(fmt: str, w13, w2, *, group_size: int = 0, b13=None, b2=None,
+                     num_experts: Optional[int] = None) -> QuantizedExperts:
+    """A layer's float experts in format ``fmt``, quantized one expert at a time (no float32 copy
+    of the whole layer): ``w13`` [E, 2I, H] and ``w2`` [E, H, I] float arrays or tensors, or
+    callables ``e -> [N, K]`` float with ``num_experts`` given. Answers numpy arrays, or torch
+    tensors when the experts are tensors."""
+    io = _format_io(fmt)
+    if num_experts is None:
+        num_experts = len(w13)
+        f13, f2 = (lambda e: w13[e]), (lambda e: w2[e])
+    else:
+        f13, f2 = w13, w2
+    out = []
+    for f in (f13, f2):
+        parts = [io.quantize(f(e), group_size) for e in range(num_experts)]
+        vals = _stack([v for v, _ in parts])
+        scales = None if parts and parts[0][1] is None else _stack([s for _, s in parts])
+        out.append((vals, scales))
+    (v13, s13), (v2, s2) = out
+    return QuantizedExperts(fmt, group_size, v13, v2, s13, s2, b13, b2)
+
+
+def _stack(parts):
+    torch = torch_of(parts[0]) if parts else None
+    if torch is not None:
+        return torch.stack(parts)
+    return np.stack(parts)

@@ -56,6 +56,7 @@ __all__ = [
     "quantize_mxfp4",
     "quantize_per_channel",
     "ref_fused_moe_bf16",
+    "ref_fused_moe_experts",
     "ref_fused_moe_int4",
     "ref_fused_moe_int8",
     "ref_fused_moe_mxfp4",
@@ -279,6 +280,26 @@ def ref_fused_moe_mxfp4(x, w13_blocks, w13_scales, w2_blocks, w2_scales, topk_we
     v2 = MXFP4_INT[mxfp4_codes(w2_blocks)]
     return ref_w4(x, v13, v2, e8m0_scale(w13_scales, True), e8m0_scale(w2_scales, True), 32,
                    topk_weights, topk_ids, activation, b13, b2, skip_weighted)
+
+
+def ref_fused_moe_experts(x, experts, topk_weights, topk_ids, activation="silu",
+                          skip_weighted=False):
+    """The op of ``experts`` (a :class:`cpumoe.quantize.QuantizedExperts`: any weight format)
+    naively: the format's reference above with its weights, scales and biases."""
+    q, fmt = experts, experts.weight_format
+    bias = dict(b13=q.b13, b2=q.b2, skip_weighted=skip_weighted)
+    if fmt == "int8":
+        return ref_fused_moe_int8(x, q.w13, q.w2, q.s13, q.s2, topk_weights, topk_ids,
+                                  activation, **bias)
+    if fmt == "int4":
+        return ref_fused_moe_int4(x, q.w13, q.w2, q.s13, q.s2, topk_weights, topk_ids,
+                                  activation, group_size=q.group_size, **bias)
+    if fmt == "mxfp4":
+        return ref_fused_moe_mxfp4(x, q.w13, q.s13, q.w2, q.s2, topk_weights, topk_ids,
+                                   activation, **bias)
+    if fmt == "bf16":
+        return ref_fused_moe_bf16(x, q.w13, q.w2, topk_weights, topk_ids, activation, **bias)
+    raise ValueError(f"weight format {fmt!r}: no reference for it in cpumoe.reference")
 
 
 def _bf16_linear(a32, w32, b):

@@ -4,10 +4,11 @@
 /// W8A8 (fused_moe_int8): int8 weights with per-channel scales, dynamic per-token int8
 /// quantization of the activations, GEMM1 (w13), a gated activation, requantization, GEMM2 (w2)
 /// and the weighted combine. W4A8 (fused_moe_int8 on a PackedMoeW4): the same with 4-bit weights
-/// (int4 or mxfp4) and one scale per group of k (q4gemm.h). BF16 (fused_moe_bf16): bf16 weights,
-/// the same pipeline with the GEMM inputs rounded to bf16 instead of quantized. The whole chain (GEMM kernel, row operations,
-/// tile policy: a MoeConfig) is chosen once, at prepack, for this CPU (int8_config / bf16_config),
-/// and stored in the packed layer; the MoE code knows the kernels only through their interfaces.
+/// (the q4gemm formats of weight_format.h) and one scale per group of k (q4gemm.h). BF16
+/// (fused_moe_bf16): bf16 weights, the same pipeline with the GEMM inputs rounded to bf16
+/// instead of quantized. The whole chain (GEMM kernel, row operations, tile policy: a MoeConfig)
+/// is chosen once, at prepack, for this CPU (int8_config / bf16_config), and stored in the
+/// packed layer; the MoE code knows the kernels only through their interfaces.
 ///
 /// Errors in the arguments throw cpumoe::ArgumentError (a std::invalid_argument) whose message
 /// names the argument; nothing is written to the output then.

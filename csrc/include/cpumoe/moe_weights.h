@@ -40,14 +40,9 @@ struct MoeWeightsBf16 {
   DType b2_dtype = DType::f32;
 };
 
-/// Plain 4-bit expert weights (W4A8), in one of two input forms:
-///   - int4:  w13 int8 [E, 2I, H] and w2 int8 [E, H, I] holding values in [-8, 7] (one per byte);
-///            s13 fp32 [E, 2I, H / g], s2 fp32 [E, H, I / g] group scales, finite and > 0.
-///   - mxfp4: gpt-oss's layout: w13 uint8 [E, 2I, H / 32, 16] and w2 [E, H, I / 32, 16], two
-///            E2M1 codes per byte, the low nibble first (k even); s13 uint8 [E, 2I, H / 32] and s2
-///            [E, H, I / 32] E8M0 scales (255 is NaN: its group's outputs are NaN).
-/// g = group_size: as the format's row of the format table says (int4: a multiple of
-/// kW4GroupMultiple up to kW4MaxGroup; mxfp4: 32), dividing H and I.
+/// Plain 4-bit expert weights (W4A8) in the input form of their `format`, as weight_format.h
+/// states above WeightFormat: w13 / s13 for [E, 2I, H], w2 / s2 for [E, H, I].
+/// g = group_size: as the format's row of kWeightFormatTable allows, dividing H and I.
 struct MoeWeightsW4 {
   int64_t num_experts = 0;
   int64_t hidden = 0;

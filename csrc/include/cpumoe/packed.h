@@ -1,6 +1,6 @@
 /// @file packed.h
 /// A layer's expert weights packed once for the kernel of its chain (MoeConfig): PackedMoe
-/// (int8), PackedMoeW4 (int4 / mxfp4), PackedMoeBf16 (bf16), over the shared PackedExperts.
+/// (int8), PackedMoeW4 (the q4gemm formats), PackedMoeBf16 (bf16), over the shared PackedExperts.
 /// Immutable after construction; safe to share between threads and calls.
 #pragma once
 
@@ -109,9 +109,9 @@ class PackedMoe : public PackedExperts<QGemmUkernel> {
 class PackedMoeW4 : public PackedExperts<Q4GemmUkernel> {
  public:
   /// Packs @p w for @p kernel (nullptr: q4gemm_select() for this CPU, capped by CPUMOE_ISA).
-  /// @pre E >= 1; H, I >= kDimMultiple and multiples of it and of the group size; the group a
-  /// multiple of kW4GroupMultiple (mxfp4: exactly 32); int4 values in [-8, 7] and scales
-  /// finite and > 0. Throws ArgumentError otherwise, naming the argument.
+  /// @pre E >= 1; H, I >= kDimMultiple and multiples of it and of the group size; the group as
+  /// the format's row allows; the values and scales as weight_format.h says of the format.
+  /// Throws ArgumentError otherwise, naming the argument.
   PackedMoeW4(const MoeWeightsW4& w, const Q4GemmUkernel* kernel = nullptr, int num_threads = 0);
   /// Packs @p w for the chain @p config (from w4_config); as above otherwise.
   PackedMoeW4(const MoeWeightsW4& w, const MoeConfig<Q4GemmUkernel>& config, int num_threads = 0);

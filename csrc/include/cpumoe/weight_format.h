@@ -29,7 +29,15 @@
 
 namespace cpumoe {
 
-/// The weight formats, in table order (their values index kWeightFormatTable).
+/// The weight formats, in table order (their values index kWeightFormatTable). The prepack input
+/// of each (w13 for [E, 2I, H], w2 for [E, H, I]; N, K those of one matrix):
+///   - int8:  int8 [E, N, K]; fp32 scales [E, N], one per output channel.
+///   - int4:  int8 [E, N, K] holding values in [-8, 7]; fp32 scales [E, N, K / g], one per group
+///            of k, finite and > 0.
+///   - mxfp4: gpt-oss's layout: uint8 [E, N, K / 32, 16], two E2M1 codes per byte, the low nibble
+///            first (k even); uint8 E8M0 scales [E, N, K / 32] (255 is NaN: its group's outputs
+///            are NaN).
+///   - bf16:  bf16 [E, N, K], no scale.
 enum class WeightFormat : int32_t {
   int8 = 0,   ///< int8, fp32 scale per output channel (W8A8)
   int4 = 1,   ///< int4, fp32 scale per group of k (W4A8)
@@ -55,7 +63,7 @@ enum class GroupRule : int32_t {
   exact,     ///< exactly group_size
 };
 
-/// Every group size is a multiple of this (mxfp4's block is exactly this).
+/// Every group size is a multiple of this (a format with one fixed block has exactly this).
 constexpr int64_t kW4GroupMultiple = 32;
 /// The largest group a packed layer takes: the kernels' int32 group sums (some hold the values
 /// times 16) stay exact up to here with room to spare (65536 * 127 * 8 * 16 < 2^31).

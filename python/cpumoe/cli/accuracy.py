@@ -5,8 +5,8 @@ not change the per-expert error) float experts are drawn from a real-looking dis
 output row has its own scale (log-normal spread), elements are Student-t with 5 degrees of freedom
 (heavier tails than a Gaussian, as trained weights have). The fp32 layer (float64 math on the float
 weights, the op's activation and combine) is the reference; each format is quantized from the same
-floats and run through cpumoe's op (int8 activations throughout): W8A8 (per-channel int8), int4
-at each group size that divides both K, and mxfp4. The error is ||out - ref|| / ||ref|| over all
+floats and run through cpumoe's op: every format of ``cpumoe.formats()`` whose op quantizes the
+activations to int8, at each group size (of 32, 64, 128) it allows that divides both K. The error is ||out - ref|| / ||ref|| over all
 tokens (Frobenius), bf16 inputs.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from typing import Dict, List
+from typing import Dict
 
 import numpy as np
 
@@ -24,8 +24,9 @@ from . import problem
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cpumoe accuracy",
-                                description="Relative error of W8A8, int4 (g = 32 / 64 / 128) and "
-                                            "mxfp4 layers against the fp32 layer.")
+                                description="Relative error of each int8-activation weight "
+                                            "format's layer (at group sizes 32 / 64 / 128) "
+                                            "against the fp32 layer.")
     p.add_argument("--preset", type=problem.name_list(list(problem.PRESETS),
                                                       ["qwen3-30b-a3b", "gpt-oss-20b"], "preset"),
                    default=["qwen3-30b-a3b", "gpt-oss-20b"],
@@ -92,18 +93,13 @@ def measure(preset: str, E: int, T: int, seed: int) -> Dict[str, float]:
         return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
     res = {}
-    q13, s13 = Q.quantize_per_channel(w13)
-    q2, s2 = Q.quantize_per_channel(w2)
-    res["w8a8 int8"] = err(cpumoe.prepack(q13, q2, s13, s2, b13, b2))
-    for g in (32, 64, 128):
-        if H % g or I % g:
+    for row in cpumoe.formats():  # every format whose op quantizes activations to int8
+        if row["activations"] != "int8" or row["name"] not in Q.quantized_formats():
             continue
-        v13, t13 = Q.quantize_int4(w13, g)
-        v2, t2 = Q.quantize_int4(w2, g)
-        res[f"int4 g{g}"] = err(cpumoe.prepack_int4(v13, v2, t13, t2, b13, b2, group_size=g))
-    m13, e13 = Q.quantize_mxfp4(w13)
-    m2, e2 = Q.quantize_mxfp4(w2)
-    res["mxfp4"] = err(cpumoe.prepack_mxfp4(m13, e13, m2, e2, b13, b2))
+        for g in Q.group_sizes(row["name"], H, I, preferred=(32, 64, 128)):
+            q = Q.quantize_experts(row["name"], w13, w2, group_size=g, b13=b13, b2=b2)
+            label = f"{row['name']} g{g}" if row["group"] == "multiple" else row["name"]
+            res[label] = err(q.prepack())
     return res
 
 

@@ -98,12 +98,30 @@ def _run_small_case(lib: problem.Lib, case: dict, paths: List[str], threads: int
     return results, all(b == bits[0] for b in bits)
 
 
-W4_CASES = (("int4", 32, "silu"), ("int4", 128, "gelu"), ("mxfp4", 32, "swigluoai"))
+# Beside the int8 layers above: each other format of the extension's table that quantizes int8
+# activations, at its group sizes (32 and 128 where it may choose), activations in turn.
+_CASE_ACTIVATIONS = ("silu", "gelu", "swigluoai", "gelu_tanh")
 
 
-def _run_w4_case(lib: problem.Lib, fmt: str, g: int, act: str, paths: List[str], threads: int):
-    """A W4A8 layer (4-bit weights made from random floats) on every W4A8 path against its
-    reference; returns {path: (ok, rel_err)} and whether the paths agreed bit for bit."""
+def format_cases() -> List[tuple]:
+    """(format, group, activation) of the checks of the 4-bit (and other non-W8A8 int8-activation)
+    formats, from cpumoe.formats()."""
+    import cpumoe
+    from .. import quantize as Q
+    cases = []
+    for row in cpumoe.formats():
+        if row["activations"] != "int8" or row["family"] == "qgemm":
+            continue
+        for g in Q.group_sizes(row["name"], 256, 128, preferred=(32, 128)):
+            cases.append((row["name"], g, _CASE_ACTIVATIONS[len(cases) % len(_CASE_ACTIVATIONS)]))
+    return cases
+
+
+def _run_format_case(lib: problem.Lib, fmt: str, g: int, act: str, paths: List[str],
+                     threads: int):
+    """A layer in weight format ``fmt`` (made from random floats) on every path of its kernel
+    family against its reference; returns {path: (ok, rel_err)} and whether the paths agreed
+    bit for bit."""
     import cpumoe
     from .. import quantize as Q
     from .. import reference as R
@@ -116,22 +134,31 @@ def _run_w4_case(lib: problem.Lib, fmt: str, g: int, act: str, paths: List[str],
     x = lib.tensor(rng.standard_normal((T, H), dtype=np.float32), "float32")
     ids, wts = problem.make_routing(rng, T, E, k)
     ids_t, wts_t = lib.tensor(ids), lib.tensor(wts)
-    if fmt == "mxfp4":
-        (q13, e13), (q2, e2) = Q.quantize_mxfp4(w13), Q.quantize_mxfp4(w2)
-        ref = R.ref_fused_moe_mxfp4(x, q13, e13, q2, e2, wts_t, ids_t, act, b13=b13, b2=b2)
-        pack = lambda p: cpumoe.prepack_mxfp4(q13, e13, q2, e2, b13, b2, isa=p)  # noqa: E731
-    else:
-        (v13, t13), (v2, t2) = Q.quantize_int4(w13, g), Q.quantize_int4(w2, g)
-        ref = R.ref_fused_moe_int4(x, v13, v2, t13, t2, wts_t, ids_t, act, b13=b13, b2=b2,
-                                   group_size=g)
-        pack = lambda p: cpumoe.prepack_int4(v13, v2, t13, t2, b13, b2, group_size=g,  # noqa: E731
-                                             isa=p)
+    q = Q.quantize_experts(fmt, w13, w2, group_size=g, b13=b13, b2=b2)
+    ref = R.ref_fused_moe_experts(x, q, wts_t, ids_t, act)
     results, bits = {}, []
     for path in paths:
-        got = cpumoe.fused_moe_int8(x, pack(path), wts_t, ids_t, act, num_threads=threads)
+        got = cpumoe.fused_moe(x, q.prepack(isa=path), wts_t, ids_t, activation=act,
+                               num_threads=threads)
         results[path] = problem.check_one(lib, got, ref)
         bits.append(lib.numpy32(got).tobytes())
     return results, all(b == bits[0] for b in bits)
+
+
+def _print_row(out, label: str, width: int, paths: List[str], results, same: bool,
+               name_paths: bool = False):
+    """One line of the check's table: max|err|/scale and the verdict per path (named in each
+    cell with ``name_paths``), and whether the paths agreed bit for bit. Returns (passed,
+    failed); a disagreement of the paths is one failure more."""
+    cells = []
+    for p in paths:
+        ok, rel = results[p]
+        cells.append(f"{p + ' ' if name_paths else ''}{rel:.1e} {'ok' if ok else 'FAIL'}")
+    cw = 24 if name_paths else 14
+    print(f"  {label:<{width}}" + "".join(f"{c:>{cw}}" for c in cells)
+          + f"  {'yes' if same else 'NO'}", file=out)
+    passed = sum(bool(results[p][0]) for p in paths)
+    return passed, len(paths) - passed + (not same)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -165,32 +192,17 @@ def run(args: argparse.Namespace) -> int:
                   file=out)
             n_skip += 1
             continue
-        results, same = _run_small_case(lib, case, paths, layer.threads)
-        cells = []
-        for p in paths:
-            ok, rel = results[p]
-            n_pass += ok
-            n_fail += not ok
-            cells.append(f"{rel:.1e} {'ok' if ok else 'FAIL'}")
-        if not same:
-            n_fail += 1
-        print(f"  {case['name']:<{width}}" + "".join(f"{c:>14}" for c in cells)
-              + f"  {'yes' if same else 'NO'}", file=out)
+        ok, bad = _print_row(out, case["name"], width, paths,
+                             *_run_small_case(lib, case, paths, layer.threads))
+        n_pass, n_fail = n_pass + ok, n_fail + bad
 
-    # W4A8: its own kernel family and paths (cpumoe.available_paths("int4")).
-    w4_paths = [p for p in cpumoe.available_paths("int4") if p in paths or p == "portable"]
-    print(f"  W4A8 (int4 / mxfp4 weights) on {', '.join(w4_paths)}", file=out)
-    for fmt, g, act in W4_CASES:
-        results, same = _run_w4_case(lib, fmt, g, act, w4_paths, layer.threads)
-        cells = []
-        for p in w4_paths:
-            ok, rel = results[p]
-            n_pass += ok
-            n_fail += not ok
-            cells.append(f"{p} {rel:.1e} {'ok' if ok else 'FAIL'}")
-        n_fail += not same
-        print(f"  {f'{fmt} g{g} {act}':<{width}}" + "".join(f"{c:>24}" for c in cells)
-              + f"  {'yes' if same else 'NO'}", file=out)
+    # The other formats, each on its kernel family's paths (cpumoe.available_paths(format)).
+    for fmt, g, act in format_cases():
+        fpaths = [p for p in cpumoe.available_paths(fmt) if p in paths or p == "portable"]
+        ok, bad = _print_row(out, f"{fmt} g{g} {act}", width, fpaths,
+                             *_run_format_case(lib, fmt, g, act, fpaths, layer.threads),
+                             name_paths=True)
+        n_pass, n_fail = n_pass + ok, n_fail + bad
 
     if not args.no_layer:
         t_gen = layer.make()
@@ -202,19 +214,15 @@ def run(args: argparse.Namespace) -> int:
             ids_t, wts_t = lib.tensor(ids), lib.tensor(wts)
             ref = cpumoe.reference.ref_fused_moe_int8(x, w13, w2, s13, s2, wts_t, ids_t,
                                                       layer.activation, b13=b13, b2=b2)
-            cells, bits = [], []
+            results, bits = {}, []
             for p in paths:
                 got = cpumoe.fused_moe_int8(x, layer.packed(p), wts_t, ids_t, layer.activation,
                                             num_threads=layer.threads)
-                ok, rel = problem.check_one(lib, got, ref)
-                n_pass += ok
-                n_fail += not ok
-                cells.append(f"{rel:.1e} {'ok' if ok else 'FAIL'}")
+                results[p] = problem.check_one(lib, got, ref)
                 bits.append(lib.numpy32(got).tobytes())
-            same = all(b == bits[0] for b in bits)
-            n_fail += not same
-            print(f"  {'T=' + str(T):<{width}}" + "".join(f"{c:>14}" for c in cells)
-                  + f"  {'yes' if same else 'NO'}", file=out)
+            ok, bad = _print_row(out, f"T={T}", width, paths, results,
+                                 all(b == bits[0] for b in bits))
+            n_pass, n_fail = n_pass + ok, n_fail + bad
     verdict = "PASS" if n_fail == 0 else "FAIL"
     print(f"{verdict}: {n_pass} passed, {n_fail} failed"
           f"{f', {n_skip} skipped' if n_skip else ''} on {', '.join(paths)}", file=out)

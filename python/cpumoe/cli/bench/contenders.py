@@ -15,11 +15,31 @@ from . import vllm_cpu
 
 INT8_CONTENDERS = ("cpumoe-int8", "vllm-int8")
 BF16_CONTENDERS = ("cpumoe-bf16", "vllm-bf16", "vllm-bf16-sgl")
-# 4-bit weights: (format, group size) of each. cpumoe's are W4A8 (int8 activations), vLLM's
-# int4 too, its mxfp4 W4A16; the ones of one (format, group) get the same 4-bit weights.
-W4_CONTENDERS = {"cpumoe-int4": ("int4", 128), "cpumoe-int4-g32": ("int4", 32),
-                 "cpumoe-mxfp4": ("mxfp4", 32), "vllm-int4": ("int4", 128),
-                 "vllm-int4-g32": ("int4", 32), "vllm-mxfp4": ("mxfp4", 32)}
+
+
+def _format_contenders():
+    """cpumoe's op on each weight format of the extension's table that runs with int8
+    activations besides int8 itself: ``cpumoe-<format>`` at group 128 (or the format's fixed
+    group), and ``cpumoe-<format>-g32`` where the group may be chosen."""
+    from ... import ops
+    out = {}
+    for row in ops.formats():
+        name = row["name"]
+        if row["activations"] != "int8" or row["family"] == "qgemm":
+            continue
+        if row["group"] == "multiple":
+            out[f"cpumoe-{name}"], out[f"cpumoe-{name}-g32"] = (name, 128), (name, 32)
+        else:
+            out[f"cpumoe-{name}"] = (name, row["group_size"])
+    return out
+
+
+# Quantized weights: (format, group size) of each contender. cpumoe's run with int8 activations;
+# vLLM's kernels as vllm_cpu says (quantized_as); the ones of one (format, group) get the same
+# quantized weights.
+W4_CONTENDERS = {**_format_contenders(),
+                 **{k.name: k.quantized_as for k in vllm_cpu.KERNELS.values()
+                    if hasattr(k, "quantized_as")}}
 CONTENDERS = ("cpumoe-int8", "cpumoe-bf16", "vllm-int8", "vllm-bf16", "vllm-bf16-sgl",
               *W4_CONTENDERS)
 ALL_CONTENDERS = ("cpumoe-int8", "cpumoe-bf16", "vllm-int8", "vllm-bf16")
@@ -59,62 +79,43 @@ def _cpumoe_bf16(layer, w13b, w2b, b13, b2) -> Contender:
     return Contender("cpumoe-bf16", "cpumoe-bf16", packed.path, packed.kernel, 2, fn, "bf16")
 
 
-def _w4_weights(layer, fmt: str, g: int, w13, w2, s13, s2):
-    """4-bit copies of the layer's int8 experts in the prepack functions' input form, made from
-    the dequantized weights one expert at a time (the float copy of a whole layer is GBs)."""
+def _w4_weights(layer, fmt: str, g: int, w13, w2, s13, s2, b13, b2):
+    """Copies of the layer's int8 experts in format ``fmt`` (cpumoe.quantize), made from the
+    dequantized weights one expert at a time (the float copy of a whole layer is GBs)."""
     from ... import quantize as Q
 
     def np_of(a):
         return a.numpy() if hasattr(a, "numpy") else np.asarray(a)
 
-    def one(w, s, e):
-        return np_of(w[e]).astype(np.float32) * np_of(s[e]).reshape(-1, 1)
+    def one(w, s):
+        return lambda e: np_of(w[e]).astype(np.float32) * np_of(s[e]).reshape(-1, 1)
 
-    out = []
-    for w, s in ((w13, s13), (w2, s2)):
-        parts = [Q.quantize_mxfp4(one(w, s, e)) if fmt == "mxfp4" else
-                 Q.quantize_int4(one(w, s, e), g) for e in range(w.shape[0])]
-        out.append((np.stack([a for a, _ in parts]), np.stack([b for _, b in parts])))
-    (q13, t13), (q2, t2) = out
-    return q13, t13, q2, t2
+    return Q.quantize_experts(fmt, one(w13, s13), one(w2, s2), group_size=g, b13=b13, b2=b2,
+                              num_experts=w13.shape[0])
 
 
-def _cpumoe_w4(layer, name: str, q13, t13, q2, t2, b13, b2) -> Contender:
-    """cpumoe's W4A8 op (fused_moe_int8 on prepack_int4 / prepack_mxfp4)."""
+def _cpumoe_w4(layer, name: str, q) -> Contender:
+    """cpumoe's op on ``q`` (a QuantizedExperts, packed here)."""
     import cpumoe
     fmt, g = W4_CONTENDERS[name]
-    if fmt == "mxfp4":
-        packed = cpumoe.prepack_mxfp4(q13, t13, q2, t2, b13, b2, num_threads=layer.threads)
-        per_weight = 0.5 + 1 / 32
-    else:
-        packed = cpumoe.prepack_int4(q13, q2, t13, t2, b13, b2, group_size=g,
-                                     num_threads=layer.threads)
-        per_weight = 0.5 + 4 / g
+    packed = q.prepack(num_threads=layer.threads)
     act, threads = layer.activation, layer.threads
 
     def fn(x, w, i, out):
-        cpumoe.fused_moe_int8(x, packed, w, i, act, out=out, num_threads=threads)
-    return Contender(name, f"{name} {packed.path}", packed.path, packed.kernel, per_weight, fn,
-                     f"{fmt} g{g}")
+        cpumoe.fused_moe(x, packed, w, i, activation=act, out=out, num_threads=threads)
+    return Contender(name, f"{name} {packed.path}", packed.path, packed.kernel,
+                     q.bytes_per_weight(), fn, f"{fmt} g{g}")
 
 
-def _w4_reference(name, x, q13, t13, q2, t2, b13, b2, used, wts, local_ids, act):
-    """The reference of a 4-bit contender (its own semantics: see vllm_cpu for vLLM's) and what
-    it is called in the check's line."""
-    from ... import quantize as Q
+def _w4_reference(name, x, q, used, wts, local_ids, act):
+    """The reference of a quantized contender (cpumoe's format, or vLLM's kernel's own: see
+    vllm_cpu) on the experts ``used``, and what it is called in the check's line."""
     from ... import reference as R
-    fmt, g = W4_CONTENDERS[name]
-    sub = [a[used] for a in (q13, t13, q2, t2)]
-    bias = dict(b13=_subset(b13, used), b2=_subset(b2, used))
-    if name == "vllm-mxfp4":
-        w13, w2 = Q.dequantize_mxfp4(sub[0], sub[1]), Q.dequantize_mxfp4(sub[2], sub[3])
-        return R.ref_fused_moe_bf16(x, w13, w2, wts, local_ids, act, **bias), "bf16 of mxfp4"
-    if name.startswith("vllm-"):
-        return vllm_cpu.ref_int4(x, *sub, wts, local_ids, act), f"vLLM's int4 g{g}"
-    if fmt == "mxfp4":
-        return R.ref_fused_moe_mxfp4(x, *sub, wts, local_ids, act, **bias), "mxfp4"
-    return R.ref_fused_moe_int4(x, sub[0], sub[2], sub[1], sub[3], wts, local_ids, act,
-                                group_size=g, **bias), f"int4 g{g}"
+    sub = q.select(used)
+    if name in vllm_cpu.KERNELS:
+        return vllm_cpu.KERNELS[name].reference(x, sub, wts, local_ids, act)
+    return (R.ref_fused_moe_experts(x, sub, wts, local_ids, act),
+            f"{q.weight_format} g{q.group_size}")
 
 
 def _vllm(name: str, layer, x_dtype, weights) -> Contender:
@@ -177,6 +178,7 @@ def build_contenders(layer, names: List[str], paths: List[str], out
     reference on CHECK_TOKENS tokens, and drops the unpacked weights. Returns the contenders and
     the (name, reason) of those skipped."""
     import cpumoe
+    from ... import quantize as Q
     lib = layer.lib
     t_make = layer.make()
     w13, w2, s13, s2, b13, b2 = layer.tensors
@@ -211,20 +213,19 @@ def build_contenders(layer, names: List[str], paths: List[str], out
     w4_names = [n for n in names if n in W4_CONTENDERS]
     for fmt, g in dict.fromkeys(W4_CONTENDERS[n] for n in w4_names):
         group = [n for n in w4_names if W4_CONTENDERS[n] == (fmt, g)]
-        if (layer.H % g or layer.I % g) and fmt == "int4":
+        if g not in Q.group_sizes(fmt, layer.H, layer.I, preferred=(g,)):
             skipped += [(n, f"group {g} does not divide H = {layer.H} and I = {layer.I}")
                         for n in group]
             continue
-        q = _w4_weights(layer, fmt, g, w13, w2, s13, s2)
+        q = _w4_weights(layer, fmt, g, w13, w2, s13, s2, b13, b2)
         for name in group:
             if name.startswith("vllm-"):
-                c = vllm_or_skip(name, (*q, b13, b2))
+                c = vllm_or_skip(name, (q.w13, q.s13, q.w2, q.s2, b13, b2))
                 if c is None:
                     continue
             else:
-                c = _cpumoe_w4(layer, name, *q, b13, b2)
-            ref, c.ref = _w4_reference(name, x, *q, b13, b2, used, wts, local_ids,
-                                       layer.activation)
+                c = _cpumoe_w4(layer, name, q)
+            ref, c.ref = _w4_reference(name, x, q, used, wts, local_ids, layer.activation)
             _run_checks(layer, [c], ref, x, ids, wts)
             conts.append(c)
         del q

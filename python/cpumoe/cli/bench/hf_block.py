@@ -2,8 +2,8 @@
 
 One MoE block (the model's own class, router included) of the preset's real shapes with random
 bf16 weights, called as the model calls it, once per experts_implementation: transformers'
-``eager`` and ``grouped_mm`` and cpumoe's ``cpumoe`` (W8A8), ``cpumoe_bf16`` and the W4A8
-``cpumoe_int4`` / ``cpumoe_mxfp4`` (the weights re-rounded to 4 bits), at each T
+``eager`` and ``grouped_mm`` and cpumoe's backend of each weight format (``cpumoe`` for W8A8,
+``cpumoe_bf16``, ``cpumoe_<format>``: the weights re-rounded to the format), at each T
 (default 1, 16, 128, 512). Plus, as the yardsticks of the backend's own cost, ``router+op``: the
 block's router and :func:`cpumoe.fused_moe_int8` called by hand on the same packed layer, and
 ``experts`` / ``op``: the experts module on the "cpumoe" backend and the op alone, both on one
@@ -42,9 +42,9 @@ MODEL_CONFIGS = {
         hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
         num_attention_heads=32, num_key_value_heads=8)),
 }
-#: cpumoe's backends, each packed once up front (the float weights kept for the others).
-CPUMOE_BACKENDS = ("cpumoe", "cpumoe_bf16", "cpumoe_int4", "cpumoe_mxfp4")
-BACKENDS = ("eager", "grouped_mm", *CPUMOE_BACKENDS)
+#: transformers' own experts implementations, timed beside cpumoe's (cpumoe.transformers.BACKENDS:
+#: one per weight format, each packed once up front, the float weights kept for the others).
+HF_BACKENDS = ("eager", "grouped_mm")
 BY_HAND = "router+op"
 EXPERTS = "experts"  # the experts module alone on the "cpumoe" backend
 OP = "op"  # cpumoe.fused_moe_int8 alone
@@ -128,8 +128,10 @@ def _print_rows(rows: List[Dict[str, Any]], out) -> None:
 
 
 def _block_points(preset, tokens, args, torch, transformers, cmt, cpumoe, out):
+    cpumoe_backends = tuple(cmt.BACKENDS)
+    backends = (*HF_BACKENDS, *cpumoe_backends)
     model = _build(preset, 1, 256, torch, transformers)
-    for backend in CPUMOE_BACKENDS:
+    for backend in cpumoe_backends:
         cmt.prepare(model, backend, keep_float_weights=True)
     block = model.model.layers[0].mlp
     experts = block.experts
@@ -149,7 +151,7 @@ def _block_points(preset, tokens, args, torch, transformers, cmt, cpumoe, out):
         with torch.inference_mode():
             _, w0, ids0 = router(x2)  # one routing, for the two rows without the router
         w0f = w0.float()
-        conts = {b: (lambda: block(x)) for b in BACKENDS}
+        conts = {b: (lambda: block(x)) for b in backends}
         conts[BY_HAND] = by_hand
         # The backend's own cost: the experts module on the "cpumoe" backend against the op on
         # the same routing (both without the router and the block's code).
@@ -157,7 +159,7 @@ def _block_points(preset, tokens, args, torch, transformers, cmt, cpumoe, out):
         conts[OP] = lambda: cpumoe.fused_moe_int8(x2, state.packed, w0f, ids0, state.activation)
 
         def setup(name):
-            if name in BACKENDS:
+            if name in backends:
                 model.set_experts_implementation(name)
             elif name == EXPERTS:
                 model.set_experts_implementation("cpumoe")
@@ -172,8 +174,10 @@ def _block_points(preset, tokens, args, torch, transformers, cmt, cpumoe, out):
 
 
 def _model_points(preset, args, torch, transformers, cmt, out):
+    cpumoe_backends = tuple(cmt.BACKENDS)
+    backends = (*HF_BACKENDS, *cpumoe_backends)
     model = _build(preset, 2, args.vocab, torch, transformers)
-    for backend in CPUMOE_BACKENDS:
+    for backend in cpumoe_backends:
         cmt.prepare(model, backend, keep_float_weights=True)
     rng = torch.Generator().manual_seed(2)
     prompt = torch.randint(0, args.vocab, (1, PROMPT), generator=rng)
@@ -184,7 +188,7 @@ def _model_points(preset, args, torch, transformers, cmt, out):
         model.set_experts_implementation(name)
 
     with torch.inference_mode():
-        for b in BACKENDS:  # each backend's own prompt cache
+        for b in backends:  # each backend's own prompt cache
             setup(b)
             caches[b] = model(prompt, use_cache=True).past_key_values
         holder = {}
@@ -193,11 +197,11 @@ def _model_points(preset, args, torch, transformers, cmt, out):
             holder[name] = copy.deepcopy(caches[name])
 
         conts = {b: (lambda b=b: model(step, past_key_values=holder[b], use_cache=True))
-                 for b in BACKENDS}
+                 for b in backends}
         times = _alternate(conts, setup, args.seconds, args.rounds, before=fresh_cache)
         rows = _rows(preset, f"decode@{PROMPT}", times)
         _print_rows(rows, out)
-        conts = {b: (lambda: model(prompt, use_cache=False)) for b in BACKENDS}
+        conts = {b: (lambda: model(prompt, use_cache=False)) for b in backends}
         r = _rows(preset, f"prefill {PROMPT}", _alternate(conts, setup, args.seconds,
                                                           args.rounds))
         _print_rows(r, out)
@@ -255,8 +259,8 @@ def add_args(p) -> None:
                                                      "model"),
                    default=None,
                    help="time one transformers MoE block (router included) of these presets "
-                        "(comma-separated or all) per experts backend: eager, grouped_mm, "
-                        "cpumoe, cpumoe_bf16, cpumoe_int4, cpumoe_mxfp4, at T=1,16,128,512 "
+                        "(comma-separated or all) per experts backend: eager, grouped_mm "
+                        "and cpumoe's of each weight format, at T=1,16,128,512 "
                         "(or --tokens), and a 2-layer "
                         "model's decode step and 128-token prefill (needs transformers)")
     p.add_argument("--vocab", type=problem.positive_int, default=4096,

@@ -300,6 +300,14 @@ class Int4:
     """
 
     name = "vllm-int4"
+    #: The weight format and group of cpumoe's that this kernel is given (cpumoe.quantize).
+    quantized_as = ("int4", 128)
+
+    @staticmethod
+    def reference(x, q, topk_weights, topk_ids, activation: str):
+        """(reference output, its name) of the kernel on ``q`` (a QuantizedExperts)."""
+        return (ref_int4(x, q.w13, q.s13, q.w2, q.s2, topk_weights, topk_ids, activation),
+                f"vLLM's int4 g{q.group_size}")
 
     def __init__(self, w13, s13, w2, s2, b13=None, b2=None, activation: str = "silu",
                  x_dtype: Any = None):
@@ -338,6 +346,7 @@ class Int4:
 
 class Int4G32(Int4):
     name = "vllm-int4-g32"
+    quantized_as = ("int4", 32)
 
 
 def ref_int4(x, w13, s13, w2, s2, topk_weights, topk_ids, activation: str = "silu"):
@@ -360,6 +369,15 @@ class Mxfp4:
     swigluoai (interleaved, alpha 1.702, limit 7), with or without biases (fp32)."""
 
     name = "vllm-mxfp4"
+    quantized_as = ("mxfp4", 32)
+
+    @staticmethod
+    def reference(x, q, topk_weights, topk_ids, activation: str):
+        """(reference output, its name): the bf16 layer of the dequantized weights."""
+        from ... import reference as R
+        w13, w2 = q.dequantized()
+        return (R.ref_fused_moe_bf16(x, w13, w2, topk_weights, topk_ids, activation, b13=q.b13,
+                                     b2=q.b2), "bf16 of mxfp4")
 
     def __init__(self, w13_blocks, w13_scales, w2_blocks, w2_scales, b13=None, b2=None,
                  activation: str = "silu", x_dtype: Any = None):
