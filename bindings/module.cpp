@@ -127,6 +127,11 @@ struct PackedNames<PackedMoeW4> {
   static constexpr const char* cls = "PackedMoeW4";
   static constexpr KernelFamily family = KernelFamily::q4gemm;
 };
+template <>
+struct PackedNames<PackedMoeFp8> {
+  static constexpr const char* cls = "PackedMoeFp8";
+  static constexpr KernelFamily family = KernelFamily::f8gemm;
+};
 
 // "cpumoe.prepack_int4() or ...": the prepack functions of the table's rows
 // of @p family.
@@ -409,10 +414,21 @@ PYBIND11_MODULE(_C, m) {
         py::arg("isa") = py::none(),
         "Name of the kernel the q4gemm formats' prepack would use (capped by isa and CPUMOE_ISA).");
 
+  m.def("f8_kernels", [] { return kernel_list(f8gemm_registry()); },
+        "The fp8 (W8A16) GEMM kernels compiled in, best first.");
+  m.def("select_f8_kernel",
+        [](std::optional<std::string> isa) { return config_for(isa, fp8_config).gemm->name; },
+        py::arg("isa") = py::none(),
+        "Name of the kernel prepack_fp8 would use (capped by isa and CPUMOE_ISA).");
+
   def_packed<PackedMoe>(m);
   def_packed<PackedMoeBf16>(m);
   def_packed<PackedMoeW4>(m).def_property_readonly(
       "group_size", [](py::handle h) { return packed_of<PackedMoeW4>(h)->group_size(); });
+  def_packed<PackedMoeFp8>(m).def_property_readonly("block_size", [](py::handle h) {
+    const auto p = packed_of<PackedMoeFp8>(h);
+    return py::make_tuple(p->block_n(), p->block_k());
+  });
 
   m.def(
       "prepack",
@@ -482,6 +498,31 @@ PYBIND11_MODULE(_C, m) {
       "Packs 4-bit expert weights of a q4gemm format (formats()) in its input form "
       "(addresses of contiguous buffers).");
 
+  m.def(
+      "prepack_fp8",
+      [](int64_t E, int64_t H, int64_t I, int64_t block_n, int64_t block_k, uintptr_t w13,
+         uintptr_t w2, uintptr_t s13, uintptr_t s2, uintptr_t b13, const std::string& b13_dtype,
+         uintptr_t b2, const std::string& b2_dtype, std::optional<std::string> isa,
+         int num_threads) {
+        MoeWeightsFp8 w;
+        fill_weights(&w, E, H, I, w13, w2, b13, b13_dtype, b2, b2_dtype);
+        w.block_n = block_n;
+        w.block_k = block_k;
+        w.s13 = ptr<const float>(s13);
+        w.s2 = ptr<const float>(s2);
+        const MoeConfig<F8GemmUkernel> config = config_for(isa, fp8_config);
+        py::gil_scoped_release nogil;
+        return std::make_shared<PackedMoeFp8>(w, config, num_threads);
+      },
+      py::arg("E"), py::arg("H"), py::arg("I"), py::arg("block_n"), py::arg("block_k"),
+      py::arg("w13"), py::arg("w2"), py::arg("s13"), py::arg("s2"), py::arg("b13"),
+      py::arg("b13_dtype"), py::arg("b2"), py::arg("b2_dtype"), py::arg("isa"),
+      py::arg("num_threads"),
+      "Packs FP8 (E4M3) expert weights with fp32 block scales (addresses of contiguous "
+      "buffers; block_k 0: the whole depth).");
+
+  def_op<PackedMoeFp8>(m, "fused_moe_fp8", fused_moe_bf16,
+                       "Runs the fused BF16 MoE op on FP8 weights on raw row-major buffers.");
   def_op<PackedMoeW4>(m, "fused_moe_w4", fused_moe_int8,
                       "Runs the fused W4A8 MoE op on raw row-major buffers.");
   def_op<PackedMoe>(m, "fused_moe_int8", fused_moe_int8,
@@ -497,6 +538,8 @@ PYBIND11_MODULE(_C, m) {
           return fused_moe_scratch_bytes(*packed_of<PackedMoeBf16>(packed), T, k, num_threads);
         if (py::isinstance<PackedMoeW4>(packed))
           return fused_moe_scratch_bytes(*packed_of<PackedMoeW4>(packed), T, k, num_threads);
+        if (py::isinstance<PackedMoeFp8>(packed))
+          return fused_moe_scratch_bytes(*packed_of<PackedMoeFp8>(packed), T, k, num_threads);
         return fused_moe_scratch_bytes(*packed_of<PackedMoe>(packed), T, k, num_threads);
       },
       py::arg("packed"), py::arg("T"), py::arg("k"), py::arg("num_threads"),

@@ -3,6 +3,7 @@
 // rule the packer enforces) holding for the code that uses them.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <set>
@@ -23,7 +24,7 @@ using cpumoe::WeightFormat;
 using cpumoe::WeightFormatInfo;
 
 TEST(WeightFormat, TableIsInEnumOrder) {
-  ASSERT_EQ(cpumoe::kNumWeightFormats, 4);
+  ASSERT_EQ(cpumoe::kNumWeightFormats, 5);
   std::set<std::string> names;
   for (int i = 0; i < cpumoe::kNumWeightFormats; ++i) {
     const WeightFormatInfo& info = kWeightFormatTable[i];
@@ -34,12 +35,15 @@ TEST(WeightFormat, TableIsInEnumOrder) {
     const bool activations_ok = std::string(info.activations) == "int8" ||
                                 std::string(info.activations) == "bf16";
     EXPECT_TRUE(activations_ok) << info.name;
-    // Each family runs one op: qgemm and q4gemm the int8 one, bgemm the bf16 one.
-    EXPECT_EQ(std::string(info.activations),
-              info.family == KernelFamily::bgemm ? "bf16" : "int8")
-        << info.name;
+    // Each family runs one op: qgemm and q4gemm the int8 one, bgemm and f8gemm the bf16 one.
+    const bool bf16_op = info.family == KernelFamily::bgemm || info.family == KernelFamily::f8gemm;
+    EXPECT_EQ(std::string(info.activations), bf16_op ? "bf16" : "int8") << info.name;
+    EXPECT_STRNE(cpumoe::kernel_family_name(info.family), "?") << info.name;
+    EXPECT_STRNE(cpumoe::scale_kind_name(info.scale), "?") << info.name;
+    EXPECT_STRNE(cpumoe::group_rule_name(info.group), "?") << info.name;
   }
-  EXPECT_EQ(cpumoe::weight_format_names(), "int8, int4, mxfp4, bf16");
+  EXPECT_EQ(cpumoe::weight_format_names(), "int8, int4, mxfp4, bf16, fp8");
+  EXPECT_EQ(cpumoe::weight_format_names(KernelFamily::f8gemm), "fp8");
   EXPECT_EQ(cpumoe::weight_format_names(KernelFamily::q4gemm), "int4, mxfp4");
 }
 
@@ -50,7 +54,7 @@ TEST(WeightFormat, NamesRoundTripThroughTheParser) {
     EXPECT_EQ(f, info.format);
     EXPECT_STREQ(cpumoe::weight_format_name(f), info.name);
   }
-  for (const char* bad : {"", "INT4", "int4 ", "fp8", "mxfp"}) {
+  for (const char* bad : {"", "INT4", "int4 ", "fp8 ", "mxfp", "e4m3"}) {
     WeightFormat f = WeightFormat::bf16;
     EXPECT_FALSE(cpumoe::parse_weight_format(bad, &f)) << bad;
     EXPECT_EQ(f, WeightFormat::bf16) << "untouched on failure";
@@ -110,6 +114,11 @@ TEST(WeightFormat, GroupRules) {
                                                     " groups are " +
                                                     std::to_string(info.group_size) + " k, got " +
                                                     std::to_string(2 * info.group_size));
+        break;
+      case cpumoe::GroupRule::block:  // the k extent; the packer checks it against each depth
+        EXPECT_EQ(problem(info.group_size), "") << info.name;
+        EXPECT_EQ(problem(1), "") << info.name;
+        EXPECT_EQ(problem(0).rfind("group_size: the block's k extent", 0), 0u) << info.name;
         break;
       case cpumoe::GroupRule::multiple:
         EXPECT_EQ(problem(info.group_size), "") << info.name;
@@ -217,6 +226,78 @@ TEST(WeightFormat, PackedClassesSayTheirRow) {
   const cpumoe::PackedMoeBf16 p16(wb, nullptr, 1);
   EXPECT_EQ(p16.weight_format(), WeightFormat::bf16);
   EXPECT_EQ(cpumoe::weight_format_info(p16.weight_format()).family, KernelFamily::bgemm);
+
+  std::vector<uint8_t> c13(size_t(E * 2 * I * H), 0x38), c2(size_t(E * H * I), 0x38);  // 1.0
+  std::vector<float> s(8, 0.5f);
+  cpumoe::MoeWeightsFp8 wf;
+  wf.num_experts = E;
+  wf.hidden = H;
+  wf.intermediate = I;
+  wf.w13 = c13.data();
+  wf.w2 = c2.data();
+  wf.s13 = s.data();
+  wf.s2 = s.data();
+  const cpumoe::PackedMoeFp8 pf(wf, nullptr, 1);
+  EXPECT_EQ(pf.weight_format(), WeightFormat::fp8);
+  EXPECT_EQ(cpumoe::weight_format_info(pf.weight_format()).family, KernelFamily::f8gemm);
+  EXPECT_EQ(pf.block_n(), 128);
+  EXPECT_EQ(pf.block_k(), 128);
+}
+
+// The fp8 row's value code is E4M3: the decode of every code (f8gemm.h's e4m3_value) against
+// the bit-level definition, and its NaN codes refused at prepack with the element named.
+// The message of the ArgumentError @p make throws starts with @p prefix.
+template <class F>
+void expect_error(F make, const std::string& prefix) {
+  try {
+    make();
+    ADD_FAILURE() << "no error; expected " << prefix;
+  } catch (const cpumoe::ArgumentError& e) {
+    EXPECT_EQ(std::string(e.what()).rfind(prefix, 0), 0u) << e.what();
+  }
+}
+
+TEST(WeightFormat, Fp8RowIsE4M3) {
+  const WeightFormatInfo& info = cpumoe::weight_format_info(WeightFormat::fp8);
+  EXPECT_STREQ(info.value_code, "e4m3");
+  EXPECT_EQ(info.bits, 8);
+  EXPECT_EQ(info.scale_bytes, 4);
+  EXPECT_EQ(info.group, cpumoe::GroupRule::block);
+  for (int c = 0; c < 256; ++c) {
+    const float v = cpumoe::e4m3_value(uint8_t(c));
+    if ((c & 0x7F) == 0x7F) {
+      EXPECT_TRUE(std::isnan(v)) << c;
+      continue;
+    }
+    const int e = (c >> 3) & 15, m = c & 7;
+    const double mag =
+        e == 0 ? m / 8.0 * std::ldexp(1.0, -6) : (1 + m / 8.0) * std::ldexp(1.0, e - 7);
+    EXPECT_EQ(double(v), (c & 0x80) ? -mag : mag) << c;
+  }
+  constexpr int64_t E = 1, H = 64, I = 32;
+  std::vector<uint8_t> c13(size_t(E * 2 * I * H), 0x38), c2(size_t(E * H * I), 0x38);
+  std::vector<float> s(64, 1.0f);
+  cpumoe::MoeWeightsFp8 wf;
+  wf.num_experts = E;
+  wf.hidden = H;
+  wf.intermediate = I;
+  wf.block_n = 32;
+  wf.block_k = 32;
+  wf.w13 = c13.data();
+  wf.w2 = c2.data();
+  wf.s13 = s.data();
+  wf.s2 = s.data();
+  c2[77] = 0xFF;
+  expect_error([&] { cpumoe::PackedMoeFp8(wf, nullptr, 1); },
+               "w2: E4M3 code 255 is NaN (element 77)");
+  c2[77] = 0x38;
+  wf.block_k = 40;  // neither a multiple of 32 nor spanning H = 64
+  expect_error([&] { cpumoe::PackedMoeFp8(wf, nullptr, 1); },
+               "block_size: the block's k extent 40 must be a multiple of 32");
+  wf.block_k = 32;
+  s[3] = -1.0f;
+  expect_error([&] { cpumoe::PackedMoeFp8(wf, nullptr, 1); },
+               "s13: every scale must be finite and >= 0 (element 3");
 }
 
 }  // namespace

@@ -42,11 +42,20 @@ def _bf16(rng):
                                rng.standard_normal((E, H, I)).astype(ml_dtypes.bfloat16))
 
 
+def _fp8(rng):
+    codes = rng.integers(0, 0x7F, (2, E, 2 * I, H), dtype=np.uint8)  # no NaN code (0x7F, 0xFF)
+    codes |= rng.integers(0, 2, codes.shape, dtype=np.uint8) << 7
+    return cpumoe.prepack_fp8(codes[0], codes[1, :, :H, :I].copy(),
+                              np.full((E, 1, 1), 0.01, np.float32),
+                              np.full((E, 1, 1), 0.01, np.float32), block_size=(128, 128))
+
+
 # A layer from each prepack function of the table (a new row needs its maker here).
 MAKERS = {"prepack": _int8, "prepack_int4": _int4, "prepack_mxfp4": _mxfp4,
-          "prepack_bf16": _bf16}
-# The op of each format as the issue states it (int8 activations for W8A8 and W4A8).
-OPS = {"int8": "int8", "int4": "int8", "mxfp4": "int8", "bf16": "bf16"}
+          "prepack_bf16": _bf16, "prepack_fp8": _fp8}
+# The op of each format as the issue states it (int8 activations for W8A8 and W4A8; bf16 for
+# BF16 and FP8, W8A16).
+OPS = {"int8": "int8", "int4": "int8", "mxfp4": "int8", "bf16": "bf16", "fp8": "bf16"}
 
 
 def test_formats_are_the_extensions_table():
@@ -110,4 +119,4 @@ def test_paths_take_the_format_names():
         assert cpumoe.selected_path(op=fmt) in paths
     assert cpumoe.available_paths("w4") == cpumoe.available_paths("int4")
     with pytest.raises(ValueError, match="one of " + ", ".join(cpumoe.FORMATS)):
-        cpumoe.available_paths("fp8")
+        cpumoe.available_paths("fp4")

@@ -22,6 +22,10 @@ MoeConfig<Q4GemmUkernel> w4_config(const Q4GemmUkernel* kernel, const Isa* cap) 
   return config_for(kernel != nullptr ? kernel : q4gemm_select(cap));
 }
 
+MoeConfig<F8GemmUkernel> fp8_config(const F8GemmUkernel* kernel, const Isa* cap) {
+  return config_for(kernel != nullptr ? kernel : f8gemm_select(cap));
+}
+
 MoeConfig<BGemmUkernel> bf16_config(const BGemmUkernel* kernel, const Isa* cap) {
   return config_for(kernel != nullptr ? kernel : bgemm_select(cap));
 }

@@ -134,5 +134,39 @@ struct Family<Q4GemmUkernel> : Family<QGemmUkernel> {
   }
 };
 
+// FP8 weights (W8A16): the BF16 op's input rows and activation; the block scales live in the
+// packed blocks, so the epilogue has the bias only.
+template <>
+struct Family<F8GemmUkernel> : Family<BGemmUkernel> {
+  using Packed = PackedMoeFp8;
+  static const float* scale13(const Packed&, int64_t) { return nullptr; }
+  static const float* scale2(const Packed&, int64_t) { return nullptr; }
+  static size_t rhs_offset(const F8GemmUkernel& kern, const Packed& pk, int64_t n0,
+                           int64_t depth) {
+    return kern.rhs_packed_offset(n0, depth, pk.layout());
+  }
+  // The kernel's scratch_bytes at the largest call of a chunk, as Family<Q4GemmUkernel>: for
+  // the packed layer's layout, or (pk == nullptr) the most over every block an E x H x I layer
+  // can have (k extents: each multiple of kF8BlockMultiple below the depths, and one group;
+  // block_n does not change a kernel's scratch).
+  static size_t kernel_scratch(const F8GemmUkernel& kern, const Packed* pk, int64_t m, int64_t H,
+                               int64_t I) {
+    auto at = [&](const F8Layout& w) {
+      return std::max(kern.scratch_bytes(m, 2 * I, H, w), kern.scratch_bytes(m, H, I, w));
+    };
+    if (pk != nullptr) return align_up(at(pk->layout()));
+    size_t most = at(F8Layout{std::max(H, I), 1});
+    for (int64_t g = kF8BlockMultiple; g < std::max(H, I); g += kF8BlockMultiple)
+      most = std::max(most, at(F8Layout{g, 1}));
+    return align_up(most);
+  }
+  static void run(const F8GemmUkernel& kern, const Packed& pk, const Task& tk, int64_t depth,
+                  const void* lhs, const void* rhs, float* dst, int64_t dst_stride, const float*,
+                  const float*, const float* bias, void* scratch, bool stream = false) {
+    const F8GemmEpilogue ep{bias ? bias + tk.n0 : nullptr, stream, scratch};
+    kern.run_f32(tk.m, tk.n, depth, pk.layout(), lhs, rhs, dst, dst_stride, ep);
+  }
+};
+
 }  // namespace moe_detail
 }  // namespace cpumoe

@@ -77,6 +77,8 @@ void fused_moe_int8(const PackedMoeW4& packed, const MoeCall& call) { run_op(pac
 
 void fused_moe_bf16(const PackedMoeBf16& packed, const MoeCall& call) { run_op(packed, call); }
 
+void fused_moe_bf16(const PackedMoeFp8& packed, const MoeCall& call) { run_op(packed, call); }
+
 size_t fused_moe_scratch_bytes(const QGemmUkernel& kernel, int64_t num_experts, int64_t hidden,
                                int64_t intermediate, int64_t num_tokens, int64_t topk,
                                int num_threads) {
@@ -109,6 +111,18 @@ size_t fused_moe_scratch_bytes(const PackedMoeW4& packed, int64_t num_tokens, in
 }
 
 size_t fused_moe_scratch_bytes(const PackedMoeBf16& packed, int64_t num_tokens, int64_t topk,
+                               int num_threads) {
+  return packed_bound(packed, num_tokens, topk, num_threads);
+}
+
+size_t fused_moe_scratch_bytes(const F8GemmUkernel& kernel, int64_t num_experts, int64_t hidden,
+                               int64_t intermediate, int64_t num_tokens, int64_t topk,
+                               int num_threads) {
+  return scratch_bound(fp8_config(&kernel), nullptr, num_experts, hidden, intermediate, num_tokens,
+                       topk, num_threads);
+}
+
+size_t fused_moe_scratch_bytes(const PackedMoeFp8& packed, int64_t num_tokens, int64_t topk,
                                int num_threads) {
   return packed_bound(packed, num_tokens, topk, num_threads);
 }

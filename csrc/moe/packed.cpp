@@ -1,11 +1,14 @@
-// The packed layers (moe.h): PackedExperts packs both families' weights for the kernel of the
-// layer's config; PackedMoe adds the int8 scales.
+// The packed layers (moe.h): PackedExperts packs every family's weights for the kernel of the
+// layer's config; PackedMoe adds the int8 scales; the W4A8 and fp8 packers check their formats'
+// values and hand each expert's matrices to the kernel's pack_rhs.
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <new>
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include "cpumoe/moe.h"
 #include "parallel.h"
@@ -160,6 +163,7 @@ const void* PackedExperts<Kernel>::w2(int64_t e) const {
 template class PackedExperts<QGemmUkernel>;
 template class PackedExperts<BGemmUkernel>;
 template class PackedExperts<Q4GemmUkernel>;
+template class PackedExperts<F8GemmUkernel>;
 
 // The scales are checked before anything is packed (the base class packs in its constructor, so
 // the check runs in the argument list); their copies are checked again after the copy, since the
@@ -317,5 +321,103 @@ PackedMoeBf16::PackedMoeBf16(const MoeWeightsBf16& w, const MoeConfig<BGemmUkern
                              int num_threads)
     : PackedExperts(w.num_experts, w.hidden, w.intermediate, config, w.w13, w.w2, w.b13,
                     w.b13_dtype, w.b2, w.b2_dtype, num_threads) {}
+
+namespace {
+
+// The kernels' layout of an fp8 layer: block_k 0 (the whole depth) is one group over both
+// depths.
+F8Layout fp8_layout(const MoeWeightsFp8& w) {
+  return F8Layout{w.block_k == 0 ? std::max(w.hidden, w.intermediate) : w.block_k, w.block_n};
+}
+
+// The scale rows of one [n, depth] matrix: ceil(n / block_n) rows of f8_groups(depth) scales.
+int64_t fp8_scale_count(int64_t n, int64_t depth, const F8Layout& l) {
+  return (n + l.block_n - 1) / l.block_n * f8_groups(depth, l);
+}
+
+// Checks the FP8 weights' block shape, codes and scales before anything is packed (in the base
+// constructor's argument list, as the W4A8 checks).
+const MoeWeightsFp8& checked(const MoeWeightsFp8& w) {
+  using moe_detail::checked_mul;
+  if (w.block_n < 1) fail("block_size: the block's rows (block_n) must be >= 1, got " +
+                          std::to_string(w.block_n));
+  if (w.block_k < 0) fail("block_size: the block's k extent (block_k) must be >= 0, got " +
+                          std::to_string(w.block_k));
+  if (w.num_experts < 1 || w.hidden < 1 || w.intermediate < 1) return w;  // the base says why
+  for (auto [depth, what] : {std::pair{w.hidden, "H"}, std::pair{w.intermediate, "I"}}) {
+    if (w.block_k != 0 && w.block_k % kF8BlockMultiple != 0 && w.block_k < depth)
+      fail("block_size: the block's k extent " + std::to_string(w.block_k) + " must be a "
+           "multiple of " + std::to_string(kF8BlockMultiple) + " or span the depth (" + what +
+           " = " + std::to_string(depth) + ")");
+  }
+  const int64_t E = w.num_experts, H = w.hidden, I = w.intermediate;
+  const int64_t n13 = checked_mul(checked_mul(E, checked_mul(2, I, "w13"), "w13"), H, "w13");
+  const int64_t n2 = checked_mul(checked_mul(E, H, "w2"), I, "w2");
+  if (w.w13 == nullptr) fail("w13: missing");
+  if (w.w2 == nullptr) fail("w2: missing");
+  if (w.s13 == nullptr) fail("s13: missing");
+  if (w.s2 == nullptr) fail("s2: missing");
+  for (auto [p, n, name] : {std::tuple{w.w13, n13, "w13"}, std::tuple{w.w2, n2, "w2"}}) {
+    // E4M3's NaN codes (0x7F, 0xFF): in chunks without an early exit, as the int4 range check.
+    constexpr int64_t kChunk = int64_t(1) << 16;
+    for (int64_t x0 = 0; x0 < n; x0 += kChunk) {
+      const int64_t x1 = std::min(n, x0 + kChunk);
+      uint8_t bad = 0;
+      for (int64_t x = x0; x < x1; ++x) bad |= uint8_t((p[x] & 0x7F) == 0x7F);
+      if (bad == 0) continue;
+      for (int64_t x = x0; x < x1; ++x)
+        if ((p[x] & 0x7F) == 0x7F)
+          fail(std::string(name) + ": E4M3 code " + std::to_string(int(p[x])) +
+               " is NaN (element " + std::to_string(x) + ")");
+    }
+  }
+  const F8Layout l = fp8_layout(w);
+  for (auto [s, count, name] :
+       {std::tuple{w.s13, checked_mul(E, fp8_scale_count(2 * I, H, l), "s13"), "s13"},
+        std::tuple{w.s2, checked_mul(E, fp8_scale_count(H, I, l), "s2"), "s2"}}) {
+    for (int64_t x = 0; x < count; ++x)
+      if (!(s[x] >= 0.0f) || !std::isfinite(s[x]))
+        fail(std::string(name) + ": every scale must be finite and >= 0 (element " +
+             std::to_string(x) + " is " + std::to_string(s[x]) + ")");
+  }
+  return w;
+}
+
+// One expert's w13 and w2 packed with their block scales by the kernel's pack_rhs.
+struct Fp8Packer final : RhsPacker {
+  const F8GemmUkernel* k;
+  const MoeWeightsFp8& w;
+  F8Layout layout;
+  Fp8Packer(const F8GemmUkernel* kern, const MoeWeightsFp8& weights)
+      : k(kern), w(weights), layout(fp8_layout(weights)) {}
+  void check() const override {}  // checked() has seen every pointer
+  size_t w13_bytes() const override {
+    return k->rhs_packed_size(2 * w.intermediate, w.hidden, layout);
+  }
+  size_t w2_bytes() const override { return k->rhs_packed_size(w.hidden, w.intermediate, layout); }
+  size_t scratch_bytes() const override { return 0; }
+  void pack_one(const uint8_t* codes, const float* scales, int64_t e, int64_t n, int64_t depth,
+                void* dst) const {
+    const int64_t groups = f8_groups(depth, layout);
+    k->pack_rhs(n, depth, layout, codes + size_t(e) * size_t(n) * size_t(depth), depth,
+                scales + size_t(e) * size_t(fp8_scale_count(n, depth, layout)), groups, dst);
+  }
+  void pack(int64_t e, void* d13, void* d2, void*) const override {
+    pack_one(w.w13, w.s13, e, 2 * w.intermediate, w.hidden, d13);
+    pack_one(w.w2, w.s2, e, w.hidden, w.intermediate, d2);
+  }
+};
+
+}  // namespace
+
+PackedMoeFp8::PackedMoeFp8(const MoeWeightsFp8& w, const F8GemmUkernel* kernel, int num_threads)
+    : PackedMoeFp8(w, fp8_config(kernel), num_threads) {}
+
+PackedMoeFp8::PackedMoeFp8(const MoeWeightsFp8& w, const MoeConfig<F8GemmUkernel>& config,
+                           int num_threads)
+    : PackedExperts(checked(w).num_experts, w.hidden, w.intermediate, config,
+                    Fp8Packer(config.gemm, w), w.b13, w.b13_dtype, w.b2, w.b2_dtype, num_threads),
+      layout_(fp8_layout(w)),
+      block_k_(w.block_k) {}
 
 }  // namespace cpumoe

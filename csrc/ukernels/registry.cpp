@@ -1,6 +1,7 @@
-// The qgemm (int8), q4gemm (W4A8), bgemm (bf16) and row-operation registries: every variant this build compiled,
-// best first. The list comes from the build (cpumoe_kernels.inc, one CPUMOE_KERNEL(family, symbol)
-// line per cpumoe_add_kernel in csrc/CMakeLists.txt), so nothing here names a kernel or an ISA.
+// The qgemm (int8), q4gemm (W4A8), bgemm (bf16), f8gemm (W8A16 FP8) and row-operation
+// registries: every variant this build compiled, best first. The list comes from the build
+// (cpumoe_kernels.inc, one CPUMOE_KERNEL(family, symbol) line per cpumoe_add_kernel in
+// csrc/CMakeLists.txt), so nothing here names a kernel or an ISA.
 // Built without ISA flags.
 #include <algorithm>
 #include <cstring>
@@ -8,6 +9,7 @@
 #include <string>
 
 #include "cpumoe/bgemm.h"
+#include "cpumoe/f8gemm.h"
 #include "cpumoe/q4gemm.h"
 #include "cpumoe/qgemm.h"
 #include "cpumoe/rowops.h"
@@ -18,6 +20,7 @@ namespace cpumoe {
 using qgemm_ukernel = QGemmUkernel;
 using q4gemm_ukernel = Q4GemmUkernel;
 using bgemm_ukernel = BGemmUkernel;
+using f8gemm_ukernel = F8GemmUkernel;
 using rowops_ukernel = RowOps;
 
 #define CPUMOE_KERNEL(family, symbol) extern const family##_ukernel symbol;
@@ -84,6 +87,11 @@ const std::vector<const BGemmUkernel*>& bgemm_registry() {
   return all;
 }
 
+const std::vector<const F8GemmUkernel*>& f8gemm_registry() {
+  static const std::vector<const F8GemmUkernel*> all = best_first<F8GemmUkernel>();
+  return all;
+}
+
 const std::vector<const RowOps*>& rowops_registry() {
   static const std::vector<const RowOps*> all = best_first<RowOps>();
   return all;
@@ -97,6 +105,9 @@ const Q4GemmUkernel* q4gemm_find(const char* name) { return find_in(q4gemm_regis
 
 const BGemmUkernel* bgemm_select(const Isa* cap) { return select_from(bgemm_registry(), cap); }
 const BGemmUkernel* bgemm_find(const char* name) { return find_in(bgemm_registry(), name); }
+
+const F8GemmUkernel* f8gemm_select(const Isa* cap) { return select_from(f8gemm_registry(), cap); }
+const F8GemmUkernel* f8gemm_find(const char* name) { return find_in(f8gemm_registry(), name); }
 
 const RowOps* rowops_for(Isa kernel_isa) { return select_from(rowops_registry(), &kernel_isa); }
 const RowOps* rowops_find(const char* name) { return find_in(rowops_registry(), name); }

@@ -11,11 +11,11 @@ from ._tensors import (FLOAT_DTYPES, View, as_float32, check_dtype, check_rows, 
 
 #: The public API (re-exported by the package): the tables, the packed classes, prepack of each
 #: format (the table's ``prepack`` names), the op, the kernel and path queries.
-__all__ = ["ACTIVATIONS", "FORMATS", "PackedMoe", "PackedMoeBf16", "PackedMoeW4",
+__all__ = ["ACTIVATIONS", "FORMATS", "PackedMoe", "PackedMoeBf16", "PackedMoeFp8", "PackedMoeW4",
            "activation_spec", "activations", "available_paths", "bf16_kernels", "cpu_features",
            "formats", "fused_moe", "fused_moe_bf16", "fused_moe_int8", "kernels",
            "parse_activation", *(f["prepack"] for f in _C.formats()), "scratch_bytes",
-           "selected_path", "w4_kernels"]
+           "selected_path", "w4_kernels", "f8_kernels"]
 
 #: The op's activations by name, from the extension's table (activation.h); each runs as a spec
 #: string: the name alone, or with its parameters, e.g. "silu_clamp(limit=10)" (see
@@ -27,8 +27,12 @@ FORMATS = tuple(f["name"] for f in _C.formats())
 PackedMoe = _C.PackedMoe
 PackedMoeBf16 = _C.PackedMoeBf16
 PackedMoeW4 = _C.PackedMoeW4
-# The packed class of each kernel family of the table.
-_PACKED_OF_FAMILY = {"qgemm": PackedMoe, "q4gemm": PackedMoeW4, "bgemm": PackedMoeBf16}
+PackedMoeFp8 = _C.PackedMoeFp8
+# The packed class of each kernel family of the table, and the _C op that runs it.
+_PACKED_OF_FAMILY = {"qgemm": PackedMoe, "q4gemm": PackedMoeW4, "bgemm": PackedMoeBf16,
+                     "f8gemm": PackedMoeFp8}
+_OP_OF_PACKED = {PackedMoe: _C.fused_moe_int8, PackedMoeW4: _C.fused_moe_w4,
+                 PackedMoeBf16: _C.fused_moe_bf16, PackedMoeFp8: _C.fused_moe_fp8}
 
 
 def _packed_kinds(activations: Optional[str] = None) -> Tuple[Any, ...]:
@@ -47,6 +51,8 @@ def _expected_packed(activations: Optional[str] = None) -> str:
 
 #: The packed kinds fused_moe_int8 runs (int8 activations): W8A8 and W4A8.
 _INT8_PACKED = _packed_kinds("int8")
+#: ... and fused_moe_bf16 (bf16 activations): BF16 and fp8 (W8A16).
+_BF16_PACKED = _packed_kinds("bf16")
 _ANY_PACKED = _packed_kinds()
 
 
@@ -124,10 +130,16 @@ def w4_kernels() -> List[Dict[str, Any]]:
     return [dict(k) for k in _C.w4_kernels()]
 
 
+def f8_kernels() -> List[Dict[str, Any]]:
+    """The fp8 (W8A16) GEMM kernels (of :func:`prepack_fp8`) compiled in, best first."""
+    return [dict(k) for k in _C.f8_kernels()]
+
+
 #: The kernel listing and selection of each kernel family of the format table.
 _KERNELS_OF_FAMILY = {"qgemm": (_C.kernels, _C.select_kernel),
                       "q4gemm": (_C.w4_kernels, _C.select_w4_kernel),
-                      "bgemm": (_C.bf16_kernels, _C.select_bf16_kernel)}
+                      "bgemm": (_C.bf16_kernels, _C.select_bf16_kernel),
+                      "f8gemm": (_C.f8_kernels, _C.select_f8_kernel)}
 
 
 def _family(op: str):
@@ -341,6 +353,78 @@ def prepack_mxfp4(w13_blocks: Any, w13_scales: Any, w2_blocks: Any, w2_scales: A
                          _num_threads(num_threads, w13_blocks))
 
 
+def _fp8_codes(name: str, obj: Any):
+    """uint8 E4M3 bits of ``obj`` (torch float8_e4m3fn, viewed as uint8; or uint8 as they are)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        if obj.dtype == getattr(torch, "float8_e4m3fn", None):
+            obj = obj.view(torch.uint8)
+        elif obj.dtype != torch.uint8:
+            raise TypeError(f"{name}: must be float8_e4m3fn (or uint8 holding its bits), got "
+                            f"{str(obj.dtype).replace('torch.', '')}")
+    obj = contiguous(name, obj)
+    v = view(name, obj)
+    check_dtype(v, name, ("uint8",))
+    return obj, v
+
+
+def _block_scales(name: str, obj: Any, E: int, N: int, K: int, bn: int, bk: int):
+    s = as_float32(name, obj)
+    v = view(name, s)
+    want = (E, -(-N // bn), 1 if bk == 0 else -(-K // bk))
+    if bn == 1 and bk == 0 and v.ndim == 2 and tuple(v.shape) == (E, N):  # per channel: [E, N]
+        s = s.reshape(E, N, 1)
+        v = view(name, s)
+    check_shape(v, name, want, f" (blocks of {bn} x {'K' if bk == 0 else bk})")
+    return s, v
+
+
+def prepack_fp8(w13: Any, w2: Any, s13: Any, s2: Any, b13: Any = None, b2: Any = None, *,
+                block_size: Optional[Tuple[int, int]] = (128, 128), isa: Optional[str] = None,
+                num_threads: Optional[int] = None) -> PackedMoeFp8:
+    """Packs a layer's FP8 expert weights (float8 E4M3 with fp32 block scales, as DeepSeek-V3,
+    Qwen3-FP8 and compressed-tensors FP8 checkpoints hold them) once, for :func:`fused_moe` (the
+    BF16 op's pipeline: activations in bf16, no quantization of them: W8A16).
+
+    Args:
+      w13: [E, 2I, H] torch float8_e4m3fn, or uint8 holding its bits (gate and up rows as in
+        :func:`prepack`); the codes 0x7F and 0xFF (NaN) are an error.
+      w2: [E, H, I] likewise.
+      s13, s2: float32 scales (any float dtype is widened), the multipliers of the blocks
+        (HF's ``weight_scale_inv``): ``w[n, k] = e4m3(q[n, k]) * s[n // bn, k // bk]``, shapes
+        [E, ceil(2I / bn), ceil(H / bk)] and [E, ceil(H / bn), ceil(I / bk)]; finite and >= 0.
+      block_size: (bn, bk), default (128, 128); bk a multiple of 32 or at least the depth it
+        blocks. None: per output channel, scales [E, N] or [E, N, 1].
+      b13, b2: optional biases [E, 2I] / [E, H], any float dtype.
+      isa: cap the path, as in :func:`prepack`.
+    H and I must be multiples of 8. The inputs are copied; they can be freed afterwards.
+    """
+    if block_size is None:
+        bn, bk = 1, 0
+    else:
+        if (not isinstance(block_size, (tuple, list)) or len(block_size) != 2
+                or not all(isinstance(b, int) and not isinstance(b, bool) for b in block_size)):
+            raise TypeError(f"block_size: must be a pair of ints (bn, bk) or None, got "
+                            f"{block_size!r}")
+        bn, bk = block_size
+        if bn < 1 or bk < 1:
+            raise ValueError(f"block_size: both must be >= 1, got {tuple(block_size)}")
+    w13, v13 = _fp8_codes("w13", w13)
+    w2, v2 = _fp8_codes("w2", w2)
+    if v13.ndim != 3:
+        raise ValueError(f"w13: shape must be [E, 2I, H], got {list(v13.shape)}")
+    E, I2, H = v13.shape
+    if I2 % 2:
+        raise ValueError(f"w13: dim 1 must be 2*I (even), got {I2}")
+    I = I2 // 2
+    check_shape(v2, "w2", (E, H, I), " to match w13 [E, 2I, H]")
+    s13, vs13 = _block_scales("s13", s13, E, 2 * I, H, bn, bk)
+    s2, vs2 = _block_scales("s2", s2, E, H, I, bn, bk)
+    keep, (b13a, b13d, b2a, b2d) = _w4_bias_and_isa(E, H, I, b13, b2, isa)
+    return _C.prepack_fp8(E, H, I, bn, bk, v13.address, v2.address, vs13.address, vs2.address,
+                          b13a, b13d, b2a, b2d, isa, _num_threads(num_threads, w13))
+
+
 def scratch_bytes(T: int, k: int, packed: Any, *, num_threads: Optional[int] = None) -> int:
     """Upper bound of the scratch memory (bytes) one :func:`fused_moe_int8` call with ``T`` tokens
     and ``k`` experts per token takes, for any routing. It stops growing beyond one internal chunk
@@ -366,8 +450,8 @@ def fused_moe(x: Any, packed: Any, topk_weights: Any, topk_ids: Any, *,
 
     Args:
       x: [T, H] float32 / float16 / bfloat16, rows contiguous (row stride may exceed H).
-      packed: from :func:`prepack` (int8), :func:`prepack_int4` / :func:`prepack_mxfp4` (4-bit)
-        or :func:`prepack_bf16`.
+      packed: from the prepack function of its weight format (:func:`formats`' ``prepack``:
+        :func:`prepack` for int8, :func:`prepack_int4`, :func:`prepack_bf16`, ...).
       topk_weights: float32 [T, k]. topk_ids: int32 or int64 [T, k], each in [0, E); an id that
         repeats in a row counts twice (two slots, each with its weight), so k > E is allowed.
       activation: a spec of :func:`parse_activation`: a name of :data:`ACTIVATIONS` alone (its
@@ -426,12 +510,13 @@ def fused_moe_int8(x: Any, packed: Any, topk_weights: Any, topk_ids: Any,
                      num_threads=num_threads)
 
 
-def fused_moe_bf16(x: Any, packed: PackedMoeBf16, topk_weights: Any, topk_ids: Any,
+def fused_moe_bf16(x: Any, packed: Any, topk_weights: Any, topk_ids: Any,
                    activation: str = "silu", skip_weighted: bool = False, out: Any = None, *,
                    expert_map: Any = None, num_threads: Optional[int] = None) -> Any:
-    """:func:`fused_moe` on a bf16 layer (``packed`` from :func:`prepack_bf16`; another kind
-    is a TypeError)."""
-    _require_kind(packed, PackedMoeBf16, lambda: "cpumoe.PackedMoeBf16 from prepack_bf16()")
+    """:func:`fused_moe` on a layer of bf16 activations (``packed`` from :func:`prepack_bf16`
+    or :func:`prepack_fp8`; an int8-activation layer is a TypeError)."""
+    _require_kind(packed, _BF16_PACKED,
+                  lambda: f"a layer of bf16 activations ({_expected_packed('bf16')})")
     return fused_moe(x, packed, topk_weights, topk_ids, activation=activation,
                      skip_weighted=skip_weighted, out=out, expert_map=expert_map,
                      num_threads=num_threads)
@@ -439,9 +524,7 @@ def fused_moe_bf16(x: Any, packed: PackedMoeBf16, topk_weights: Any, topk_ids: A
 
 def native_op(packed):
     """The _C entry point that runs ``packed`` (by its kind)."""
-    if isinstance(packed, PackedMoeW4):
-        return _C.fused_moe_w4
-    return _C.fused_moe_int8 if isinstance(packed, PackedMoe) else _C.fused_moe_bf16
+    return _OP_OF_PACKED[type(packed)]
 
 
 def _torch_ops_for(x, topk_weights, topk_ids, activation, skip_weighted, out, expert_map,

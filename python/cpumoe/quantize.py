@@ -20,11 +20,14 @@ __all__ = [
     "MXFP4_VALUES",
     "QuantizedExperts",
     "TOKEN_AMAX_FLOOR",
+    "E4M3_VALUES",
+    "dequantize_fp8",
     "dequantize_int4",
     "dequantize_mxfp4",
     "dequantize_weights",
     "group_sizes",
     "quantize_experts",
+    "quantize_fp8",
     "quantize_int4",
     "quantize_mxfp4",
     "quantize_per_channel",
@@ -235,6 +238,89 @@ def quantize_mxfp4(w):
     return like(w, blocks), like(w, (exp + 127).astype(np.uint8))
 
 
+# ---------------------------------------------------------------------------- FP8 (W8A16)
+def _e4m3(code: int) -> float:
+    """The float8 E4M3 (e4m3fn) value of a code: sign bit 7, exponent bits 6-3 (bias 7),
+    mantissa bits 2-0; exponent 0 is subnormal; 0x7F / 0xFF are NaN (no infinity)."""
+    exp, man = (code >> 3) & 15, code & 7
+    if exp == 15 and man == 7:
+        return float("nan")
+    mag = man / 8 * 2.0 ** -6 if exp == 0 else (1 + man / 8) * 2.0 ** (exp - 7)
+    return -mag if code & 0x80 else mag
+
+
+#: The 256 E4M3 values by code (NaN at 0x7F and 0xFF).
+E4M3_VALUES = np.array([_e4m3(c) for c in range(256)], dtype=np.float32)
+#: The largest finite E4M3 magnitude.
+E4M3_MAX = 448.0
+
+
+def e4m3_codes(v) -> np.ndarray:
+    """float32 values -> uint8 E4M3 codes, rounded to the nearest (ties to the even code),
+    saturated at +-448; NaN -> 0x7F."""
+    v = np.asarray(v, dtype=np.float32)
+    a = np.minimum(np.abs(v), np.float32(E4M3_MAX))
+    _, ex = np.frexp(a)  # a = m * 2^ex, m in [0.5, 1): floor(log2 a) = ex - 1
+    e = np.maximum(ex.astype(np.int64) - 1, -6)  # below 2^-6: the subnormal step
+    step = np.ldexp(np.float32(1), (e - 3).astype(np.int32)).astype(np.float32)
+    r = np.rint(a / step) * step  # exact: a power-of-two step; rint ties to even
+    r = np.minimum(r, np.float32(E4M3_MAX))
+    _, rex = np.frexp(r)
+    re = rex.astype(np.int64) - 1
+    normal = r >= np.float32(2.0 ** -6)
+    exp_field = np.where(normal, re + 7, 0)
+    man = np.where(normal, r / np.ldexp(np.float32(1), re.astype(np.int32)) * 8 - 8,
+                   r * np.float32(512))
+    code = ((exp_field << 3) | np.rint(man).astype(np.int64)).astype(np.uint8)
+    code = code | np.where(np.signbit(v), 0x80, 0).astype(np.uint8)
+    return np.where(np.isnan(v), np.uint8(0x7F), code).astype(np.uint8)
+
+
+def _block_amax(w32: np.ndarray, bn: int, bk: int) -> np.ndarray:
+    """max |w| over each block of bn rows x bk columns of [..., N, K] (partial blocks at the
+    ends): [..., ceil(N / bn), ceil(K / bk)]."""
+    N, K = w32.shape[-2:]
+    nb, kb = -(-N // bn), -(-K // bk)
+    pad = [(0, 0)] * (w32.ndim - 2) + [(0, nb * bn - N), (0, kb * bk - K)]
+    a = np.pad(np.abs(w32), pad)
+    a = a.reshape(*w32.shape[:-2], nb, bn, kb, bk)
+    return a.max(axis=(-3, -1))
+
+
+def _expand_blocks(s: np.ndarray, N: int, K: int, bn: int, bk: int) -> np.ndarray:
+    """Block scales [..., ceil(N / bn), ceil(K / bk)] -> one per element [..., N, K]."""
+    return np.repeat(np.repeat(s, bn, axis=-2)[..., :N, :], bk, axis=-1)[..., :K]
+
+
+def quantize_fp8(w, block_size=(128, 128)):
+    """FP8 (E4M3) quantization of weights [..., N, K] with one fp32 scale per block of
+    ``block_size`` = (bn, bk) (None: per output channel), as DeepSeek's and Qwen's FP8
+    checkpoints are made: s = amax(block) / 448 (an all-zero block gets s = 1), codes = the
+    nearest E4M3 value of w / s. Returns (uint8 codes [..., N, K], float32 scales [..., ceil(N /
+    bn), ceil(K / bk)]; per channel: [..., N, 1])."""
+    w32 = to_numpy(w, float32=True)
+    N, K = w32.shape[-2:]
+    bn, bk = (1, K) if block_size is None else block_size
+    amax = _block_amax(w32, bn, bk)
+    s = np.where(amax > 0, amax / np.float32(E4M3_MAX), np.float32(1)).astype(np.float32)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        codes = e4m3_codes(w32 / _expand_blocks(s, N, K, bn, bk))
+    return like(w, codes), like(w, s)
+
+
+def dequantize_fp8(codes, scales, block_size=(128, 128)):
+    """The real weights (float32 [..., N, K]) of E4M3 codes [..., N, K] and their block scales
+    (see :func:`quantize_fp8`)."""
+    c = to_numpy(codes)
+    if c.dtype != np.uint8:  # a torch float8_e4m3fn tensor comes as its bits
+        c = c.view(np.uint8)
+    s = to_numpy(scales, float32=True)
+    N, K = c.shape[-2:]
+    bn, bk = (1, K) if block_size is None else block_size
+    s = s.reshape(*c.shape[:-2], -(-N // bn), -(-K // bk))
+    return like(codes, E4M3_VALUES[c] * _expand_blocks(s, N, K, bn, bk))
+
+
 # ---------------------------------------------------------------------------- by format name
 # What this module knows of each weight format of the extension's table (cpumoe.FORMATS): how
 # float weights become the format's prepack input (values, scales), how they turn back into
@@ -246,7 +332,7 @@ class _FormatIO:
     quantize: Callable  # (w [..., N, K] float, group) -> (values, scales or None)
     dequantize: Callable  # (values, scales, group) -> float32 [..., N, K]
     prepack_args: Callable  # (w13, w2, s13, s2) -> the prepack function's positional weights
-    group_kw: bool  # whether the prepack function takes group_size=
+    prepack_kw: Callable  # group -> the prepack function's keywords for it
 
 
 def _bf16_values(w, group):
@@ -257,17 +343,28 @@ def _bf16_values(w, group):
     return np.asarray(w, dtype=np.float32).astype(ml_dtypes.bfloat16), None
 
 
+def _no_kw(g):
+    return {}
+
+
+def _weights_then_scales(w13, w2, s13, s2):
+    return w13, w2, s13, s2
+
+
+# fp8's blocks here are square (g x g, DeepSeek's 128 x 128); prepack_fp8 takes any (bn, bk).
 _FORMAT_IO = {
     "int8": _FormatIO(lambda w, g: quantize_per_channel(w),
                       lambda v, s, g: to_numpy(v).astype(np.float32)
-                      * to_numpy(s, float32=True)[..., None],
-                      lambda w13, w2, s13, s2: (w13, w2, s13, s2), False),
-    "int4": _FormatIO(quantize_int4, dequantize_int4,
-                      lambda w13, w2, s13, s2: (w13, w2, s13, s2), True),
+                      * to_numpy(s, float32=True)[..., None], _weights_then_scales, _no_kw),
+    "int4": _FormatIO(quantize_int4, dequantize_int4, _weights_then_scales,
+                      lambda g: {"group_size": g}),
     "mxfp4": _FormatIO(lambda w, g: quantize_mxfp4(w), lambda v, s, g: dequantize_mxfp4(v, s),
-                       lambda w13, w2, s13, s2: (w13, s13, w2, s2), False),
+                       lambda w13, w2, s13, s2: (w13, s13, w2, s2), _no_kw),
     "bf16": _FormatIO(_bf16_values, lambda v, s, g: to_numpy(v, float32=True),
-                      lambda w13, w2, s13, s2: (w13, w2), False),
+                      lambda w13, w2, s13, s2: (w13, w2), _no_kw),
+    "fp8": _FormatIO(lambda w, g: quantize_fp8(w, (g, g)),
+                     lambda v, s, g: dequantize_fp8(v, s, (g, g)), _weights_then_scales,
+                     lambda g: {"block_size": (g, g)}),
 }
 
 
@@ -298,6 +395,8 @@ def group_sizes(fmt: str, *dims: int, preferred: Sequence[int] = (128, 64, 32)) 
         return [0]
     if row["group"] == "exact":
         cands = [row["group_size"]]
+    elif row["group"] == "block":  # 2-D blocks may end partial: no need to divide
+        return [g for g in preferred if g % row["group_size"] == 0]
     else:
         cands = [g for g in preferred
                  if g % row["group_size"] == 0 and g <= row["group_max"]]
@@ -341,9 +440,8 @@ class QuantizedExperts:
         io = _format_io(self.weight_format)
         fn = getattr(ops, next(r["prepack"] for r in ops.formats()
                                if r["name"] == self.weight_format))
-        kw = {"group_size": self.group_size} if io.group_kw else {}
         return fn(*io.prepack_args(self.w13, self.w2, self.s13, self.s2), self.b13, self.b2,
-                  isa=isa, num_threads=num_threads, **kw)
+                  isa=isa, num_threads=num_threads, **io.prepack_kw(self.group_size))
 
     def dequantized(self, experts: Any = slice(None)):
         """(w13, w2) float32 of the experts ``experts`` (an index or slice; default all)."""

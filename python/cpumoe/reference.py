@@ -40,7 +40,7 @@ from typing import Optional
 import numpy as np
 
 from .ops import ACTIVATIONS, activation_interleaved, parse_activation
-from .quantize import (CHANNEL_AMAX_FLOOR, FLOAT_DTYPES, MXFP4_INT, MXFP4_VALUES,  # noqa: F401
+from .quantize import (CHANNEL_AMAX_FLOOR, E4M3_VALUES, FLOAT_DTYPES, MXFP4_INT, MXFP4_VALUES,  # noqa: F401
                        TOKEN_AMAX_FLOOR, dequantize_int4, dequantize_mxfp4, dtype_name_of,
                        e8m0_scale, like, mxfp4_codes, quantize_int4, quantize_mxfp4,
                        quantize_per_channel, quantize_per_token, quantize_rows, round_to_dtype,
@@ -57,6 +57,7 @@ __all__ = [
     "quantize_per_channel",
     "ref_fused_moe_bf16",
     "ref_fused_moe_experts",
+    "ref_fused_moe_fp8",
     "ref_fused_moe_int4",
     "ref_fused_moe_int8",
     "ref_fused_moe_mxfp4",
@@ -299,6 +300,9 @@ def ref_fused_moe_experts(x, experts, topk_weights, topk_ids, activation="silu",
                                    activation, **bias)
     if fmt == "bf16":
         return ref_fused_moe_bf16(x, q.w13, q.w2, topk_weights, topk_ids, activation, **bias)
+    if fmt == "fp8":
+        return ref_fused_moe_fp8(x, q.w13, q.w2, q.s13, q.s2, topk_weights, topk_ids, activation,
+                                 block_size=(q.group_size, q.group_size), **bias)
     raise ValueError(f"weight format {fmt!r}: no reference for it in cpumoe.reference")
 
 
@@ -335,6 +339,58 @@ def ref_fused_moe_bf16(x, w13, w2, topk_weights, topk_ids, activation="silu", b1
         return _bf16_linear(a, w2e, None if b2n is None else b2n[e])
 
     return _run_moe(x, w13, w2, topk_weights, topk_ids, skip_weighted, ffn)
+
+
+# ---------------------------------------------------------------------------- FP8 (W8A16)
+def _fp8_linear(a32, v, s, bn, bk, b):
+    """The fp8 GEMM: per block of bk inputs, S = the exact sum of bf16(a) * e4m3 products
+    (float64 here: bf16 x e4m3 products are exact, their sums at these sizes too, to within one
+    rounding), rounded once to fp32; then acc = acc + S * s (fp32) over the blocks in increasing
+    order; then + b. v: E4M3 values [N, K] (float32); s: block scales [ceil(N / bn), ceil(K /
+    bk)]."""
+    K = v.shape[1]
+    a64 = round_to_dtype(a32, "bfloat16").astype(np.float64)
+    v64 = v.astype(np.float64)
+    srow = np.repeat(s, bn, axis=0)[:v.shape[0]]  # [N, blocks]: each row's scales
+    acc = np.zeros((a32.shape[0], v.shape[0]), dtype=np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for gi, k0 in enumerate(range(0, K, bk)):
+            part = (a64[:, k0:k0 + bk] @ v64[:, k0:k0 + bk].T).astype(np.float32)
+            acc = acc + part * srow[None, :, gi]
+        if b is not None:
+            acc = acc + b[None, :]
+    return acc
+
+
+def ref_fused_moe_fp8(x, w13, w2, s13, s2, topk_weights, topk_ids, activation="silu", b13=None,
+                      b2=None, skip_weighted=False, block_size=(128, 128)):
+    """The BF16 op on FP8 weights (W8A16), naively: x rounded to bf16, each GEMM as
+    :func:`_fp8_linear` (fp32 per block of ``block_size`` = (bn, bk), times the block's scale),
+    the activation in fp32 and its output rounded to bf16, the combine in fp32. w13 / w2: E4M3
+    codes uint8 [E, 2I, H] / [E, H, I] (or torch float8_e4m3fn); s13 / s2: fp32 block scales
+    [E, ceil(N / bn), ceil(K / bk)] (block_size None: per output channel, [E, N] or [E, N, 1]);
+    the rest as ref_fused_moe_bf16."""
+    _check_activation(activation)
+    b13n = to_numpy(b13, float32=True)
+    b2n = to_numpy(b2, float32=True)
+
+    def values(w):
+        c = to_numpy(w)
+        return E4M3_VALUES[c.view(np.uint8) if c.dtype != np.uint8 else c]
+
+    v13, v2 = values(w13), values(w2)
+    (bn13, bk13), (bn2, bk2) = [(1, k) if block_size is None else block_size
+                                for k in (v13.shape[2], v2.shape[2])]
+    s13n = to_numpy(s13, float32=True).reshape(v13.shape[0], -(-v13.shape[1] // bn13), -1)
+    s2n = to_numpy(s2, float32=True).reshape(v2.shape[0], -(-v2.shape[1] // bn2), -1)
+
+    def ffn(e, x_rows, w13n, w2n):
+        inter = w2n.shape[2]
+        h = _fp8_linear(x_rows, w13n[e], s13n[e], bn13, bk13, None if b13n is None else b13n[e])
+        a = gated_activation(activation, h, inter)
+        return _fp8_linear(a, w2n[e], s2n[e], bn2, bk2, None if b2n is None else b2n[e])
+
+    return _run_moe(x, v13, v2, topk_weights, topk_ids, skip_weighted, ffn)
 
 
 def _cast_out(x, out32: np.ndarray, dtype_name: str):

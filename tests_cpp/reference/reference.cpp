@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 
 namespace cpumoe_ref {
@@ -209,6 +210,50 @@ std::vector<float> fused_moe_w4(const MoeProblemW4& p, const MoeInputs& in,
       });
 }
 
+float e4m3(uint8_t code) {
+  const uint32_t sign = uint32_t(code >> 7), exp = uint32_t(code >> 3) & 15, man = code & 7u;
+  if (exp == 15 && man == 7) return std::numeric_limits<float>::quiet_NaN();
+  float v;
+  if (exp == 0) {
+    v = float(std::ldexp(double(man), -9));  // 0.m * 2^(1 - 7)
+  } else {
+    // fp32 fields: exponent exp - 7 + 127, the 3 mantissa bits at the top of the 23.
+    const uint32_t bits = (exp + 120) << 23 | man << 20;
+    std::memcpy(&v, &bits, 4);
+  }
+  return sign ? -v : v;
+}
+
+void gemm_f8(int64_t m, int64_t n, int64_t k, int64_t group, int64_t block_n, const uint16_t* a,
+             int64_t lda, const uint8_t* codes, int64_t ldc, const float* scales, int64_t lds,
+             const float* bias, float* dst, int64_t ldd, double* mag) {
+  const int64_t gk = group >= k ? k : group;
+  float value[256];  // the definition above, evaluated once per call
+  for (int c = 0; c < 256; ++c) value[c] = e4m3(uint8_t(c));
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      float acc = 0.0f;
+      double bound = 0.0;
+      for (int64_t k0 = 0, g = 0; k0 < k; k0 += gk, ++g) {
+        double sum = 0.0, abs_sum = 0.0;
+        for (int64_t x = k0; x < std::min(k, k0 + gk); ++x) {
+          // bf16 x E4M3: 8 + 4 significant bits, exact in double (and in fp32).
+          const double p = double(cpumoe::bf16_to_f32(a[i * lda + x])) *
+                           double(value[codes[j * ldc + x]]);
+          sum += p;
+          abs_sum += std::fabs(p);
+        }
+        const float s = scales[(j / block_n) * lds + g];
+        acc = acc + float(sum) * s;
+        bound += abs_sum * std::fabs(double(s));
+      }
+      if (bias != nullptr) acc = acc + bias[j];
+      dst[i * ldd + j] = acc;
+      if (mag != nullptr) mag[i * ldd + j] = bound;
+    }
+  }
+}
+
 namespace {
 
 // y[j] = float(sum_x bf16(a[x]) * w[j][x]) (+ b[j]): exact products, double sum.
@@ -244,6 +289,47 @@ std::vector<float> fused_moe_bf16(const MoeProblemBf16& p, const MoeInputs& in) 
       }
       bf16_gemv(a.data(), p.w2.data() + e * H * I, p.b2.empty() ? nullptr : p.b2.data() + e * H, H,
                 I, y.data());
+      const float w = in.skip_weighted ? 1.0f : in.topk_weights[t * in.weights_stride + j];
+      for (int64_t c = 0; c < H; ++c) acc[size_t(c)] = acc[size_t(c)] + w * y[size_t(c)];
+    }
+    for (int64_t c = 0; c < H; ++c) out[size_t(t * H + c)] = round_to(acc[size_t(c)], in.dtype);
+  }
+  return out;
+}
+
+std::vector<float> fused_moe_fp8(const MoeProblemFp8& p, const MoeInputs& in) {
+  const int64_t H = p.H, I = p.I;
+  auto groups = [&](int64_t depth) {
+    return p.block_k == 0 || p.block_k >= depth ? int64_t{1}
+                                                : (depth + p.block_k - 1) / p.block_k;
+  };
+  auto group = [&](int64_t depth) { return p.block_k == 0 ? depth : p.block_k; };
+  const int64_t g13 = groups(H), g2 = groups(I);
+  const int64_t rows13 = (2 * I + p.block_n - 1) / p.block_n;
+  const int64_t rows2 = (H + p.block_n - 1) / p.block_n;
+  std::vector<float> out(size_t(in.T * H), 0.0f);
+  std::vector<uint16_t> xb(static_cast<size_t>(H)), ab(static_cast<size_t>(I));
+  std::vector<float> h(static_cast<size_t>(2 * I)), y(static_cast<size_t>(H)),
+      acc(static_cast<size_t>(H));
+  for (int64_t t = 0; t < in.T; ++t) {
+    for (int64_t c = 0; c < H; ++c)
+      xb[size_t(c)] = cpumoe::f32_to_bf16(load(in.x, in.dtype, t * in.x_stride + c));
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t j = 0; j < in.k; ++j) {
+      const int64_t e = in.topk_ids[t * in.ids_stride + j];
+      if (e < 0 || e >= p.E) std::abort();
+      gemm_f8(1, 2 * I, H, group(H), p.block_n, xb.data(), H, p.w13.data() + e * 2 * I * H, H,
+              p.s13.data() + e * rows13 * g13, g13,
+              p.b13.empty() ? nullptr : p.b13.data() + e * 2 * I, h.data(), 2 * I);
+      const bool interleaved = in.activation.kind == Activation::swigluoai;
+      for (int64_t i = 0; i < I; ++i) {
+        const float g = interleaved ? h[size_t(2 * i)] : h[size_t(i)];
+        const float u = interleaved ? h[size_t(2 * i + 1)] : h[size_t(I + i)];
+        ab[size_t(i)] = cpumoe::f32_to_bf16(float(activation(in.activation, g, u)));
+      }
+      gemm_f8(1, H, I, group(I), p.block_n, ab.data(), I, p.w2.data() + e * H * I, I,
+              p.s2.data() + e * rows2 * g2, g2, p.b2.empty() ? nullptr : p.b2.data() + e * H,
+              y.data(), H);
       const float w = in.skip_weighted ? 1.0f : in.topk_weights[t * in.weights_stride + j];
       for (int64_t c = 0; c < H; ++c) acc[size_t(c)] = acc[size_t(c)] + w * y[size_t(c)];
     }

@@ -108,4 +108,35 @@ struct MoeProblemW4 {
 std::vector<float> fused_moe_w4(const MoeProblemW4& p, const MoeInputs& in,
                                 ActivationFn act_override = nullptr);
 
+/// The value of the E4M3 (OCP float8 e4m3fn) code @p code, from its bit fields: sign bit 7,
+/// exponent bits 6-3 (bias 7), mantissa bits 2-0; exponent 0 subnormal (m * 2^-9); 0x7F and 0xFF
+/// NaN. Built from the fp32 bit pattern (normal codes) and an exact scaling (subnormals).
+float e4m3(uint8_t code);
+
+/// The W8A16 FP8 GEMM of f8gemm.h, as its formula is written: for each (i, j), per group of
+/// gk = (group >= k ? k : group) consecutive k (the last one shorter), S = the exact products
+/// bf16(a) * e4m3(code) summed in double and rounded once to fp32; acc = acc + S * s in fp32 over
+/// the groups in order from acc = 0, s = scales[(j / block_n) * lds + g]; dst = acc (+ bias[j]).
+/// a [m][k] bf16 bits (row stride lda), codes [n][k] (row stride ldc), bias nullable. When @p mag
+/// is not null, mag[i * ldd + j] = sum over groups of |s| * sum |products| (double): the scale of
+/// the fp32 rounding error a kernel may make (its own summation order within a group).
+void gemm_f8(int64_t m, int64_t n, int64_t k, int64_t group, int64_t block_n, const uint16_t* a,
+             int64_t lda, const uint8_t* codes, int64_t ldc, const float* scales, int64_t lds,
+             const float* bias, float* dst, int64_t ldd, double* mag = nullptr);
+
+/// The BF16 op on FP8 weights: E4M3 codes with fp32 scales per block of block_n rows x block_k
+/// k (block_k 0: the whole depth), fp32 biases (or empty).
+struct MoeProblemFp8 {
+  int64_t E = 0, H = 0, I = 0, block_n = 128, block_k = 128;
+  std::vector<uint8_t> w13;  // [E, 2I, H]
+  std::vector<uint8_t> w2;   // [E, H, I]
+  std::vector<float> s13;    // [E, ceil(2I / block_n), ceil(H / block_k)]
+  std::vector<float> s2;     // [E, ceil(H / block_n), ceil(I / block_k)]
+  std::vector<float> b13, b2;
+};
+
+/// fused_moe_bf16 with each GEMM gemm_f8's (bf16(x), and bf16 of the activation, times the
+/// E4M3 weights per block), fp32 combine, rounded to the input dtype.
+std::vector<float> fused_moe_fp8(const MoeProblemFp8& p, const MoeInputs& in);
+
 }  // namespace cpumoe_ref

@@ -89,6 +89,11 @@ void fused_moe_int8(const PackedMoeW4& packed, const MoeCall& call);
 /// their fp32 sums. Non-finite values propagate as IEEE arithmetic makes them (a NaN in x gives
 /// a NaN row). Throws ArgumentError for bad arguments before writing anything.
 void fused_moe_bf16(const PackedMoeBf16& packed, const MoeCall& call);
+/// The BF16 op on FP8 weights (W8A16): the same pipeline, with each GEMM on E4M3 weights and
+/// their block scales (f8gemm.h's arithmetic: fp32 sums per block, each times its scale, summed
+/// over the blocks in increasing order, then the bias). Deterministic for a given kernel and
+/// thread-count independent; kernels of different ISAs may differ in the last bits.
+void fused_moe_bf16(const PackedMoeFp8& packed, const MoeCall& call);
 
 /// Upper bound of the scratch bytes one call of @p num_tokens tokens and @p topk slots each
 /// needs, whatever the routing (tokens are processed in chunks, so this stops growing beyond
@@ -110,6 +115,12 @@ size_t fused_moe_scratch_bytes(const Q4GemmUkernel& kernel, int64_t num_experts,
 size_t fused_moe_scratch_bytes(const PackedMoeBf16& packed, int64_t num_tokens, int64_t topk,
                                int num_threads = 0);
 size_t fused_moe_scratch_bytes(const BGemmUkernel& kernel, int64_t num_experts, int64_t hidden,
+                               int64_t intermediate, int64_t num_tokens, int64_t topk,
+                               int num_threads = 0);
+/// The bounds of fused_moe_bf16 calls on fp8 weights; the kernel's holds for any block shape.
+size_t fused_moe_scratch_bytes(const PackedMoeFp8& packed, int64_t num_tokens, int64_t topk,
+                               int num_threads = 0);
+size_t fused_moe_scratch_bytes(const F8GemmUkernel& kernel, int64_t num_experts, int64_t hidden,
                                int64_t intermediate, int64_t num_tokens, int64_t topk,
                                int num_threads = 0);
 /// Bytes of scratch the calling thread holds now (0 before its first call).

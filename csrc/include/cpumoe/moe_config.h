@@ -2,7 +2,7 @@
 /// What every fused-MoE op shares before any weight is packed: the error type (ArgumentError),
 /// the size rule (kDimMultiple), the tile policy and the chain a layer runs on (MoeConfig: the
 /// GEMM kernel, the row operations and the tile policy, chosen once per layer for this CPU by
-/// int8_config / w4_config / bf16_config). No ISA features.
+/// int8_config / w4_config / bf16_config / fp8_config). No ISA features.
 #pragma once
 
 #include <cstddef>
@@ -10,6 +10,7 @@
 #include <stdexcept>
 
 #include "cpumoe/bgemm.h"
+#include "cpumoe/f8gemm.h"
 #include "cpumoe/q4gemm.h"
 #include "cpumoe/qgemm.h"
 #include "cpumoe/rowops.h"  // MoeConfig, kAmaxFloor
@@ -66,5 +67,7 @@ MoeConfig<BGemmUkernel> bf16_config(const BGemmUkernel* kernel, const Isa* cap =
 
 /// The W4A8 op's config, as int8_config (q4gemm_select).
 MoeConfig<Q4GemmUkernel> w4_config(const Q4GemmUkernel* kernel, const Isa* cap = nullptr);
+/// The fp8 weights' config (the BF16 op's pipeline), as int8_config (f8gemm_select).
+MoeConfig<F8GemmUkernel> fp8_config(const F8GemmUkernel* kernel, const Isa* cap = nullptr);
 
 }  // namespace cpumoe

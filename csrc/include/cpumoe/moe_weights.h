@@ -1,12 +1,14 @@
 /// @file moe_weights.h
 /// The prepack inputs of the fused-MoE ops: a layer's expert weights as a checkpoint gives them
-/// (int8 with per-channel scales, 4-bit with group scales, bf16), dense and row-major, with
+/// (int8 with per-channel scales, 4-bit with group scales, bf16, fp8 with block scales), dense and
+/// row-major, with
 /// optional biases. Read once by the packed classes (packed.h); never kept.
 #pragma once
 
 #include <cstdint>
 
 #include "cpumoe/dtype.h"
+#include "cpumoe/f8gemm.h"
 #include "cpumoe/q4gemm.h"
 #include "cpumoe/weight_format.h"
 
@@ -56,6 +58,26 @@ struct MoeWeightsW4 {
   const void* b13 = nullptr;  ///< [E, 2I] or nullptr, of type b13_dtype
   DType b13_dtype = DType::f32;
   const void* b2 = nullptr;   ///< [E, H] or nullptr, of type b2_dtype
+  DType b2_dtype = DType::f32;
+};
+
+/// Plain FP8 expert weights (W8A16): E4M3 codes with an fp32 scale per block of block_n output
+/// channels x block_k inputs, the fp8 row of weight_format.h. block_k is a multiple of
+/// kF8BlockMultiple or >= the depth of a matrix (one block along it; block_k = 0: always one,
+/// per output channel with block_n = 1).
+struct MoeWeightsFp8 {
+  int64_t num_experts = 0;
+  int64_t hidden = 0;
+  int64_t intermediate = 0;
+  int64_t block_n = 128;  ///< >= 1
+  int64_t block_k = 128;  ///< >= 0 (0: the whole depth)
+  const uint8_t* w13 = nullptr;  ///< [E, 2I, H] E4M3 codes
+  const uint8_t* w2 = nullptr;   ///< [E, H, I]
+  const float* s13 = nullptr;    ///< [E, ceil(2I / block_n), ceil(H / block_k)]
+  const float* s2 = nullptr;     ///< [E, ceil(H / block_n), ceil(I / block_k)]
+  const void* b13 = nullptr;     ///< [E, 2I] or nullptr, of type b13_dtype
+  DType b13_dtype = DType::f32;
+  const void* b2 = nullptr;      ///< [E, H] or nullptr, of type b2_dtype
   DType b2_dtype = DType::f32;
 };
 

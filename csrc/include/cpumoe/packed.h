@@ -1,6 +1,7 @@
 /// @file packed.h
 /// A layer's expert weights packed once for the kernel of its chain (MoeConfig): PackedMoe
-/// (int8), PackedMoeW4 (the q4gemm formats), PackedMoeBf16 (bf16), over the shared PackedExperts.
+/// (int8), PackedMoeW4 (the q4gemm formats), PackedMoeBf16 (bf16), PackedMoeFp8 (fp8), over the
+/// shared PackedExperts.
 /// Immutable after construction; safe to share between threads and calls.
 #pragma once
 
@@ -135,6 +136,31 @@ class PackedMoeBf16 : public PackedExperts<BGemmUkernel> {
   PackedMoeBf16(const MoeWeightsBf16& w, const MoeConfig<BGemmUkernel>& config,
                 int num_threads = 0);
   WeightFormat weight_format() const { return WeightFormat::bf16; }
+};
+
+/// FP8 expert weights (W8A16) packed for one F8GemmUkernel, the block scales inside the packed
+/// blocks. Run by fused_moe_bf16 (the activations are bf16 as in the BF16 op).
+class PackedMoeFp8 : public PackedExperts<F8GemmUkernel> {
+ public:
+  /// Packs @p w for @p kernel (nullptr: f8gemm_select() for this CPU, capped by CPUMOE_ISA).
+  /// @pre E >= 1; H, I >= kDimMultiple and multiples of it; block_n >= 1; block_k 0, a multiple
+  /// of kF8BlockMultiple, or >= the depth of each matrix it does not divide into such blocks; no
+  /// NaN code (0x7F, 0xFF); scales finite and >= 0. Throws ArgumentError otherwise, naming the
+  /// argument.
+  PackedMoeFp8(const MoeWeightsFp8& w, const F8GemmUkernel* kernel = nullptr, int num_threads = 0);
+  /// Packs @p w for the chain @p config (from fp8_config); as above otherwise.
+  PackedMoeFp8(const MoeWeightsFp8& w, const MoeConfig<F8GemmUkernel>& config,
+               int num_threads = 0);
+  WeightFormat weight_format() const { return WeightFormat::fp8; }
+  int64_t block_n() const { return layout_.block_n; }
+  /// The block's k extent as given (0: the whole depth).
+  int64_t block_k() const { return block_k_; }
+  /// The kernels' layout (group: block_k, or the largest depth when that is 0).
+  const F8Layout& layout() const { return layout_; }
+
+ private:
+  F8Layout layout_;
+  int64_t block_k_ = 0;
 };
 
 }  // namespace cpumoe

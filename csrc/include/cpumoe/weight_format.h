@@ -38,15 +38,20 @@ namespace cpumoe {
 ///            first (k even); uint8 E8M0 scales [E, N, K / 32] (255 is NaN: its group's outputs
 ///            are NaN).
 ///   - bf16:  bf16 [E, N, K], no scale.
+///   - fp8:   float8 E4M3 (e4m3fn) codes uint8 [E, N, K] (0x7F and 0xFF, NaN, are refused); fp32
+///            scales [E, ceil(N / bn), ceil(K / bk)], finite and >= 0, one per block of bn rows
+///            and bk k (the last blocks partial): w = e4m3(code) * s (HF's weight_scale_inv).
 enum class WeightFormat : int32_t {
   int8 = 0,   ///< int8, fp32 scale per output channel (W8A8)
   int4 = 1,   ///< int4, fp32 scale per group of k (W4A8)
   mxfp4 = 2,  ///< OCP MXFP4: E2M1 codes, an E8M0 scale per block of 32 k (W4A8)
   bf16 = 3,   ///< bf16, no scale (the BF16 op)
+  fp8 = 4,    ///< float8 E4M3, an fp32 scale per block of bn x bk (W8A16: the BF16 op's pipeline)
 };
 
-/// The kernel family that reads a format's packed weights (qgemm.h, q4gemm.h, bgemm.h).
-enum class KernelFamily : int32_t { qgemm, q4gemm, bgemm };
+/// The kernel family that reads a format's packed weights (qgemm.h, q4gemm.h, bgemm.h,
+/// f8gemm.h).
+enum class KernelFamily : int32_t { qgemm, q4gemm, bgemm, f8gemm };
 
 /// What one weight scale applies to, and its type.
 enum class ScaleKind : int32_t {
@@ -54,6 +59,7 @@ enum class ScaleKind : int32_t {
   fp32_per_channel,  ///< one fp32 per output channel
   fp32_per_group,    ///< one fp32 per group of `group` consecutive k of an output channel
   e8m0_per_block,    ///< one E8M0 byte (2^(e - 127), 255 NaN) per block of 32 k
+  fp32_per_block,    ///< one fp32 per block of bn output channels x bk k (2-D blocks)
 };
 
 /// Which group sizes a format takes.
@@ -61,10 +67,14 @@ enum class GroupRule : int32_t {
   none,      ///< no groups (per-channel or no scale)
   multiple,  ///< any multiple of group_size up to group_max
   exact,     ///< exactly group_size
+  block,     ///< 2-D blocks of bn x bk: bk a multiple of group_size or >= K (one group), any bn
 };
 
 /// Every group size is a multiple of this (a format with one fixed block has exactly this).
 constexpr int64_t kW4GroupMultiple = 32;
+/// A 2-D block's k extent (GroupRule::block) is a multiple of this unless it spans K (f8gemm.h's
+/// kF8GroupMultiple).
+constexpr int64_t kF8BlockMultiple = 32;
 /// The largest group a packed layer takes: the kernels' int32 group sums (some hold the values
 /// times 16) stay exact up to here with room to spare (65536 * 127 * 8 * 16 < 2^31).
 constexpr int64_t kW4MaxGroup = 65536;
@@ -79,7 +89,7 @@ struct WeightFormatInfo {
   int scale_bytes;         ///< bytes of one scale in prepack's input (0: no scale)
   GroupRule group;
   int64_t group_size;      ///< the multiple (GroupRule::multiple) or the size (exact); else 0
-  int64_t group_max;       ///< the largest group (0 without groups)
+  int64_t group_max;       ///< the largest group (0 without groups or without a bound)
   bool zero_point;         ///< stores a zero point / min per scale (none does today)
   KernelFamily family;
   const char* activations;  ///< the op's activation type: "int8" (quantized per token), "bf16"
@@ -96,6 +106,8 @@ inline constexpr WeightFormatInfo kWeightFormatTable[] = {
      kW4GroupMultiple, kW4GroupMultiple, false, KernelFamily::q4gemm, "int8", "prepack_mxfp4"},
     {WeightFormat::bf16, "bf16", 16, "bf16", ScaleKind::none, 0, GroupRule::none, 0, 0, false,
      KernelFamily::bgemm, "bf16", "prepack_bf16"},
+    {WeightFormat::fp8, "fp8", 8, "e4m3", ScaleKind::fp32_per_block, 4, GroupRule::block,
+     kF8BlockMultiple, 0, false, KernelFamily::f8gemm, "bf16", "prepack_fp8"},
 };
 inline constexpr int kNumWeightFormats =
     int(sizeof(kWeightFormatTable) / sizeof(kWeightFormatTable[0]));
@@ -159,20 +171,22 @@ inline std::string weight_format_names(KernelFamily family) {
 
 /// The names of the enumerators above, for cpumoe._C.formats() (indexed by the enum's value).
 constexpr const char* kernel_family_name(KernelFamily f) {
-  constexpr const char* names[] = {"qgemm", "q4gemm", "bgemm"};
-  return unsigned(f) < 3 ? names[int(f)] : "?";
+  constexpr const char* names[] = {"qgemm", "q4gemm", "bgemm", "f8gemm"};
+  return unsigned(f) < 4 ? names[int(f)] : "?";
 }
 constexpr const char* scale_kind_name(ScaleKind k) {
-  constexpr const char* names[] = {"none", "fp32_per_channel", "fp32_per_group", "e8m0_per_block"};
-  return unsigned(k) < 4 ? names[int(k)] : "?";
+  constexpr const char* names[] = {"none", "fp32_per_channel", "fp32_per_group", "e8m0_per_block",
+                                   "fp32_per_block"};
+  return unsigned(k) < 5 ? names[int(k)] : "?";
 }
 constexpr const char* group_rule_name(GroupRule g) {
-  constexpr const char* names[] = {"none", "multiple", "exact"};
-  return unsigned(g) < 3 ? names[int(g)] : "?";
+  constexpr const char* names[] = {"none", "multiple", "exact", "block"};
+  return unsigned(g) < 4 ? names[int(g)] : "?";
 }
 
-/// Empty if format @p f takes group size @p g (with GroupRule::none: only g == 0), else why not
-/// (the message starts with "group_size: ").
+/// Empty if format @p f takes group size @p g (with GroupRule::none: only g == 0; with
+/// GroupRule::block, @p g is the block's k extent, checked against each depth by the packer),
+/// else why not (the message starts with "group_size: ").
 inline std::string weight_format_group_problem(WeightFormat f, int64_t g) {
   const WeightFormatInfo& info = weight_format_info(f);
   const std::string got = ", got " + std::to_string(g);
@@ -183,6 +197,8 @@ inline std::string weight_format_group_problem(WeightFormat f, int64_t g) {
       return g == info.group_size ? ""
                                   : std::string("group_size: ") + info.name + " groups are " +
                                         std::to_string(info.group_size) + " k" + got;
+    case GroupRule::block:
+      return g >= 1 ? "" : "group_size: the block's k extent must be >= 1" + got;
     case GroupRule::multiple:
       if (g < info.group_size || g % info.group_size != 0)
         return "group_size: must be a positive multiple of " + std::to_string(info.group_size) +

@@ -11,8 +11,8 @@ Subcommands:
   read-bandwidth probe (tqdm progress bar, tables and ratios on stdout, ``--json out.json``,
   ``--plot out.png`` with matplotlib, ``--targets`` for issue 4's matrix and verdicts).
 - ``cpumoe info``: CPU features, paths, kernels, build (``--json`` for a machine-readable form).
-- ``cpumoe accuracy``: relative error of each int8-activation weight format's layer (at group
-  sizes 32 / 64 / 128) against the fp32 layer, on real-looking weights (cpumoe/cli/accuracy.py).
+- ``cpumoe accuracy``: relative error of each weight format's layer (at group sizes 32 / 64 /
+  128) against the fp32 layer, on real-looking weights (cpumoe/cli/accuracy.py).
 
 With no subcommand (the original command line, all its flags kept) it runs the Qwen3-30B-A3B MoE
 layer (H=2048, I=768, E=128, top-8, silu) with random int8 experts at T = 1, 16, 128: each result

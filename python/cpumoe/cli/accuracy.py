@@ -5,8 +5,9 @@ not change the per-expert error) float experts are drawn from a real-looking dis
 output row has its own scale (log-normal spread), elements are Student-t with 5 degrees of freedom
 (heavier tails than a Gaussian, as trained weights have). The fp32 layer (float64 math on the float
 weights, the op's activation and combine) is the reference; each format is quantized from the same
-floats and run through cpumoe's op: every format of ``cpumoe.formats()`` whose op quantizes the
-activations to int8, at each group size (of 32, 64, 128) it allows that divides both K. The error is ||out - ref|| / ||ref|| over all
+floats and run through cpumoe's op: every format of ``cpumoe.formats()`` (int8 and 4-bit with int8
+activations, bf16 and fp8 with bf16 ones), at each group size (of 32, 64, 128) it allows for the
+layer. The error is ||out - ref|| / ||ref|| over all
 tokens (Frobenius), bf16 inputs.
 """
 
@@ -24,9 +25,9 @@ from . import problem
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cpumoe accuracy",
-                                description="Relative error of each int8-activation weight "
-                                            "format's layer (at group sizes 32 / 64 / 128) "
-                                            "against the fp32 layer.")
+                                description="Relative error of each weight format's layer "
+                                            "(at group sizes 32 / 64 / 128) against the fp32 "
+                                            "layer.")
     p.add_argument("--preset", type=problem.name_list(list(problem.PRESETS),
                                                       ["qwen3-30b-a3b", "gpt-oss-20b"], "preset"),
                    default=["qwen3-30b-a3b", "gpt-oss-20b"],
@@ -89,16 +90,17 @@ def measure(preset: str, E: int, T: int, seed: int) -> Dict[str, float]:
     xb = x.astype(ml_dtypes.bfloat16)
 
     def err(packed) -> float:
-        out = cpumoe.fused_moe_int8(xb, packed, tw, ids, act).astype(np.float64)
+        out = cpumoe.fused_moe(xb, packed, tw, ids, activation=act).astype(np.float64)
         return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
     res = {}
-    for row in cpumoe.formats():  # every format whose op quantizes activations to int8
-        if row["activations"] != "int8" or row["name"] not in Q.quantized_formats():
+    for row in cpumoe.formats():  # every format cpumoe.quantize makes
+        if row["name"] not in Q.quantized_formats():
             continue
         for g in Q.group_sizes(row["name"], H, I, preferred=(32, 64, 128)):
             q = Q.quantize_experts(row["name"], w13, w2, group_size=g, b13=b13, b2=b2)
-            label = f"{row['name']} g{g}" if row["group"] == "multiple" else row["name"]
+            label = (f"{row['name']} g{g}" if row["group"] in ("multiple", "block")
+                     else row["name"])
             res[label] = err(q.prepack())
     return res
 

@@ -296,10 +296,11 @@ class Layer:
         return 3 * self.H * self.I  # int8 w13 + w2 of one expert
 
 
-def paths_under(isa: Optional[str]) -> List[str]:
-    """Available paths, best first, capped by ``isa`` (ValueError for an unknown name)."""
+def paths_under(isa: Optional[str], fmt: str = "int8") -> List[str]:
+    """Available paths of weight format ``fmt``'s kernels, best first, capped by ``isa``
+    (ValueError for an unknown name)."""
     import cpumoe
-    paths = cpumoe.available_paths()
+    paths = cpumoe.available_paths(fmt)
     if isa is None:
         return paths
     ladder = cpumoe._C.isa_ladder()

@@ -1,0 +1,190 @@
+// What every f8gemm (bf16 x E4M3 -> fp32, fp32 block scales) microkernel shares, in plain C++:
+// the packed B layout's sizes and offsets (F8Packing), its packer over a kernel's arrangement of
+// the codes within a group (pack_rhs_f8), the E4M3 -> fp32 decode table, the scalar epilogue
+// steps and make_f8gemm (the interface table). A's layouts are the bgemm family's
+// (bgemm/bgemm_common.h: pack_lhs_f32r, pack_lhs_bf16r work on an F8Packing as they are).
+// Internal linkage on purpose (see qgemm/qgemm_common.h): every kernel file has its own ISA flags.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "cpumoe/f8gemm.h"
+#include "ukernels/bgemm/bgemm_common.h"  // pack_lhs_f32r, pack_lhs_bf16r (need only P's lhs part)
+
+namespace cpumoe {
+namespace {
+
+/// Packed A and B of an f8gemm kernel.
+///
+/// A: as BGemmPacking's, rows of kp = round_up(k, Kr) elements of LhsBytes bytes (2: bf16, 4:
+/// widened to fp32), zero-padded from k to kp, the row count rounded up to LhsRows with zero rows.
+/// Group g of a row starts at element g * group_k (below), as in B.
+///
+/// B: blocks of Nr output columns, each a multiple of 64 bytes (so every block starts a cache
+/// line: rhs_offset(j) is a multiple of 64 for j a multiple of Nr). A block holds the groups of k
+/// in order; group g (k in [g * gk, g * gk + len), gk = group_k(k, w), len = gk except for the
+/// last group) is
+///   - the codes: Nr * gp bytes, gp = round_up(len, Kr) (= gk for all but the last group, as
+///     kF8GroupMultiple is a multiple of Kr), in the kernel's arrangement (pack_rhs_f8's Arrange),
+///     codes past len and columns past n stored as the recoded code 0 (the value +0);
+///   - zero bytes up to a multiple of 4 (none when Nr * Kr is a multiple of 4);
+///   - the Nr fp32 scales of the group, column c's at 4 c (the kernel's Recode::scale of the
+///     block scale of column c: as given unless a kernel folds a power of two in), 0 for columns
+///     past n.
+/// Groups follow each other at a fixed stride (group_stride): only the last may be shorter. Zero
+/// bytes pad the block to a multiple of 64. Offsets at multiples of Nr.
+template <int64_t Nr, int64_t Kr, int64_t LhsBytes, int64_t LhsRows = 1>
+struct F8Packing {
+  static_assert(kF8GroupMultiple % Kr == 0, "every group but the last must be whole k steps");
+  static constexpr int64_t kNr = Nr, kKr = Kr, kLhsBytes = LhsBytes, kLhsRows = LhsRows;
+
+  static int64_t padded_k(int64_t k) { return round_up(k, Kr); }
+  static size_t lhs_size(int64_t m, int64_t k) {
+    return size_t(round_up(m, LhsRows)) * size_t(padded_k(k)) * size_t(LhsBytes);
+  }
+  static size_t lhs_offset(int64_t m_idx, int64_t k) {
+    return size_t(m_idx) * size_t(padded_k(k)) * size_t(LhsBytes);
+  }
+
+  /// k per group (every group but the last): the layout's group, or k when that covers k.
+  static int64_t group_k(int64_t k, const F8Layout& w) { return w.group >= k ? k : w.group; }
+  /// Real k of group @p g (the last one may be shorter).
+  static int64_t group_len(int64_t g, int64_t k, const F8Layout& w) {
+    const int64_t gk = group_k(k, w);
+    return std::min(gk, k - g * gk);
+  }
+  /// Bytes of a group's codes and the padding after them, for a group of @p gp padded k.
+  static int64_t codes_bytes(int64_t gp) { return round_up(Nr * gp, 4); }
+  /// Bytes from one group of a block to the next.
+  static int64_t group_stride(int64_t k, const F8Layout& w) {
+    return codes_bytes(round_up(group_k(k, w), Kr)) + 4 * Nr;
+  }
+  /// Bytes of a block's groups (before the padding to 64).
+  static int64_t groups_bytes(int64_t k, const F8Layout& w) {
+    const int64_t groups = f8_groups(k, w);
+    const int64_t last = round_up(group_len(groups - 1, k, w), Kr);
+    return (groups - 1) * group_stride(k, w) + codes_bytes(last) + 4 * Nr;
+  }
+  static size_t block_bytes(int64_t k, const F8Layout& w) {
+    return size_t(round_up(groups_bytes(k, w), 64));
+  }
+  static size_t rhs_size(int64_t n, int64_t k, const F8Layout& w) {
+    return size_t((n + Nr - 1) / Nr) * block_bytes(k, w);
+  }
+  static size_t rhs_offset(int64_t n_idx, int64_t k, const F8Layout& w) {
+    return size_t(n_idx / Nr) * block_bytes(k, w);
+  }
+};
+
+/// A group's codes as G-k steps of Nr columns: step s holds Nr * G bytes, column c's k = G s ..
+/// G s + G - 1 at G c (as gemm_tile's B groups). G = 1 is `f8ck<nr>` (k-major: the Nr codes of
+/// one k contiguous); G = 4 is `f8ci<nr>x4` (one 32-bit lane per column). Needs Kr % G == 0.
+template <int64_t Nr, int64_t G>
+struct F8Interleaved {
+  static constexpr int64_t kG = G;
+  static int64_t index(int64_t c, int64_t kk, int64_t /*gp*/) {
+    return (kk / G) * (Nr * G) + c * G + kk % G;
+  }
+};
+
+/// The codes and the scales as given (pack_rhs_f8's default Recode). A kernel that stores the
+/// codes otherwise (e.g. E4M3 bits moved into fp16 positions, the value times 2^-8) gives its own
+/// code(c) (code(0) must still mean +0: it fills the padding) and scale(s) (here s * 2^8).
+struct KeepF8 {
+  static uint8_t code(uint8_t c) { return c; }
+  static float scale(float s) { return s; }
+};
+
+/// F8GemmUkernel::pack_rhs for packing P, codes at Arrange::index(c, kk, gp) (0 <= index <
+/// Nr * gp, one byte each) within each group, each code stored as Recode::code, each scale as
+/// Recode::scale. Reads each column's k codes and its block row's f8_groups scales, nothing
+/// else; writes every byte of rhs_size(n, k, w).
+template <class P, class Arrange, class Recode = KeepF8>
+void pack_rhs_f8(int64_t n, int64_t k, const F8Layout& w, const uint8_t* codes,
+                 int64_t code_stride, const float* scales, int64_t scale_stride, void* packed) {
+  constexpr int64_t Nr = P::kNr;
+  if (n <= 0) return;
+  const int64_t groups = f8_groups(k, w), gk = P::group_k(k, w), stride = P::group_stride(k, w);
+  const uint8_t zero = Recode::code(0);
+  auto* dst = static_cast<uint8_t*>(packed);
+  for (int64_t j0 = 0; j0 < n; j0 += Nr) {
+    uint8_t* blk = dst + P::rhs_offset(j0, k, w);
+    const int64_t valid = std::min(Nr, n - j0);
+    for (int64_t g = 0; g < groups; ++g) {
+      uint8_t* grp = blk + g * stride;
+      const int64_t len = P::group_len(g, k, w), gp = round_up(len, P::kKr);
+      // Padding k and padding columns: the zero code; then each real code at its place.
+      std::memset(grp, zero, size_t(Nr * gp));
+      std::memset(grp + Nr * gp, 0, size_t(P::codes_bytes(gp) - Nr * gp));
+      for (int64_t c = 0; c < valid; ++c) {
+        const uint8_t* col = codes + (j0 + c) * code_stride + g * gk;
+        for (int64_t kk = 0; kk < len; ++kk) grp[Arrange::index(c, kk, gp)] = Recode::code(col[kk]);
+      }
+      float s[Nr];
+      for (int64_t c = 0; c < Nr; ++c)
+        s[c] = c < valid ? Recode::scale(scales[((j0 + c) / w.block_n) * scale_stride + g]) : 0.0f;
+      std::memcpy(grp + P::codes_bytes(gp), s, sizeof(s));
+    }
+    const size_t used = size_t(P::groups_bytes(k, w));
+    std::memset(blk + used, 0, P::block_bytes(k, w) - used);
+  }
+}
+
+/// The fp32 values of the 256 E4M3 codes (e4m3_value as a table; NaN for 0x7F and 0xFF, which
+/// never reach a kernel). Built at compile time, so every kernel file holds its own copy (no
+/// shared symbol).
+struct E4m3Table {
+  float v[256];
+};
+constexpr E4m3Table make_e4m3_table() {
+  E4m3Table t{};
+  for (int c = 0; c < 256; ++c) {
+    const int e = (c >> 3) & 15, m = c & 7;
+    float v = 0.0f;
+    if ((c & 0x7F) == 0x7F) {
+      v = std::numeric_limits<float>::quiet_NaN();
+    } else if (e == 0) {
+      v = float(m) / 512.0f;  // m / 8 * 2^-6
+    } else {
+      v = 1.0f + float(m) / 8.0f;  // (1 + m / 8) * 2^(e - 7), the power by exact doubling
+      for (int x = 7; x < e; ++x) v *= 2.0f;
+      for (int x = e; x < 7; ++x) v /= 2.0f;
+    }
+    t.v[c] = (c & 0x80) ? -v : v;
+  }
+  return t;
+}
+constexpr E4m3Table kE4m3Table = make_e4m3_table();
+
+/// dst[j] = acc[j] (+ bias[j]) for j < n: the scalar final step of every kernel.
+inline void store_f8_row(float* dst, const float* acc, int64_t n, const float* bias) {
+  if (bias != nullptr) {
+    for (int64_t j = 0; j < n; ++j) dst[j] = acc[j] + bias[j];
+  } else {
+    for (int64_t j = 0; j < n; ++j) dst[j] = acc[j];
+  }
+}
+
+/// F8GemmUkernel::scratch_bytes of a kernel that needs no scratch.
+inline size_t f8_no_scratch(int64_t, int64_t, int64_t, const F8Layout&) { return 0; }
+
+/// The interface table of an f8gemm kernel with packing P (an F8Packing, or any class with its
+/// members kNr, kKr, lhs_size, lhs_offset, rhs_size, rhs_offset).
+template <class P>
+constexpr F8GemmUkernel make_f8gemm(const char* name, Isa isa, int64_t mr,
+                                    decltype(F8GemmUkernel::pack_lhs) pack_lhs,
+                                    decltype(F8GemmUkernel::pack_rhs) pack_rhs,
+                                    decltype(F8GemmUkernel::run_f32) run_f32,
+                                    decltype(F8GemmUkernel::scratch_bytes) scratch_bytes =
+                                        f8_no_scratch) {
+  static_assert(kF8GroupMultiple % P::kKr == 0, "kr must divide kF8GroupMultiple");
+  return F8GemmUkernel{name,        isa,           mr,       P::kNr,      P::kKr,
+                       P::lhs_size, P::lhs_offset, pack_lhs, P::rhs_size, P::rhs_offset,
+                       pack_rhs,    scratch_bytes, run_f32};
+}
+
+}  // namespace
+}  // namespace cpumoe
