@@ -11,6 +11,7 @@
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "activation_specs.h"
@@ -44,21 +45,31 @@ struct MoeData {
 
   int64_t es() const { return cpumoe::dtype_size(dtype); }
 
-  cpumoe::MoeWeights weights() const {
-    cpumoe::MoeWeights w;
+  /// The sizes and biases of any prepack input (MoeWeights, MoeWeightsBf16, MoeWeightsFp8, ...).
+  template <class W>
+  W sized_weights() const {
+    W w;
     w.num_experts = s.E;
     w.hidden = s.H;
     w.intermediate = s.I;
-    w.w13 = ref.w13.data();
-    w.w2 = ref.w2.data();
-    w.s13 = ref.s13.data();
-    w.s2 = ref.s2.data();
     w.b13 = b13_raw.empty() ? nullptr : b13_raw.data();
     w.b13_dtype = b13_dtype;
     w.b2 = b2_raw.empty() ? nullptr : b2_raw.data();
     w.b2_dtype = b2_dtype;
     return w;
   }
+
+  cpumoe::MoeWeights weights() const {
+    auto w = sized_weights<cpumoe::MoeWeights>();
+    w.w13 = ref.w13.data();
+    w.w2 = ref.w2.data();
+    w.s13 = ref.s13.data();
+    w.s2 = ref.s2.data();
+    return w;
+  }
+
+  /// "T=.. E=.. k=.. H=.. I=.. act=.. dtype=.. bias=..": for SCOPED_TRACE.
+  std::string describe() const;
 
   cpumoe_ref::MoeInputs ref_inputs() const {
     cpumoe_ref::MoeInputs in;
@@ -189,15 +200,42 @@ inline cpumoe::MoeCall make_call(const MoeData& d, void* out, const void* ids, b
   return c;
 }
 
-/// Runs the op (PackedMoe: W8A8, PackedMoeW4: W4A8); ids are passed as int64 or as a converted
-/// int32 copy.
+/// The op of each packed kind: int8 activations (W8A8, W4A8) or bf16 ones (BF16, FP8).
+inline void run_packed(const cpumoe::PackedMoe& p, const cpumoe::MoeCall& c) {
+  cpumoe::fused_moe_int8(p, c);
+}
+inline void run_packed(const cpumoe::PackedMoeW4& p, const cpumoe::MoeCall& c) {
+  cpumoe::fused_moe_int8(p, c);
+}
+inline void run_packed(const cpumoe::PackedMoeBf16& p, const cpumoe::MoeCall& c) {
+  cpumoe::fused_moe_bf16(p, c);
+}
+inline void run_packed(const cpumoe::PackedMoeFp8& p, const cpumoe::MoeCall& c) {
+  cpumoe::fused_moe_bf16(p, c);
+}
+
+/// Runs the op of @p pk's kind on d; ids are passed as int64 or as a converted int32 copy; an
+/// optional expert map over @p num_global experts. The raw output (row padding kOutPattern).
 template <class Packed>
 std::vector<uint8_t> run_moe(const Packed& pk, const MoeData& d, int threads,
-                             bool ids_int64 = true) {
+                             bool ids_int64 = true, const int32_t* expert_map = nullptr,
+                             int64_t num_global = 0) {
   std::vector<uint8_t> out(size_t(std::max<int64_t>(1, d.s.T * d.out_stride) * d.es()), kOutPattern);
   std::vector<int32_t> ids32(d.ids.begin(), d.ids.end());
   const void* ids = ids_int64 ? static_cast<const void*>(d.ids.data()) : ids32.data();
-  cpumoe::fused_moe_int8(pk, make_call(d, out.data(), ids, ids_int64, threads));
+  cpumoe::MoeCall c = make_call(d, out.data(), ids, ids_int64, threads);
+  c.expert_map = expert_map;
+  c.num_global_experts = num_global;
+  run_packed(pk, c);
+  return out;
+}
+
+/// The kernels of @p registry this CPU runs.
+template <class Kernel>
+std::vector<const Kernel*> supported_kernels(const std::vector<const Kernel*>& registry) {
+  std::vector<const Kernel*> out;
+  for (const Kernel* k : registry)
+    if (cpumoe::cpu_supports(k->isa)) out.push_back(k);
   return out;
 }
 
@@ -239,6 +277,35 @@ inline double expect_close(const std::vector<float>& got, const std::vector<floa
     if (!(err <= tol * (scale + std::fabs(want[i]))) && reported++ < 5)
       ADD_FAILURE() << "element " << i << ": got " << got[i] << " want " << want[i]
                     << " (output scale " << scale << ")";
+  }
+  return worst;
+}
+
+inline std::string MoeData::describe() const {
+  return "T=" + std::to_string(s.T) + " E=" + std::to_string(s.E) + " k=" + std::to_string(s.k) +
+         " H=" + std::to_string(s.H) + " I=" + std::to_string(s.I) + " act=" + spec_name(act) +
+         " dtype=" + cpumoe::dtype_name(dtype) + " bias=" + (b13_raw.empty() ? "0" : "1");
+}
+
+/// Packs @p weights for each of @p kernels (as Packed) and runs d on 1, 2 and 3 threads: the same
+/// bytes each time, nothing written for T = 0, and within @p tol of @p want (expect_close).
+/// Returns the worst error seen (of max|want|).
+template <class Packed, class Kernel, class Weights>
+double check_kernels(const std::vector<const Kernel*>& kernels, const Weights& weights,
+                     const MoeData& d, const std::vector<float>& want, double tol) {
+  double worst = 0.0;
+  for (const Kernel* kern : kernels) {
+    SCOPED_TRACE(kern->name);
+    const Packed pk(weights, kern);
+    const std::vector<uint8_t> first = run_moe(pk, d, 1);
+    for (int threads : {2, 3}) {
+      EXPECT_TRUE(run_moe(pk, d, threads) == first) << "threads=" << threads;
+    }
+    if (d.s.T == 0) {
+      for (uint8_t v : first) EXPECT_EQ(v, kOutPattern);
+    }
+    worst = std::max(worst, expect_close(output_values(d, first), want, tol));
+    if (testing::Test::HasFailure()) break;
   }
   return worst;
 }

@@ -55,58 +55,29 @@ Bf16Data to_bf16(MoeData d) {
 }
 
 cpumoe::MoeWeightsBf16 weights_of(const Bf16Data& b) {
-  cpumoe::MoeWeightsBf16 w;
-  w.num_experts = b.ref.E;
-  w.hidden = b.ref.H;
-  w.intermediate = b.ref.I;
+  auto w = b.d.sized_weights<cpumoe::MoeWeightsBf16>();
   w.w13 = b.ref.w13.data();
   w.w2 = b.ref.w2.data();
-  w.b13 = b.d.b13_raw.empty() ? nullptr : b.d.b13_raw.data();
-  w.b13_dtype = b.d.b13_dtype;
-  w.b2 = b.d.b2_raw.empty() ? nullptr : b.d.b2_raw.data();
-  w.b2_dtype = b.d.b2_dtype;
   return w;
 }
 
 std::vector<uint8_t> run(const cpumoe::PackedMoeBf16& pk, const MoeData& d, int threads,
                          const int32_t* expert_map = nullptr, int64_t num_global = 0) {
-  std::vector<uint8_t> out(size_t(std::max<int64_t>(1, d.s.T * d.out_stride) * d.es()),
-                           cpumoe_test::kOutPattern);
-  cpumoe::MoeCall c = cpumoe_test::make_call(d, out.data(), d.ids.data(), true, threads);
-  c.expert_map = expert_map;
-  c.num_global_experts = num_global;
-  cpumoe::fused_moe_bf16(pk, c);
-  return out;
+  return cpumoe_test::run_moe(pk, d, threads, true, expert_map, num_global);
 }
 
 std::vector<const cpumoe::BGemmUkernel*> supported_bf16_kernels() {
-  std::vector<const cpumoe::BGemmUkernel*> out;
-  for (const cpumoe::BGemmUkernel* k : cpumoe::bgemm_registry())
-    if (cpumoe::cpu_supports(k->isa)) out.push_back(k);
-  return out;
+  return cpumoe_test::supported_kernels(cpumoe::bgemm_registry());
 }
 
 double g_worst = 0.0;
 
 void check_all_kernels(const Bf16Data& b) {
   const MoeData& d = b.d;
-  SCOPED_TRACE(testing::Message() << "T=" << d.s.T << " E=" << d.s.E << " k=" << d.s.k << " H="
-                                  << d.s.H << " I=" << d.s.I << " act="
-                                  << cpumoe_test::spec_name(d.act) << " dtype="
-                                  << cpumoe::dtype_name(d.dtype) << " bias=" << !d.b13_raw.empty());
+  SCOPED_TRACE(d.describe());
   const std::vector<float> want = cpumoe_ref::fused_moe_bf16(b.ref, d.ref_inputs());
-  for (const cpumoe::BGemmUkernel* kern : supported_bf16_kernels()) {
-    SCOPED_TRACE(kern->name);
-    const cpumoe::PackedMoeBf16 pk(weights_of(b), kern);
-    const std::vector<uint8_t> first = run(pk, d, 1);
-    for (int threads : {2, 3}) ASSERT_TRUE(run(pk, d, threads) == first) << "threads=" << threads;
-    if (d.s.T == 0) {
-      for (uint8_t v : first) ASSERT_EQ(v, cpumoe_test::kOutPattern);
-    }
-    const std::vector<float> got = cpumoe_test::output_values(d, first);
-    g_worst = std::max(g_worst, cpumoe_test::expect_close(got, want, kTol));
-    if (testing::Test::HasFailure()) return;
-  }
+  g_worst = std::max(g_worst, cpumoe_test::check_kernels<cpumoe::PackedMoeBf16>(
+                                  supported_bf16_kernels(), weights_of(b), d, want, kTol));
 }
 
 // Phases 4-5 (and 6) fused into row tasks (MoeTilePolicy::fuse_gemm1, fuse_gemm2) and phase by

@@ -103,63 +103,29 @@ Fp8Data to_fp8(MoeData d, int64_t bn, int64_t bk) {
 }
 
 cpumoe::MoeWeightsFp8 weights_of(const Fp8Data& f) {
-  cpumoe::MoeWeightsFp8 w;
-  w.num_experts = f.ref.E;
-  w.hidden = f.ref.H;
-  w.intermediate = f.ref.I;
+  auto w = f.d.sized_weights<cpumoe::MoeWeightsFp8>();
   w.block_n = f.ref.block_n;
   w.block_k = f.ref.block_k;
   w.w13 = f.ref.w13.data();
   w.w2 = f.ref.w2.data();
   w.s13 = f.ref.s13.data();
   w.s2 = f.ref.s2.data();
-  w.b13 = f.d.b13_raw.empty() ? nullptr : f.d.b13_raw.data();
-  w.b13_dtype = f.d.b13_dtype;
-  w.b2 = f.d.b2_raw.empty() ? nullptr : f.d.b2_raw.data();
-  w.b2_dtype = f.d.b2_dtype;
   return w;
 }
 
-std::vector<uint8_t> run(const cpumoe::PackedMoeFp8& pk, const MoeData& d, int threads,
-                         const int32_t* expert_map = nullptr, int64_t num_global = 0) {
-  std::vector<uint8_t> out(size_t(std::max<int64_t>(1, d.s.T * d.out_stride) * d.es()),
-                           cpumoe_test::kOutPattern);
-  cpumoe::MoeCall c = cpumoe_test::make_call(d, out.data(), d.ids.data(), true, threads);
-  c.expert_map = expert_map;
-  c.num_global_experts = num_global;
-  cpumoe::fused_moe_bf16(pk, c);
-  return out;
-}
-
 std::vector<const cpumoe::F8GemmUkernel*> supported_f8_kernels() {
-  std::vector<const cpumoe::F8GemmUkernel*> out;
-  for (const cpumoe::F8GemmUkernel* k : cpumoe::f8gemm_registry())
-    if (cpumoe::cpu_supports(k->isa)) out.push_back(k);
-  return out;
+  return cpumoe_test::supported_kernels(cpumoe::f8gemm_registry());
 }
 
 double g_worst = 0.0;
 
 void check_all_kernels(const Fp8Data& f) {
   const MoeData& d = f.d;
-  SCOPED_TRACE(testing::Message() << "T=" << d.s.T << " E=" << d.s.E << " k=" << d.s.k << " H="
-                                  << d.s.H << " I=" << d.s.I << " block=" << f.ref.block_n << "x"
-                                  << f.ref.block_k << " act=" << cpumoe_test::spec_name(d.act)
-                                  << " dtype=" << cpumoe::dtype_name(d.dtype)
-                                  << " bias=" << !d.b13_raw.empty());
+  SCOPED_TRACE(d.describe() + " block=" + std::to_string(f.ref.block_n) + "x" +
+               std::to_string(f.ref.block_k));
   const std::vector<float> want = cpumoe_ref::fused_moe_fp8(f.ref, d.ref_inputs());
-  for (const cpumoe::F8GemmUkernel* kern : supported_f8_kernels()) {
-    SCOPED_TRACE(kern->name);
-    const cpumoe::PackedMoeFp8 pk(weights_of(f), kern);
-    const std::vector<uint8_t> first = run(pk, d, 1);
-    for (int threads : {2, 3}) ASSERT_TRUE(run(pk, d, threads) == first) << "threads=" << threads;
-    if (d.s.T == 0) {
-      for (uint8_t v : first) ASSERT_EQ(v, cpumoe_test::kOutPattern);
-    }
-    g_worst = std::max(g_worst, cpumoe_test::expect_close(cpumoe_test::output_values(d, first),
-                                                          want, kTol));
-    if (testing::Test::HasFailure()) return;
-  }
+  g_worst = std::max(g_worst, cpumoe_test::check_kernels<cpumoe::PackedMoeFp8>(
+                                  supported_f8_kernels(), weights_of(f), d, want, kTol));
 }
 
 // The block shapes of the grid: DeepSeek's, one that leaves partial blocks on every test width,
@@ -224,7 +190,7 @@ TEST(MoeFp8, WideLayersAndTaskSplits) {
       cfg.tiles.rows = 200;
       const cpumoe::PackedMoeFp8 pk(weights_of(f), cfg, 1);
       for (int threads : {1, 3}) {
-        std::vector<uint8_t> out = run(pk, f.d, threads);
+        std::vector<uint8_t> out = cpumoe_test::run_moe(pk, f.d, threads);
         if (first.empty()) first = out;
         ASSERT_TRUE(out == first) << "fuse=" << fuse << " threads=" << threads;
       }
@@ -254,7 +220,8 @@ TEST(MoeFp8, ExpertMap) {
   for (const cpumoe::F8GemmUkernel* kern : supported_f8_kernels()) {
     SCOPED_TRACE(kern->name);
     const cpumoe::PackedMoeFp8 pk(weights_of(f), kern);
-    EXPECT_TRUE(run(pk, global, 2, map.data(), 8) == run(pk, local, 2));
+    EXPECT_TRUE(cpumoe_test::run_moe(pk, global, 2, true, map.data(), 8) ==
+                cpumoe_test::run_moe(pk, local, 2));
   }
 }
 

@@ -219,6 +219,25 @@ def activation_specs(limit: float = 1.0):
                  else f"{a['name']}(limit={limit:g})" for a in cpumoe.activations())
 
 
+def op_cases(shapes, **cycled):
+    """pytest params of the ops' grids: every dtype x activation (activation_specs()) x bias,
+    with the shapes (T, E, k, H, I) taken in turn, and each keyword's values in turn too (e.g.
+    block_size=(...)); ids name them all."""
+    import itertools
+
+    import pytest
+    out = []
+    for i, (dt, act, bias) in enumerate(itertools.product(("float32", "float16", "bfloat16"),
+                                                          activation_specs(), (False, True))):
+        T, E, k, H, I = shapes[i % len(shapes)]
+        extra = {name: vals[i % len(vals)] for name, vals in cycled.items()}
+        out.append(pytest.param(dict(T=T, E=E, k=k, H=H, I=I, dtype=dt, activation=act,
+                                     bias=bias, **extra),
+                                id="-".join([dt, act, "bias" if bias else "nobias", f"T{T}",
+                                             *(str(v) for v in extra.values())])))
+    return out
+
+
 def random_weights(E: int, H: int, I: int, seed: int = 0):
     """Int8 experts as checkpoints make them: float weights N(0, 1/sqrt(fan_in)) quantized per
     output channel; biases N(0, 0.1) in fp32. numpy arrays, cached (read-only) across tests."""

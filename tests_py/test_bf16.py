@@ -8,17 +8,13 @@ layer; argument errors; expert map.
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 
 import cpumoe
 from cpumoe import reference
-from conftest import activation_specs, assert_moe_close, make_problem
+from conftest import assert_moe_close, make_problem, op_cases
 
-DTYPES = ("float32", "float16", "bfloat16")
-ACTIVATIONS = activation_specs()
 BF16_PATHS = cpumoe.available_paths("bf16")
 INT8_PATHS = cpumoe.available_paths("int8")
 
@@ -60,12 +56,7 @@ class Bf16Problem:
                                             p.activation, p.b13, p.b2, p.skip_weighted)
 
 
-CASES = []
-for _i, (_dt, _act, _bias) in enumerate(itertools.product(DTYPES, ACTIVATIONS, (False, True))):
-    _T, _E, _k, _H, _I = _SHAPES[_i % len(_SHAPES)]
-    CASES.append(pytest.param(dict(T=_T, E=_E, k=_k, H=_H, I=_I, dtype=_dt, activation=_act,
-                                   bias=_bias),
-                              id=f"{_dt}-{_act}-{'bias' if _bias else 'nobias'}-T{_T}"))
+CASES = op_cases(_SHAPES)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -10,18 +10,14 @@ expert map; the quantizer's codes against ml_dtypes' float8_e4m3fn.
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 
 import cpumoe
 from cpumoe import quantize as Q
 from cpumoe import reference
-from conftest import Backend, activation_specs, assert_moe_close, make_problem
+from conftest import Backend, assert_moe_close, make_problem, op_cases
 
-DTYPES = ("float32", "float16", "bfloat16")
-ACTIVATIONS = activation_specs()
 FP8_PATHS = cpumoe.available_paths("fp8")
 # As test_bf16: kernel and reference sum in different orders (fp32 vs float64), which can flip a
 # bf16 rounding of the activation; a wrong weight, scale, block or route is far above this.
@@ -63,13 +59,7 @@ class Fp8Problem:
                                            p.skip_weighted, block_size=self.block_size)
 
 
-CASES = []
-for _i, (_dt, _act, _bias) in enumerate(itertools.product(DTYPES, ACTIVATIONS, (False, True))):
-    _T, _E, _k, _H, _I = _SHAPES[_i % len(_SHAPES)]
-    _blk = _BLOCKS[_i % len(_BLOCKS)]
-    CASES.append(pytest.param(dict(T=_T, E=_E, k=_k, H=_H, I=_I, dtype=_dt, activation=_act,
-                                   bias=_bias, block_size=_blk),
-                              id=f"{_dt}-{_act}-{'bias' if _bias else 'nobias'}-T{_T}-{_blk}"))
+CASES = op_cases(_SHAPES, block_size=_BLOCKS)
 
 
 @pytest.mark.parametrize("case", CASES)

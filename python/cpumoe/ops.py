@@ -353,19 +353,17 @@ def prepack_mxfp4(w13_blocks: Any, w13_scales: Any, w2_blocks: Any, w2_scales: A
                          _num_threads(num_threads, w13_blocks))
 
 
-def _fp8_codes(name: str, obj: Any):
-    """uint8 E4M3 bits of ``obj`` (torch float8_e4m3fn, viewed as uint8; or uint8 as they are)."""
+def _fp8_bits(name: str, obj: Any):
+    """A torch float8_e4m3fn tensor viewed as its uint8 bits; anything else as it is (the
+    dtype check that follows wants uint8)."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.Tensor):
         if obj.dtype == getattr(torch, "float8_e4m3fn", None):
-            obj = obj.view(torch.uint8)
-        elif obj.dtype != torch.uint8:
+            return obj.view(torch.uint8)
+        if obj.dtype != torch.uint8:
             raise TypeError(f"{name}: must be float8_e4m3fn (or uint8 holding its bits), got "
                             f"{str(obj.dtype).replace('torch.', '')}")
-    obj = contiguous(name, obj)
-    v = view(name, obj)
-    check_dtype(v, name, ("uint8",))
-    return obj, v
+    return obj
 
 
 def _block_scales(name: str, obj: Any, E: int, N: int, K: int, bn: int, bk: int):
@@ -409,15 +407,8 @@ def prepack_fp8(w13: Any, w2: Any, s13: Any, s2: Any, b13: Any = None, b2: Any =
         bn, bk = block_size
         if bn < 1 or bk < 1:
             raise ValueError(f"block_size: both must be >= 1, got {tuple(block_size)}")
-    w13, v13 = _fp8_codes("w13", w13)
-    w2, v2 = _fp8_codes("w2", w2)
-    if v13.ndim != 3:
-        raise ValueError(f"w13: shape must be [E, 2I, H], got {list(v13.shape)}")
-    E, I2, H = v13.shape
-    if I2 % 2:
-        raise ValueError(f"w13: dim 1 must be 2*I (even), got {I2}")
-    I = I2 // 2
-    check_shape(v2, "w2", (E, H, I), " to match w13 [E, 2I, H]")
+    w13, v13, v2, E, H, I = _expert_weights(_fp8_bits("w13", w13), _fp8_bits("w2", w2), "uint8",
+                                            isa)
     s13, vs13 = _block_scales("s13", s13, E, 2 * I, H, bn, bk)
     s2, vs2 = _block_scales("s2", s2, E, H, I, bn, bk)
     keep, (b13a, b13d, b2a, b2d) = _w4_bias_and_isa(E, H, I, b13, b2, isa)
