@@ -220,7 +220,8 @@ template <class Packed>
 std::vector<uint8_t> run_moe(const Packed& pk, const MoeData& d, int threads,
                              bool ids_int64 = true, const int32_t* expert_map = nullptr,
                              int64_t num_global = 0) {
-  std::vector<uint8_t> out(size_t(std::max<int64_t>(1, d.s.T * d.out_stride) * d.es()), kOutPattern);
+  std::vector<uint8_t> out(size_t(std::max<int64_t>(1, d.s.T * d.out_stride) * d.es()),
+                           kOutPattern);
   std::vector<int32_t> ids32(d.ids.begin(), d.ids.end());
   const void* ids = ids_int64 ? static_cast<const void*>(d.ids.data()) : ids32.data();
   cpumoe::MoeCall c = make_call(d, out.data(), ids, ids_int64, threads);

@@ -159,7 +159,8 @@ TEST_P(MoeFp8GridTest, MatchesOracle) {
             << std::endl;
 }
 
-std::string GridName(const testing::TestParamInfo<std::tuple<cpumoe::ActivationSpec, DType>>& info) {
+std::string GridName(
+    const testing::TestParamInfo<std::tuple<cpumoe::ActivationSpec, DType>>& info) {
   return cpumoe_test::spec_id(std::get<0>(info.param)) + "_" +
          cpumoe::dtype_name(std::get<1>(info.param));
 }

@@ -151,7 +151,8 @@ def _layer(E=2, H=64, I=32, block=(32, 32)):
     (lambda a: a[0].__setitem__((0, 1, 2), 0x7F), ValueError, "w13: E4M3 code 127 is NaN"),
     (lambda a: a[1].__setitem__((1, 3, 4), 0xFF), ValueError, "w2: E4M3 code 255 is NaN"),
     (lambda a: a[2].__setitem__((0, 0, 0), np.nan), ValueError, "s13: every scale must be finite"),
-    (lambda a: a[3].__setitem__((1, 0, 0), -1.0), ValueError, "s2: every scale must be finite and >= 0"),
+    (lambda a: a[3].__setitem__((1, 0, 0), -1.0), ValueError,
+     "s2: every scale must be finite and >= 0"),
     (lambda a: a[3].__setitem__((0, 1, 0), np.inf), ValueError, "s2: every scale"),
 ])
 def test_bad_values_are_clear_errors(mutate, err, match):

@@ -40,7 +40,8 @@ from typing import Optional
 import numpy as np
 
 from .ops import ACTIVATIONS, activation_interleaved, parse_activation
-from .quantize import (CHANNEL_AMAX_FLOOR, E4M3_VALUES, FLOAT_DTYPES, MXFP4_INT, MXFP4_VALUES,  # noqa: F401
+from .quantize import (CHANNEL_AMAX_FLOOR, E4M3_VALUES, FLOAT_DTYPES,  # noqa: F401
+                       MXFP4_INT, MXFP4_VALUES,
                        TOKEN_AMAX_FLOOR, dequantize_int4, dequantize_mxfp4, dtype_name_of,
                        e8m0_scale, like, mxfp4_codes, quantize_int4, quantize_mxfp4,
                        quantize_per_channel, quantize_per_token, quantize_rows, round_to_dtype,

