@@ -25,8 +25,8 @@ __all__ = sorted([*ops.__all__, "quantize_per_channel", "quantize_per_token", "r
 
 # Engine integration, imported on first use (cpumoe.torch_ops imports torch; `import cpumoe`
 # never does): torch_ops (torch.ops.cpumoe.*), experts (Int8Experts), checkpoint (loading),
-# checkpoint_w4 (4-bit checkpoints).
-_LAZY_SUBMODULES = ("checkpoint", "checkpoint_w4", "experts", "torch_ops")
+# checkpoint_w4 (4-bit checkpoints), checkpoint_fp8 (FP8 checkpoints).
+_LAZY_SUBMODULES = ("checkpoint", "checkpoint_w4", "checkpoint_fp8", "experts", "torch_ops")
 
 
 def __getattr__(name):

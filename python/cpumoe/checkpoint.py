@@ -76,6 +76,9 @@ _ST_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2", "I64": "<
               "U8": "u1", "BOOL": "?"}
 # Dtypes a header may declare that the loader never reads (their bytes still tile the data).
 _ST_OTHER_SIZES = {"F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
+# FP8 dtypes get() reads as their uint8 bits (cpumoe.checkpoint_fp8: E4M3 codes, E8M0 scales);
+# numpy has no such dtype, so the safetensors package's numpy reader cannot read them.
+_ST_BITS = {"F8_E4M3": "u1", "F8_E8M0": "u1"}
 _MAX_HEADER = 100_000_000  # the safetensors package's own limit
 _U64 = 2**64  # sizes and offsets are u64 in the format (usize in the package)
 _MAX_JSON_FILE = 64 * 1024 * 1024  # index / config.json: real ones are well below 10 MB
@@ -212,12 +215,14 @@ class _SafetensorsFile:
         return self.entries[name]["shape"]
 
     def get(self, name: str) -> np.ndarray:
-        """The tensor as a read-only numpy array (BF16 as uint16 bits), native byte order."""
+        """The tensor as a read-only numpy array (BF16 as uint16 bits, FP8 as uint8 bits), native
+        byte order."""
         e = self.entries[name]
         st = e["dtype"]
-        if st not in _ST_DTYPES:
+        code = _ST_DTYPES.get(st, _ST_BITS.get(st))
+        if code is None:
             raise UnsupportedCheckpoint(f"{self.path}: {name}: dtype {st} is not supported")
-        dt = np.dtype(_ST_DTYPES[st])
+        dt = np.dtype(code)
         begin, end = e["data_offsets"]
         shape = e["shape"]
         if begin == end:  # empty: the file may end at the header (nothing to map)

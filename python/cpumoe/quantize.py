@@ -463,7 +463,9 @@ class QuantizedExperts:
         """Bytes the kernels read per weight: the values' bits and the scales of a group."""
         from .ops import formats
         row = next(r for r in formats() if r["name"] == self.weight_format)
-        per_scale = row["scale_bytes"] / self.group_size if self.group_size else 0.0
+        # A scale per group of k, or (2-D blocks, square here) per g x g block.
+        per = self.group_size * (self.group_size if row["group"] == "block" else 1)
+        per_scale = row["scale_bytes"] / per if per else 0.0
         return row["bits"] / 8 + per_scale
 
 

@@ -10,6 +10,10 @@
   ``ignore``. :func:`save_w4a8` and :func:`save_w4a16` do the same with the W4A8 and W4A16
   presets (int4 weights, a scale per group of inputs); :func:`save_int4_grid` makes a bf16
   checkpoint whose experts the int4 ones made from it hold exactly (their reference).
+* :func:`save_fp8` writes such a checkpoint's experts in the HF "fp8" layout (DeepSeek-V3,
+  Qwen3-*-FP8: ``weight_scale_inv`` per 128 x 128 block), quantized by transformers' own FP8
+  op; :func:`save_fp8_compressed` in compressed-tensors' FP8 (channel, block, group or tensor
+  scales), quantized and compressed by compressed-tensors.
 * :func:`save_mxfp4` writes a bf16 gpt-oss checkpoint's experts in the MXFP4 layout of OpenAI's
   release; :func:`save_mxfp4_dequantized` turns that back into bf16, exactly (its reference).
 * :func:`save_qwen3_bench` writes the benchmark's model (Qwen3-30B-A3B width) layer by layer,
@@ -135,14 +139,9 @@ def save_w4a16(src: PathLike, dst: PathLike, group_size: int = 128) -> Path:
     return _save_quantized(src, dst, "w4a16", group_size)
 
 
-def _save_quantized(src: PathLike, dst: PathLike, kind: str,
-                    group_size: Optional[int] = None) -> Path:
-    import compressed_tensors.quantization as ctq
-    from compressed_tensors.compressors import ModelCompressor
-    from safetensors.torch import save_file
-    src, dst = Path(src), Path(dst)
-    dst.mkdir(parents=True, exist_ok=True)
-    tensors = _read_safetensors(src)
+def _experts_as_linears(tensors: Dict[str, torch.Tensor], src: Path) -> torch.nn.Module:
+    """Pops every per-expert projection weight (``experts.{e}.{proj}.weight``) of ``tensors``
+    into a module tree of float32 Linears named as the keys: what compressed-tensors quantizes."""
     root = torch.nn.Module()
     expert_keys = [k for k in tensors if _EXPERT_KEY.match(k)]
     if not expert_keys:
@@ -159,6 +158,18 @@ def _save_quantized(src: PathLike, dst: PathLike, kind: str,
         lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=torch.float32)
         lin.weight.data = w.float().contiguous()
         node.add_module(leaf, lin)
+    return root
+
+
+def _save_quantized(src: PathLike, dst: PathLike, kind: str,
+                    group_size: Optional[int] = None) -> Path:
+    import compressed_tensors.quantization as ctq
+    from compressed_tensors.compressors import ModelCompressor
+    from safetensors.torch import save_file
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    tensors = _read_safetensors(src)
+    root = _experts_as_linears(tensors, src)
     preset, qmax, fmt = _PRESETS[kind]
     scheme = ctq.preset_name_to_scheme(preset, ["Linear"])
     if group_size is not None:
@@ -216,6 +227,124 @@ def save_int4_grid(src: PathLike, dst: PathLike, group_size: int = 128) -> Path:
         tensors[key] = (q * scale).reshape(rows, cols).to(torch.bfloat16)
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     (dst / "config.json").write_text((src / "config.json").read_text())
+    return dst
+
+
+# ---------------------------------------------------------------------------- FP8
+#: The modules an FP8 checkpoint keeps in bf16 (transformers' modules_to_not_convert patterns:
+#: regexes matched from the start of a module name up to a boundary, or suffixes).
+FP8_NOT_CONVERTED = ["lm_head", "model.embed_tokens", "model.layers.*.self_attn",
+                     "model.layers.*.mlp.gate", "model.layers.*.block_sparse_moe.gate"]
+
+
+def save_fp8(src: PathLike, dst: PathLike, block_size=(128, 128), scale_fmt: str = "float",
+             activation_scheme: str = "dynamic", modules_to_not_convert=None) -> Path:
+    """Writes ``dst``: the bf16 checkpoint ``src`` with every per-expert projection in the HF
+    "fp8" layout of DeepSeek-V3 and Qwen3-*-FP8 (transformers' ``FineGrainedFP8Config``):
+    ``<proj>.weight`` float8_e4m3fn and ``<proj>.weight_scale_inv`` [ceil(N / bn), ceil(K / bk)]
+    float32 (float8_e8m0fnu with ``scale_fmt="ue8m0"``; one scale per matrix with
+    ``block_size=None``), quantized by transformers' own ``Fp8Quantize`` (the op its FP8
+    quantizer applies to each weight). That quantizer cannot run through ``from_pretrained`` on
+    a machine without a GPU (transformers 5: "A GPU or XPU is needed for FP8 quantization"), so
+    the op is applied to the tensors directly; transformers loads the result on a CPU
+    (dequantizing it). A matrix whose sides the block does not divide is left bf16 by that op,
+    as transformers does. config.json gets the config's ``to_dict()``."""
+    from safetensors.torch import save_file
+    from transformers import FineGrainedFP8Config
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    cfg = FineGrainedFP8Config(
+        weight_block_size=None if block_size is None else list(block_size),
+        scale_fmt=scale_fmt, activation_scheme=activation_scheme,
+        modules_to_not_convert=list(FP8_NOT_CONVERTED if modules_to_not_convert is None
+                                    else modules_to_not_convert))
+    quantize = FineGrainedFP8HfQuantizer(cfg).get_quantize_ops()
+    out: Dict[str, torch.Tensor] = {}
+    for name, t in _read_safetensors(src).items():
+        if _EXPERT_KEY.match(name):
+            out.update(quantize.convert({name: t}))
+        else:
+            out[name] = t
+    save_file({k: v.contiguous() for k, v in out.items()}, str(dst / "model.safetensors"),
+              metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = cfg.to_dict()
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
+
+
+def save_fp8_compressed(src: PathLike, dst: PathLike, strategy: str = "channel",
+                        block_size=(128, 128), group_size: int = 128,
+                        activations: Optional[str] = "dynamic") -> Path:
+    """Writes ``dst``: the bf16 checkpoint ``src`` with every per-expert projection FP8 through
+    compressed-tensors (what llm-compressor's FP8_DYNAMIC / FP8_BLOCK recipes save): weights
+    ``num_bits: 8, type: float`` with ``strategy`` "channel" (FP8_DYNAMIC), "block"
+    (FP8_BLOCK, ``block_structure`` = block_size), "group" (group_size) or "tensor"; each scale
+    from the weights' min / max by compressed-tensors' own ``calculate_qparams`` (what its
+    min-max observer computes), then compressed by ``ModelCompressor`` (float8_e4m3fn
+    ``weight``, ``weight_scale``). ``activations``: "dynamic" (the preset's dynamic FP8
+    activations; format float-quantized), "static" (per-tensor static FP8, as the FP8 preset;
+    a calibrated scale cpumoe refuses) or None (weight-only; format naive-quantized)."""
+    import compressed_tensors.quantization as ctq
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.torch import save_file
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    tensors = _read_safetensors(src)
+    root = _experts_as_linears(tensors, src)
+    scheme = ctq.preset_name_to_scheme("FP8_BLOCK" if strategy == "block" else "FP8_DYNAMIC",
+                                       ["Linear"])
+    if strategy == "block":
+        scheme.weights.block_structure = list(block_size)
+    elif strategy == "group":
+        scheme.weights.strategy, scheme.weights.group_size = "group", group_size
+    elif strategy == "tensor":
+        scheme.weights.strategy = "tensor"
+    elif strategy != "channel":
+        raise ValueError(f"strategy: channel, block, group or tensor; got {strategy!r}")
+    if activations == "static":
+        scheme.input_activations = ctq.QuantizationArgs(
+            num_bits=8, type="float", strategy="tensor", symmetric=True, dynamic=False)
+    elif activations is None:
+        scheme.input_activations = None
+    elif activations != "dynamic":
+        raise ValueError(f"activations: 'dynamic', 'static' or None; got {activations!r}")
+    ignore = ["lm_head", "re:.*self_attn.*", "re:.*mlp\\.gate$", "re:.*block_sparse_moe\\.gate$"]
+    ctq.apply_quantization_config(root, ctq.QuantizationConfig(config_groups={"group_0": scheme},
+                                                               ignore=ignore))
+    with torch.no_grad():
+        for m in root.modules():
+            if not hasattr(m, "weight_scale"):
+                continue
+            w = m.weight.float()
+            n, k = w.shape
+            if strategy == "channel":
+                lo, hi = w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)
+            elif strategy == "group":
+                wg = w.reshape(n, k // group_size, group_size)
+                lo, hi = wg.amin(dim=2), wg.amax(dim=2)
+            elif strategy == "block":
+                bn, bk = block_size
+                nb, kb = -(-n // bn), -(-k // bk)
+                wp = torch.nn.functional.pad(w, (0, kb * bk - k, 0, nb * bn - n))
+                wb = wp.reshape(nb, bn, kb, bk)
+                lo, hi = wb.amin(dim=(1, 3)), wb.amax(dim=(1, 3))
+            else:
+                lo, hi = w.amin().reshape(1), w.amax().reshape(1)
+            scale, _ = calculate_qparams(lo, hi, m.quantization_scheme.weights)
+            m.weight_scale.copy_(scale.reshape(m.weight_scale.shape))
+            if activations == "static":
+                m.input_scale.fill_(0.01)  # a calibrated activation scale
+    compressor = ModelCompressor.from_pretrained_model(root)
+    compressor.compress_model(root)
+    out = {k: v.contiguous() for k, v in root.state_dict().items()}
+    out.update({k: v.contiguous() for k, v in tensors.items()})
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    compressor.quantization_config.ignore = ignore
+    compressor.update_config(str(dst))
     return dst
 
 
