@@ -839,3 +839,76 @@ def test_w4_backends_name_sizes_they_cannot_group(backend, inter, what):
     model = _model("qwen3_moe", moe_intermediate_size=inter)
     with pytest.raises(cmt.UnsupportedExperts, match=what):
         cmt.prepare(model, backend)
+
+
+# ---------------------------------------------------------------------------- FP8 checkpoints
+# Every module but the embeddings, the router and lm_head FP8 (attention too, as DeepSeek-V3's).
+_FP8_NOT_CONVERTED = ["lm_head", "model.embed_tokens", "model.layers.*.mlp.gate"]
+
+
+def test_load_w8a16_hf_fp8_checkpoint(tmp_path):
+    """A HF "fp8" checkpoint (transformers' Fp8Quantize, 32 x 32 blocks: the tiny model's sides)
+    with FP8 experts and attention: the experts packed in the fp8 format from the codes and
+    block scales as stored, the attention dequantized; transformers' own load of it (which
+    dequantizes everything on a CPU) run eager differs only by the bf16 activations."""
+    from cpumoe.testing import models as ckpts
+    _model("qwen3_moe").save_pretrained(str(tmp_path / "float"))
+    dst = ckpts.save_fp8(tmp_path / "float", tmp_path / "fp8", block_size=(32, 32),
+                         linears=True, modules_to_not_convert=_FP8_NOT_CONVERTED)
+    eager = AutoModelForCausalLM.from_pretrained(str(dst), dtype=torch.float32,
+                                                 experts_implementation="eager").eval()
+    model = cmt.load_w8a16(dst, dtype=torch.float32)
+    assert model.config._experts_implementation == "cpumoe_fp8"
+    (_, m), = cmt.experts_modules(model)
+    st = m._cpumoe_state["fp8"]
+    assert m.gate_up_proj.numel() == 0 and set(m._cpumoe_state) == {"fp8"}
+    assert st.packed.weight_format == "fp8"
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):  # dequantized exactly as transformers
+        ours = getattr(model.model.layers[0].self_attn, name).weight
+        theirs = getattr(eager.model.layers[0].self_attn, name).weight
+        assert torch.equal(ours, theirs), name
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        err = _rel(model(ids).logits, eager(ids).logits)
+    assert err <= TOL["cpumoe_bf16"], err  # the experts' activations in bf16
+
+
+@pytest.mark.parametrize("strategy", ["channel", "block"])
+def test_load_w8a16_compressed_tensors_fp8_checkpoint(tmp_path, strategy):
+    """compressed-tensors FP8 (FP8_DYNAMIC per channel, FP8_BLOCK 32 x 32), the experts read as
+    stored. transformers cannot load such an MoE checkpoint on a CPU: the reference is eager on
+    the float model with the checkpoint's experts dequantized."""
+    pytest.importorskip("compressed_tensors")
+    from cpumoe.checkpoint_fp8 import load_fp8_moe_layer
+    from cpumoe.testing import models as ckpts
+    eager = _model("qwen3_moe")
+    eager.save_pretrained(str(tmp_path / "float"))
+    dst = ckpts.save_fp8_compressed(tmp_path / "float", tmp_path / "ct", strategy=strategy,
+                                    block_size=(32, 32))
+    w13, w2 = load_fp8_moe_layer(dst, 0).dequantized()
+    (_, ex), = cmt.experts_modules(eager)
+    with torch.no_grad():
+        ex.gate_up_proj.copy_(torch.from_numpy(w13))
+        ex.down_proj.copy_(torch.from_numpy(w2))
+    model = cmt.load_w8a16(dst, dtype=torch.float32)
+    (_, m), = cmt.experts_modules(model)
+    assert m._cpumoe_state["fp8"].packed.weight_format == "fp8"
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        err = _rel(model(ids).logits, eager(ids).logits)
+    assert err <= TOL["cpumoe_bf16"], err
+
+
+def test_load_w8a16_refuses_other_checkpoints(tmp_path):
+    from cpumoe.checkpoint import UnsupportedCheckpoint
+    from cpumoe.testing import models as ckpts
+    eager = _model("qwen3_moe")
+    eager.save_pretrained(str(tmp_path / "float"))
+    with pytest.raises(UnsupportedCheckpoint, match="not an FP8 checkpoint.*float checkpoint"):
+        cmt.load_w8a16(tmp_path / "float")
+    _save_w8a8_checkpoint(eager, tmp_path)
+    with pytest.raises(UnsupportedCheckpoint, match="without FP8 weights.*int8 W8A8: load_w8a8"):
+        cmt.load_w8a16(tmp_path)
+    dst = ckpts.save_w4a16(tmp_path / "float", tmp_path / "w4a16", group_size=32)
+    with pytest.raises(UnsupportedCheckpoint, match="int4: load_w4a8"):
+        cmt.load_w8a16(dst)

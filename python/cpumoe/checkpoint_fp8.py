@@ -59,7 +59,8 @@ from . import ops as _ops
 from .checkpoint import (LAYOUTS, Checkpoint, LoadedExperts, PathLike, UnsupportedCheckpoint,
                          expert_ids_of, open_checkpoint, targets_module)
 
-__all__ = ["Fp8LayerWeights", "fp8_scheme", "load_fp8_moe_layer", "load_packed_fp8_moe_layer"]
+__all__ = ["Fp8LayerWeights", "dequantize_fp8_linear", "fp8_scheme", "load_fp8_moe_layer",
+           "load_packed_fp8_moe_layer", "not_converted_pattern"]
 
 _FLOAT = ("F32", "F16", "BF16", "F64")
 _E8M0 = ("F8_E8M0", "U8")
@@ -149,7 +150,7 @@ def _module_names(module: str) -> List[str]:
     return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
 
 
-def _not_converted(patterns: Any, module: str) -> Optional[str]:
+def not_converted_pattern(patterns: Any, module: str) -> Optional[str]:
     """The pattern of transformers' ``modules_to_not_convert`` that covers ``module`` or one of
     its parents (transformers' rule: a regex matched from the start up to a module boundary, or
     a suffix), else None."""
@@ -179,7 +180,7 @@ def _hf_fp8_scheme(q: dict, module: str) -> _Scheme:
             f"not supported (cpumoe runs the experts on bf16 activations; only 'dynamic' "
             f"checkpoints, whose weights were not calibrated against fixed activation scales, "
             f"are read)")
-    pat = _not_converted(q.get("modules_to_not_convert"), module)
+    pat = not_converted_pattern(q.get("modules_to_not_convert"), module)
     if pat is not None:
         raise UnsupportedCheckpoint(
             f"{module}: quantization_config.modules_to_not_convert lists it ({pat!r}): this "
@@ -419,6 +420,27 @@ def _scales(ck: Checkpoint, name: str, sch: _Scheme, n: int, k: int) -> np.ndarr
         raise UnsupportedCheckpoint(f"{name}: {int(bad.sum())} scale(s) not finite and >= 0 "
                                     f"(e.g. {s[bad].flat[0]!r})")
     return s
+
+
+def dequantize_fp8_linear(ck: Checkpoint, name: str) -> np.ndarray:
+    """The float32 weight of an FP8 Linear that is not an expert (``name``: its ``.weight``,
+    F8_E4M3 codes [N, K]): e4m3(code) * the scale of its block, the scheme from the config (or,
+    without one, from the scale tensor's name and shape)."""
+    from .quantize import dequantize_fp8
+    module = name[:-len(".weight")] if name.endswith(".weight") else None
+    shape = tuple(ck.shape(name))
+    if module is None or len(shape) != 2:
+        raise UnsupportedCheckpoint(f"{name}: F8_E4M3 tensor of shape {list(shape)} is not "
+                                        f"the 2-D weight of a Linear")
+    n, k = shape
+    sch = fp8_scheme(ck.quantization_config, module)
+    if sch is None:
+        sch = _scheme_from_tensors(ck, module, n, k, None)
+    scale = f"{module}.{sch.scale_suffix}"
+    _need(ck, scale, _FLOAT + (_E8M0 if sch.ue8m0 else ()),
+               _scale_shapes(sch, n, k), f"{sch.what} scales")
+    s = _scales(ck, scale, sch, n, k)
+    return dequantize_fp8(_codes(ck, name), s, sch.source_block(n, k))
 
 
 def load_fp8_moe_layer(path: Union[PathLike, Checkpoint], layer: int, *,

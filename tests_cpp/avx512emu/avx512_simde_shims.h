@@ -1,8 +1,10 @@
 // The few AVX-512 intrinsics the kernels use that SIMDe 0.7.4 (Debian bookworm) lacks, written
 // lane by lane from their definitions in Intel's intrinsics guide, over SIMDe's types, as macros
-// in the way SIMDe's own native aliases are. Test-only (q4gemm_avx512_simde.cpp).
+// in the way SIMDe's own native aliases are. Test-only (q4gemm_avx512_simde.cpp,
+// f8gemm_avx512_simde.cpp).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -74,6 +76,26 @@ inline simde__m512i srai_epi32(simde__m512i a, unsigned cnt) {
   return r;
 }
 inline void stream_ps(void* p, simde__m512 a) { std::memcpy(p, &a, 64); }
+// 16 fp16 -> fp32, exactly (vcvtph2ps: subnormals normalized, infinities and NaNs kept, a
+// signaling NaN quieted).
+inline simde__m512 cvtph_ps(simde__m256i a) {
+  uint16_t x[16];
+  float y[16];
+  std::memcpy(x, &a, 32);
+  for (int i = 0; i < 16; ++i) {
+    const int e = (x[i] >> 10) & 31, m = x[i] & 1023;
+    float v;
+    if (e == 31) {
+      v = m == 0 ? INFINITY : std::nanf("");
+    } else {
+      v = e == 0 ? std::ldexp(float(m), -24) : std::ldexp(float(1024 + m), e - 25);
+    }
+    y[i] = (x[i] & 0x8000) ? -v : v;
+  }
+  simde__m512 r;
+  std::memcpy(&r, y, 64);
+  return r;
+}
 
 }  // namespace simde_shim
 }  // namespace cpumoe_test
@@ -86,3 +108,4 @@ inline void stream_ps(void* p, simde__m512 a) { std::memcpy(p, &a, 64); }
 #define _mm512_mask_storeu_ps(p, k, a) cpumoe_test::simde_shim::mask_storeu_ps(p, k, a)
 #define _mm512_stream_ps(p, a) cpumoe_test::simde_shim::stream_ps(p, a)
 #define _mm512_srai_epi32(a, c) cpumoe_test::simde_shim::srai_epi32(a, c)
+#define _mm512_cvtph_ps(a) cpumoe_test::simde_shim::cvtph_ps(a)

@@ -238,7 +238,8 @@ FP8_NOT_CONVERTED = ["lm_head", "model.embed_tokens", "model.layers.*.self_attn"
 
 
 def save_fp8(src: PathLike, dst: PathLike, block_size=(128, 128), scale_fmt: str = "float",
-             activation_scheme: str = "dynamic", modules_to_not_convert=None) -> Path:
+             activation_scheme: str = "dynamic", modules_to_not_convert=None,
+             linears: bool = False) -> Path:
     """Writes ``dst``: the bf16 checkpoint ``src`` with every per-expert projection in the HF
     "fp8" layout of DeepSeek-V3 and Qwen3-*-FP8 (transformers' ``FineGrainedFP8Config``):
     ``<proj>.weight`` float8_e4m3fn and ``<proj>.weight_scale_inv`` [ceil(N / bn), ceil(K / bk)]
@@ -248,7 +249,9 @@ def save_fp8(src: PathLike, dst: PathLike, block_size=(128, 128), scale_fmt: str
     a machine without a GPU (transformers 5: "A GPU or XPU is needed for FP8 quantization"), so
     the op is applied to the tensors directly; transformers loads the result on a CPU
     (dequantizing it). A matrix whose sides the block does not divide is left bf16 by that op,
-    as transformers does. config.json gets the config's ``to_dict()``."""
+    as transformers does. ``linears``: every other 2-D ``.weight`` that modules_to_not_convert
+    does not cover is quantized too (attention projections, as in DeepSeek-V3's release; pass a
+    modules_to_not_convert without ``self_attn``). config.json gets the config's ``to_dict()``."""
     from safetensors.torch import save_file
     from transformers import FineGrainedFP8Config
     from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
@@ -261,8 +264,17 @@ def save_fp8(src: PathLike, dst: PathLike, block_size=(128, 128), scale_fmt: str
                                     else modules_to_not_convert))
     quantize = FineGrainedFP8HfQuantizer(cfg).get_quantize_ops()
     out: Dict[str, torch.Tensor] = {}
-    for name, t in _read_safetensors(src).items():
+    from cpumoe.checkpoint_fp8 import not_converted_pattern
+
+    def quantized(name: str, t: torch.Tensor) -> bool:
         if _EXPERT_KEY.match(name):
+            return True
+        return (linears and name.endswith(".weight") and t.ndim == 2
+                and not_converted_pattern(cfg.modules_to_not_convert,
+                                          name[:-len(".weight")]) is None)
+
+    for name, t in _read_safetensors(src).items():
+        if quantized(name, t):
             out.update(quantize.convert({name: t}))
         else:
             out[name] = t

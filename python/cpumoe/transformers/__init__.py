@@ -49,7 +49,10 @@ parallelism, a post-expert norm, non-float or non-CPU weights); there is no fall
 from the int8 tensors straight into packed layers; :func:`load_w4a8` that of a 4-bit checkpoint
 (:mod:`cpumoe.checkpoint_w4` reads them), the experts packed at 4 bits from the checkpoint's
 codes and scales (no float copy of them: what lets a 4-bit model load in the memory
-its 4-bit weights take).
+its 4-bit weights take); :func:`load_w8a16` that of an FP8 checkpoint (HF ``fp8`` with
+``weight_block_size``, or compressed-tensors FP8), its experts packed in the fp8 format from
+the stored E4M3 codes and block scales (:mod:`cpumoe.checkpoint_fp8` reads them; backend
+``"cpumoe_fp8"``, bf16 activations), its other FP8 Linears dequantized.
 
 Inference only: the backward of a cpumoe call raises. ``torch.compile`` of the model works
 once its experts are packed (call :func:`quantize` / :func:`pack_bf16`, or run it once, before
@@ -57,13 +60,14 @@ compiling): the op is one node of the graph.
 
 The package's files: ``layout`` (which experts modules cpumoe takes and how their weights map to
 the op's), ``packing`` (a module's packed layers, per weight format), ``backends`` (the
-registered forwards and :func:`prepare`), ``checkpoints`` (:func:`load_w8a8`, :func:`load_w4a8`).
+registered forwards and :func:`prepare`), ``checkpoints`` (:func:`load_w8a8`, :func:`load_w4a8`,
+:func:`load_w8a16`).
 """
 
 from __future__ import annotations
 
 from .backends import experts_modules, pack_bf16, prepare, quantize  # registers the backends
-from .checkpoints import load_w4a8, load_w8a8
+from .checkpoints import load_w4a8, load_w8a8, load_w8a16
 from .layout import UnsupportedExperts
 from .packing import BACKENDS, INT4_GROUPS
 
@@ -73,6 +77,7 @@ __all__ = [
     "UnsupportedExperts",
     "experts_modules",
     "load_w4a8",
+    "load_w8a16",
     "load_w8a8",
     "pack_bf16",
     "prepare",

@@ -1,6 +1,7 @@
 """Models of quantized checkpoints on cpumoe's backends, their experts packed from the
 checkpoint's integer weights without a float copy: compressed-tensors W8A8 (:func:`load_w8a8`),
-compressed-tensors int4 and gpt-oss MXFP4 (:func:`load_w4a8`)."""
+compressed-tensors int4 and gpt-oss MXFP4 (:func:`load_w4a8`), HF fp8 and compressed-tensors FP8
+(:func:`load_w8a16`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any, Optional
 import torch
 
 from .. import checkpoint as _ck
+from .. import checkpoint_fp8 as _ck8
 from .. import checkpoint_w4 as _ck4
 from .. import ops as _ops
 from .backends import experts_modules
@@ -93,6 +95,68 @@ def load_w4a8(path, *, dtype: torch.dtype = torch.bfloat16, model_class: Any = N
     return _load_quantized(ck, "mxfp4" if method == "mxfp4" else "int4", dtype, model_class)
 
 
+def _compressed_tensors_weights(qcfg: dict) -> set:
+    """The (type, num_bits) of the weights of a compressed-tensors config's groups."""
+    groups = qcfg.get("config_groups") or {}
+    out = set()
+    for g in (groups.values() if isinstance(groups, dict) else ()):
+        w = g.get("weights") if isinstance(g, dict) else None
+        if isinstance(w, dict):
+            out.add((w.get("type", "int"), w.get("num_bits")))
+    return out
+
+
+def load_w8a16(path, *, dtype: torch.dtype = torch.bfloat16, model_class: Any = None):
+    """A model of an FP8 (E4M3) MoE checkpoint with its experts packed in cpumoe's fp8 format
+    from the checkpoint's codes and scales as stored (no float copy of the experts), on the
+    ``"cpumoe_fp8"`` backend, as :func:`load_w8a8` does for W8A8:
+
+    - HF ``fp8`` (``quant_method: fp8``, transformers' ``FineGrainedFP8Config``: DeepSeek-V3/R1,
+      Qwen3-*-FP8, MiniMax-M2; ``weight_scale_inv`` per ``weight_block_size`` block, or per
+      matrix);
+    - compressed-tensors FP8 (``float-quantized`` / ``naive-quantized``: llm-compressor's
+      FP8_DYNAMIC / FP8_BLOCK; channel, block, group or tensor scales).
+
+    The experts are read by :func:`cpumoe.checkpoint_fp8.load_fp8_moe_layer` (its rules and
+    refusals: static activation scales, experts kept unquantized, blocks the kernels cannot
+    take) and run W8A16 (:func:`cpumoe.fused_moe` on bf16 activations). Other FP8 Linears of
+    the checkpoint (attention projections, dense MLPs) are dequantized into ``dtype``
+    (``e4m3(code) * scale`` of the code's block), as transformers does on a CPU.
+
+    model_class: default ``AutoModelForCausalLM``. Raises UnsupportedCheckpoint (a ValueError)
+    for a checkpoint that is not FP8 (naming its format and the loader that reads it) or lacks a
+    tensor, UnsupportedExperts for experts cpumoe cannot take.
+    """
+    ck = _ck.Checkpoint(path)
+    qcfg = ck.quantization_config or {}
+    method = qcfg.get("quant_method")
+    what = None
+    if not qcfg:
+        what = ("a float checkpoint (no quantization_config): load it with from_pretrained and "
+                "experts_implementation='cpumoe_bf16' (or another backend of "
+                "cpumoe.transformers.BACKENDS)")
+    elif method == "mxfp4":
+        what = "an MXFP4 checkpoint (quant_method 'mxfp4'): load_w4a8 reads it"
+    elif method == "compressed-tensors":
+        kinds = _compressed_tensors_weights(qcfg)
+        if ("float", 8) not in kinds:
+            if ("int", 4) in kinds:
+                hint = "int4: load_w4a8 reads it"
+            elif ("int", 8) in kinds:
+                hint = "int8 W8A8: load_w8a8 reads it"
+            else:
+                hint = "cpumoe has no loader for it"
+            what = (f"a compressed-tensors checkpoint without FP8 weights (weights "
+                    f"{', '.join(f'{t}{b}' for t, b in sorted(kinds, key=str)) or 'none'}; "
+                    f"{hint})")
+    elif method != "fp8":
+        what = f"quant_method {method!r}: cpumoe has no loader for it"
+    if what is not None:
+        raise _ck.UnsupportedCheckpoint(f"{path}: not an FP8 checkpoint (HF 'fp8' or "
+                                        f"compressed-tensors FP8): {what}")
+    return _load_quantized(ck, "fp8", dtype, model_class)
+
+
 def _experts_of_checkpoint(ck, kind: str, layer: int, lay: Layout, name: str):
     """One layer's routed experts read from the checkpoint, in the form whose ``prepack``
     packs them (shapes checked against the model's experts module)."""
@@ -100,6 +164,8 @@ def _experts_of_checkpoint(ck, kind: str, layer: int, lay: Layout, name: str):
         w = _ck.load_moe_layer(ck, layer, activation=lay.activation)
     elif kind == "int4":
         w = _ck4.load_int4_moe_layer(ck, layer, activation=lay.activation)
+    elif kind == "fp8":
+        w = _ck8.load_fp8_moe_layer(ck, layer, activation=lay.activation)
     else:
         w = _ck4.load_mxfp4_moe_layer(ck, layer)
         # The checkpoint says swigluoai for its interleaved rows, not its limit / alpha: those
@@ -120,8 +186,9 @@ def _experts_of_checkpoint(ck, kind: str, layer: int, lay: Layout, name: str):
 
 
 def _load_quantized(ck, kind: str, dtype: torch.dtype, model_class: Any):
-    """load_w8a8 / load_w4a8: the model built on the meta device, each experts module packed
-    from the checkpoint (``kind``: int8, int4 or mxfp4), the other tensors copied in."""
+    """load_w8a8 / load_w4a8 / load_w8a16: the model built on the meta device, each experts
+    module packed from the checkpoint (``kind``: int8, int4, mxfp4 or fp8), the other tensors
+    copied in (quantized Linears dequantized)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     backend = next(b for b, k in BACKENDS.items() if k == kind)
     config = AutoConfig.from_pretrained(str(ck.root))
@@ -164,7 +231,9 @@ def _load_quantized(ck, kind: str, dtype: torch.dtype, model_class: Any):
             if src is None:
                 missing.append(key)
                 continue
-            if src in ck:
+            if src in ck and ck.dtype(src) == "F8_E4M3":  # an FP8 Linear's weight
+                arr = _ck8.dequantize_fp8_linear(ck, src)
+            elif src in ck:
                 arr = _ck.load_float_tensor(ck, src)  # float, or a W8A8 Linear's int8 weight
             else:  # an int4 Linear's (weight_packed)
                 arr = _ck4.dequantize_int4_linear(ck, src[:-len(".weight")])
