@@ -220,7 +220,7 @@ aarch64_python() {
 
 # The ctest names of the kernel testers and grids (every supported kernel, whatever the CPU model
 # or cap): run once per build on the CPU that supports the most kernels.
-KERNEL_GRIDS='QGemmKernelTest|BGemmKernelTest|Q4GemmKernelTest|MoeGridTest|MoeBf16GridTest|MoeW4\.Grid|Fuzz\.'
+KERNEL_GRIDS='QGemmKernelTest|BGemmKernelTest|Q4GemmKernelTest|F8GemmKernelTest|MoeGridTest|MoeBf16GridTest|MoeFp8GridTest|MoeW4\.Grid|Fuzz\.'
 
 stage_cross() {
   log "cross: aarch64 build (with the Python module), ctest under qemu"

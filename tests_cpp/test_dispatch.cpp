@@ -91,17 +91,19 @@ TEST(Dispatch, IsaLadderAndNames) {
 // features): generating them from isa_table.def must keep them exactly.
 TEST(Dispatch, IsaTableKeepsTheApi) {
   const std::pair<Isa, int> values[] = {
-      {Isa::portable, 0},     {Isa::neon_dotprod, 10}, {Isa::neon_bf16, 11}, {Isa::neon_i8mm, 12},
-      {Isa::avx2, 20},        {Isa::avx512_vnni, 21},  {Isa::avx512_bf16, 22}, {Isa::amx, 23}};
-  const char* names[] = {"portable", "neon_dotprod", "neon_bf16", "neon_i8mm",
+      {Isa::portable, 0},     {Isa::neon, 9},          {Isa::neon_dotprod, 10},
+      {Isa::neon_bf16, 11},   {Isa::neon_i8mm, 12},    {Isa::avx2, 20},
+      {Isa::avx512_vnni, 21}, {Isa::avx512_bf16, 22},  {Isa::amx, 23}};
+  const char* names[] = {"portable", "neon", "neon_dotprod", "neon_bf16", "neon_i8mm",
                          "avx2", "avx512_vnni", "avx512_bf16", "amx"};
-  for (size_t i = 0; i < 8; ++i) {
+  for (size_t i = 0; i < 9; ++i) {
     EXPECT_EQ(int(values[i].first), values[i].second);
     EXPECT_STREQ(cpumoe::isa_name(values[i].first), names[i]);
   }
   EXPECT_STREQ(cpumoe::isa_name(Isa(99)), "?");
 #if defined(__aarch64__)
-  const std::vector<Isa> want{Isa::neon_i8mm, Isa::neon_bf16, Isa::neon_dotprod, Isa::portable};
+  const std::vector<Isa> want{Isa::neon_i8mm, Isa::neon_bf16, Isa::neon_dotprod, Isa::neon,
+                              Isa::portable};
 #elif defined(__x86_64__)
   const std::vector<Isa> want{Isa::amx, Isa::avx512_bf16, Isa::avx512_vnni, Isa::avx2,
                               Isa::portable};

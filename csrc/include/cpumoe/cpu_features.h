@@ -44,7 +44,8 @@ const char* target_arch();
 /// ISA levels of the kernel ladder, one per row of cpumoe/isa_table.def (which also gives their
 /// compile flags and CPU predicates). The numeric order within one architecture is the preference
 /// order (higher = preferred); `portable` is the floor everywhere.
-///  - AArch64: neon_i8mm (12) -> neon_bf16 (11) -> neon_dotprod (10) -> portable.
+///  - AArch64: neon_i8mm (12) -> neon_bf16 (11) -> neon_dotprod (10) -> neon (9, plain Armv8.0
+///    Advanced SIMD: every AArch64 CPU) -> portable.
 ///  - x86-64: amx (23) -> avx512_bf16 (22) -> avx512_vnni (21) -> avx2 (20) -> portable.
 ///    avx512_bf16 (VNNI plus VDPBF16PS) only has bf16-op kernels: the int8 op under that cap
 ///    runs avx512_vnni. amx (AMX-TILE, -INT8, -BF16 on top of avx512_bf16: Sapphire Rapids and
