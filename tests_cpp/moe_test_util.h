@@ -9,9 +9,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <iostream>
 #include <numeric>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "activation_specs.h"
@@ -309,6 +311,46 @@ double check_kernels(const std::vector<const Kernel*>& kernels, const Weights& w
     if (testing::Test::HasFailure()) break;
   }
   return worst;
+}
+
+/// The parameters of the MoE grids (every activation spec x every input dtype), and the test
+/// name of one.
+using GridParam = std::tuple<cpumoe::ActivationSpec, DType>;
+inline auto grid_params() {
+  return testing::Combine(testing::ValuesIn(moe_activation_specs()),
+                          testing::Values(DType::f32, DType::f16, DType::bf16));
+}
+inline std::string grid_name(const testing::TestParamInfo<GridParam>& info) {
+  return spec_id(std::get<0>(info.param)) + "_" + cpumoe::dtype_name(std::get<1>(info.param));
+}
+
+/// The bf16-activation ops' grid for one (activation, dtype): 30 cases, T in {0, 1, 3, 9, 33} x
+/// E in {1, 8} x k in {1, 2, 4}; bias alternates; (H, I) walks all 16 pairs of {8, 16, 64, 136}
+/// across cases (5 is coprime to 16); bf16 or f32 biases; skip_weighted on some k = 1 cases.
+/// visit(MoeData, n) runs case n; stops at the first failure. Prints how many cases ran on
+/// @p kernels kernels and @p worst (the visits' worst error of max|ref|) under @p label.
+template <class Visit>
+void bf16_op_grid(const GridParam& param, uint32_t seed, const char* label, size_t kernels,
+                  const double& worst, Visit visit) {
+  const auto [act, dtype] = param;
+  constexpr int64_t kT[] = {0, 1, 3, 9, 33};
+  constexpr int64_t kHI[] = {8, 16, 64, 136};
+  const uint32_t p = 3 * uint32_t(act.kind) + uint32_t(dtype);
+  uint32_t n = 0;
+  for (int64_t T : kT)
+    for (int64_t E : {1, 8})
+      for (int64_t k : {1, 2, 4}) {
+        const uint32_t hi = (n * 5 + p) % 16;
+        MoeData d = make_moe_data({T, E, k, kHI[hi / 4], kHI[hi % 4]}, dtype, act, n % 2 == 0,
+                                  seed + 1000 * p + n, n % 4 ? DType::bf16 : DType::f32);
+        d.skip_weighted = k == 1 && n % 4 == 1;
+        visit(std::move(d), n);
+        if (testing::Test::HasFailure()) return;
+        ++n;
+      }
+  std::cout << "[ " << label << " grid ] " << n << " cases x " << kernels
+            << " kernels, worst error vs the double oracle " << worst << " of max|ref|"
+            << std::endl;
 }
 
 }  // namespace cpumoe_test

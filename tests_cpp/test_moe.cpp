@@ -122,17 +122,8 @@ TEST_P(MoeGridTest, MatchesOracle) {
             << " of max|ref|" << std::endl;
 }
 
-std::string GridName(const testing::TestParamInfo<std::tuple<cpumoe::ActivationSpec, DType>>& info) {
-  const char* dt[] = {"f32", "f16", "bf16"};
-  return cpumoe_test::spec_id(std::get<0>(info.param)) + "_" +
-         dt[int(std::get<1>(info.param))];
-}
-
-INSTANTIATE_TEST_SUITE_P(
-    All, MoeGridTest,
-    testing::Combine(testing::ValuesIn(cpumoe_test::moe_activation_specs()),
-                     testing::Values(DType::f32, DType::f16, DType::bf16)),
-    GridName);
+INSTANTIATE_TEST_SUITE_P(All, MoeGridTest, cpumoe_test::grid_params(),
+                         cpumoe_test::grid_name);
 
 // --- Routing ---------------------------------------------------------------------------------
 

@@ -132,44 +132,20 @@ void check_all_kernels(const Fp8Data& f) {
 // small square ones, per channel (bk 0) and per tensor-ish (bn and bk beyond every size).
 constexpr int64_t kBlocks[][2] = {{128, 128}, {3, 32}, {32, 32}, {1, 0}, {4096, 4096}};
 
-class MoeFp8GridTest : public testing::TestWithParam<std::tuple<cpumoe::ActivationSpec, DType>> {};
+class MoeFp8GridTest : public testing::TestWithParam<cpumoe_test::GridParam> {};
 
 TEST_P(MoeFp8GridTest, MatchesOracle) {
   const auto [act, dtype] = GetParam();
-  constexpr int64_t kT[] = {0, 1, 3, 9, 33};
-  constexpr int64_t kHI[] = {8, 16, 64, 136};
   const uint32_t param = 3 * uint32_t(act.kind) + uint32_t(dtype);
-  uint32_t n = 0;
-  for (int64_t T : kT)
-    for (int64_t E : {1, 8})
-      for (int64_t k : {1, 2, 4}) {
-        const bool bias = n % 2 == 0;
-        const uint32_t hi = (n * 5 + param) % 16;
-        const MoeShape s{T, E, k, kHI[hi / 4], kHI[hi % 4]};
-        MoeData d = make_moe_data(s, dtype, act, bias, 9000 + 1000 * param + n,
-                                  n % 4 ? DType::bf16 : DType::f32);
-        d.skip_weighted = k == 1 && n % 4 == 1;
-        const auto* b = kBlocks[(n + param) % 5];
-        check_all_kernels(to_fp8(std::move(d), b[0], b[1]));
-        if (HasFailure()) return;
-        ++n;
-      }
-  std::cout << "[ fp8 grid ] " << n << " cases x " << supported_f8_kernels().size()
-            << " kernels, worst error vs the double oracle " << g_worst << " of max|ref|"
-            << std::endl;
+  cpumoe_test::bf16_op_grid(GetParam(), 9000, "fp8", supported_f8_kernels().size(), g_worst,
+                            [&](MoeData d, uint32_t i) {
+                              const auto* b = kBlocks[(i + param) % 5];
+                              check_all_kernels(to_fp8(std::move(d), b[0], b[1]));
+                            });
 }
 
-std::string GridName(
-    const testing::TestParamInfo<std::tuple<cpumoe::ActivationSpec, DType>>& info) {
-  return cpumoe_test::spec_id(std::get<0>(info.param)) + "_" +
-         cpumoe::dtype_name(std::get<1>(info.param));
-}
-
-INSTANTIATE_TEST_SUITE_P(
-    All, MoeFp8GridTest,
-    testing::Combine(testing::ValuesIn(cpumoe_test::moe_activation_specs()),
-                     testing::Values(DType::f32, DType::f16, DType::bf16)),
-    GridName);
+INSTANTIATE_TEST_SUITE_P(All, MoeFp8GridTest, cpumoe_test::grid_params(),
+                         cpumoe_test::grid_name);
 
 // Real layer widths (K up to 2880 with 128-blocks that end partial) and the fused / phased task
 // splits giving the same bits.

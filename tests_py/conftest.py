@@ -313,6 +313,27 @@ class Problem:
                                   b13=self.b13, b2=self.b2, **args)
 
 
+class FloatWeightsProblem:
+    """An int8 test problem (make_problem's keywords) with its weights dequantized to float32
+    (``w13f``, ``w2f``: w * scale), for the ops that take other weight formats: a subclass gives
+    ``prepack(**kw)`` and ``reference()``; ``run`` calls cpumoe.fused_moe."""
+
+    def __init__(self, backend: Backend, **kw):
+        self.p = p = make_problem(backend, **kw)
+        self.B = backend
+        self.w13f = backend.numpy(p.w13).astype(np.float32) * backend.numpy(p.s13)[:, :, None]
+        self.w2f = backend.numpy(p.w2).astype(np.float32) * backend.numpy(p.s2)[:, :, None]
+
+    def run(self, packed=None, **kw):
+        import cpumoe
+        p = self.p
+        if packed is None:
+            packed = self.prepack()
+        args = dict(activation=p.activation, skip_weighted=p.skip_weighted)
+        args.update(kw)
+        return cpumoe.fused_moe(args.pop("x", p.x), packed, p.topk_weights, p.topk_ids, **args)
+
+
 def make_problem(backend: Backend, T: int, E: int, k: int, H: int, I: int, *,
                  dtype: str = "float32", activation: str = "silu", bias: bool = False,
                  skip_weighted: bool = False, seed: int = 0, weight_seed: int = 0) -> Problem:

@@ -13,7 +13,7 @@ import pytest
 
 import cpumoe
 from cpumoe import reference
-from conftest import assert_moe_close, make_problem, op_cases
+from conftest import FloatWeightsProblem, assert_moe_close, op_cases
 
 BF16_PATHS = cpumoe.available_paths("bf16")
 INT8_PATHS = cpumoe.available_paths("int8")
@@ -27,28 +27,16 @@ RTOL = 1e-2
 _SHAPES = ((1, 8, 2, 128, 64), (9, 16, 4, 256, 128), (33, 8, 1, 64, 256))
 
 
-class Bf16Problem:
+class Bf16Problem(FloatWeightsProblem):
     """An int8 test problem's layer as bf16 weights (w * scale rounded to bf16)."""
 
     def __init__(self, backend, **kw):
-        self.p = p = make_problem(backend, **kw)
-        B = backend
-        w13 = B.numpy(p.w13).astype(np.float32) * B.numpy(p.s13)[:, :, None]
-        w2 = B.numpy(p.w2).astype(np.float32) * B.numpy(p.s2)[:, :, None]
-        self.w13 = B.asarray(w13, "bfloat16")
-        self.w2 = B.asarray(w2, "bfloat16")
+        super().__init__(backend, **kw)
+        self.w13 = backend.asarray(self.w13f, "bfloat16")
+        self.w2 = backend.asarray(self.w2f, "bfloat16")
 
     def prepack(self, **kw):
         return cpumoe.prepack_bf16(self.w13, self.w2, self.p.b13, self.p.b2, **kw)
-
-    def run(self, packed=None, **kw):
-        p = self.p
-        if packed is None:
-            packed = self.prepack()
-        args = dict(activation=p.activation, skip_weighted=p.skip_weighted)
-        args.update(kw)
-        return cpumoe.fused_moe_bf16(args.pop("x", p.x), packed, p.topk_weights, p.topk_ids,
-                                     **args)
 
     def reference(self):
         p = self.p

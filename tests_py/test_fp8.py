@@ -16,7 +16,7 @@ import pytest
 import cpumoe
 from cpumoe import quantize as Q
 from cpumoe import reference
-from conftest import Backend, assert_moe_close, make_problem, op_cases
+from conftest import Backend, FloatWeightsProblem, assert_moe_close, op_cases
 
 FP8_PATHS = cpumoe.available_paths("fp8")
 # As test_bf16: kernel and reference sum in different orders (fp32 vs float64), which can flip a
@@ -28,29 +28,18 @@ _SHAPES = ((1, 8, 2, 128, 64), (9, 16, 4, 256, 128), (33, 8, 1, 160, 96))
 _BLOCKS = ((128, 128), (32, 64), None, (16, 32))
 
 
-class Fp8Problem:
+class Fp8Problem(FloatWeightsProblem):
     """An int8 test problem's layer as FP8 weights (w * scale quantized to E4M3 in blocks)."""
 
     def __init__(self, backend, block_size=(128, 128), **kw):
-        self.p = p = make_problem(backend, **kw)
-        self.B = B = backend
+        super().__init__(backend, **kw)
         self.block_size = block_size
-        w13 = B.numpy(p.w13).astype(np.float32) * B.numpy(p.s13)[:, :, None]
-        w2 = B.numpy(p.w2).astype(np.float32) * B.numpy(p.s2)[:, :, None]
-        self.c13, self.t13 = Q.quantize_fp8(w13, block_size)
-        self.c2, self.t2 = Q.quantize_fp8(w2, block_size)
+        self.c13, self.t13 = Q.quantize_fp8(self.w13f, block_size)
+        self.c2, self.t2 = Q.quantize_fp8(self.w2f, block_size)
 
     def prepack(self, **kw):
         return cpumoe.prepack_fp8(self.c13, self.c2, self.t13, self.t2, self.p.b13, self.p.b2,
                                   block_size=self.block_size, **kw)
-
-    def run(self, packed=None, **kw):
-        p = self.p
-        if packed is None:
-            packed = self.prepack()
-        args = dict(activation=p.activation, skip_weighted=p.skip_weighted)
-        args.update(kw)
-        return cpumoe.fused_moe(args.pop("x", p.x), packed, p.topk_weights, p.topk_ids, **args)
 
     def reference(self):
         p = self.p

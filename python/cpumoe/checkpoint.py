@@ -477,14 +477,6 @@ class MoeLayerWeights(LoadedExperts):
 
     layout: str
 
-    @property
-    def hidden(self) -> int:
-        return self.w13.shape[2]
-
-    @property
-    def intermediate(self) -> int:
-        return self.w2.shape[2]
-
     def as_layer(self, framework: str = "numpy") -> Any:
         """An object with vLLM's attribute names (w13_weight, w2_weight, w13_weight_scale,
         w2_weight_scale, w13_bias, w2_bias) for :meth:`cpumoe.experts.Int8Experts.

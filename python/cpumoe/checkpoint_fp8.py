@@ -80,14 +80,6 @@ class Fp8LayerWeights(LoadedExperts):
     layout: str
     scheme: str
 
-    @property
-    def hidden(self) -> int:
-        return self.w13.shape[2]
-
-    @property
-    def intermediate(self) -> int:
-        return self.w2.shape[2]
-
     def prepack(self, isa: Optional[str] = None, num_threads: Optional[int] = None):
         """The packed layer (:func:`cpumoe.prepack_fp8` with this layer's ``block_size``)."""
         return _ops.prepack_fp8(self.w13, self.w2, self.s13, self.s2, self.b13, self.b2,

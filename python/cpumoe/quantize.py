@@ -434,6 +434,14 @@ class QuantizedExperts:
     def num_experts(self) -> int:
         return self.w13.shape[0]
 
+    @property
+    def hidden(self) -> int:
+        return self.w2.shape[1]
+
+    @property
+    def intermediate(self) -> int:
+        return self.w13.shape[1] // 2
+
     def prepack(self, isa: Optional[str] = None, num_threads: Optional[int] = None):
         """The packed layer (the format's prepack function of cpumoe.formats())."""
         from . import ops
