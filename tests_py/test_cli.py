@@ -335,3 +335,18 @@ def test_python_dash_m_runs_main_once():
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("usage: cpumoe bench ")
     assert r.stderr.splitlines()[-1] == "False"  # bench did not import cpumoe.__main__ again
+
+
+def test_accuracy_measures_every_format_against_both_references():
+    # Every format of the table, each against the fp32 layer and against the layer on its own
+    # dequantized weights: the op adds the same small error to fp8 as to bf16 (bf16 activations),
+    # more with int8 activations; 4-bit weights lose more than 8-bit ones.
+    from cpumoe.cli import accuracy
+    res = accuracy.measure("qwen3-30b-a3b", 2, 8, 0)
+    names = {k.split()[0] for k in res}
+    assert names == set(cpumoe.FORMATS)
+    for fmt, e in res.items():
+        assert set(e) == {"fp32", "own"} and 0 < e["own"] <= e["fp32"] + 1e-3, fmt
+    assert res["fp8 g128"]["own"] < 2 * res["bf16"]["own"] < 0.01
+    assert res["int8"]["own"] > res["bf16"]["own"]
+    assert res["int4 g128"]["fp32"] > res["int8"]["fp32"]
