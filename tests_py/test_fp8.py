@@ -204,3 +204,20 @@ def test_ops_take_it_where_they_should():
     assert cpumoe.scratch_bytes(4, 1, packed) > 0
     assert "fp8" in cpumoe.FORMATS and "PackedMoeFp8" in repr(packed)
     assert cpumoe.selected_path(op="fp8") in FP8_PATHS
+
+
+def test_requantize_to_int8_runs_the_w8a8_op_on_the_dequantized_weights(backend):
+    prob = Fp8Problem(backend, T=9, E=4, k=2, H=128, I=64, dtype="float32", bias=True)
+    q = Q.requantize_fp8(prob.c13, prob.c2, prob.t13, prob.t2, prob.p.b13, prob.p.b2,
+                         block_size=prob.block_size)
+    assert q.weight_format == "int8"
+    w13 = Q.dequantize_fp8(prob.c13, prob.t13, prob.block_size)
+    want13, want_s13 = Q.quantize_per_channel(w13)
+    assert np.array_equal(np.asarray(q.w13), want13)
+    assert np.array_equal(np.asarray(q.s13), want_s13)
+    packed = q.prepack()
+    assert packed.weight_format == "int8"
+    p = prob.p
+    ref = reference.ref_fused_moe_int8(p.x, q.w13, q.w2, q.s13, q.s2, p.topk_weights,
+                                       p.topk_ids, p.activation, q.b13, q.b2)
+    assert_moe_close(backend, prob.run(packed), ref)

@@ -105,6 +105,11 @@ def measure(preset: str, E: int, T: int, seed: int) -> Dict[str, Dict[str, float
             out = cpumoe.fused_moe(xb, q.prepack(), tw, ids, activation=act).astype(np.float64)
             own = _fp32_layer(x, *q.dequantized(), b13, b2, ids, tw, act)
             res[label] = {"fp32": rel(out, ref), "own": rel(out, own)}
+            if row["name"] == "fp8" and g == 128:  # requantize="int8": against the fp8 layer
+                r = Q.requantize_fp8(q.w13, q.w2, q.s13, q.s2, b13, b2, block_size=(g, g))
+                out8 = cpumoe.fused_moe(xb, r.prepack(), tw, ids, activation=act)
+                res["fp8->int8"] = {"fp32": rel(out8.astype(np.float64), ref),
+                                    "own": rel(out8.astype(np.float64), own)}
     return res
 
 
