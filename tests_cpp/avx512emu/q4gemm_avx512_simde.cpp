@@ -2,40 +2,19 @@
 // AVX-512 intrinsics, Debian's libsimde-dev) instead of the hardware, so the registry tester runs
 // its loops, packing, tails and epilogue bit for bit on a CPU without AVX-512 (this and the
 // x86-haswell machines). Where the CPU has AVX-512, cpumoe_q4gemm_test runs the real kernel too.
-// Built with the baseline flags: no AVX-512 instruction can be in this object.
-#if defined(__AVX512F__)
-#error "q4gemm_avx512_simde.cpp must be built without AVX-512 flags (it runs the emulation)"
-#endif
-
-// GCC's own intrinsics first (their inline definitions claim the names), then SIMDe's
-// implementations with its native-alias macros, which then win for every later use.
-#include <immintrin.h>
-#define SIMDE_ENABLE_NATIVE_ALIASES
-#include <simde/x86/avx512.h>
-
-#include <cstdint>
-#include <cstring>
-
-#include "avx512emu/avx512_simde_shims.h"
+// Built with the baseline flags: no AVX-512 instruction can be in this object
+// (avx512_simde_kernel.h).
 #include "avx512emu/q4gemm_avx512_emu.h"
 
-// The kernel file checks the ISA macros; from here on its intrinsics are SIMDe's.
-#define __AVX512F__ 1
-#define __AVX512BW__ 1
-#define __AVX512VL__ 1
-#define __AVX512VNNI__ 1
+#include "avx512emu/avx512_simde_kernel.h"
+
 #define q4gemm_qs8rs_q4cio32x4_8x32_avx512_vnni q4gemm_avx512_vnni_simde_table
 #include "ukernels/q4gemm/x86/q4gemm_qs8rs_q4cio32x4_8x32_avx512_vnni.cpp"
 #undef q4gemm_qs8rs_q4cio32x4_8x32_avx512_vnni
 
 namespace cpumoe_test {
 
-// The same table, runnable on any CPU (isa portable) and named apart.
-extern const cpumoe::Q4GemmUkernel q4gemm_avx512_vnni_simde = [] {
-  cpumoe::Q4GemmUkernel k = cpumoe::q4gemm_avx512_vnni_simde_table;
-  k.name = "q4gemm_qs8rs_q4cio32x4_8x32_avx512_vnni_simde";
-  k.isa = cpumoe::Isa::portable;
-  return k;
-}();
+extern const cpumoe::Q4GemmUkernel q4gemm_avx512_vnni_simde = simde_table(
+    cpumoe::q4gemm_avx512_vnni_simde_table, "q4gemm_qs8rs_q4cio32x4_8x32_avx512_vnni_simde");
 
 }  // namespace cpumoe_test

@@ -16,13 +16,12 @@
 namespace cpumoe {
 namespace {
 
-/// A kernel's packing: K padded to kp = round_up(k, Kr); A rows of kp elements of LhsBytes bytes
-/// (2: bf16, 4: widened to fp32), the row count rounded up to LhsRows (zero rows); B in blocks of
-/// Nr columns x kp bf16 (a multiple of 64 bytes when Nr * Kr is a multiple of 32).
-template <int64_t Nr, int64_t Kr, int64_t LhsBytes, int64_t LhsRows = 1>
-struct BGemmPacking {
-  static_assert(Nr * Kr % 32 == 0, "packed B blocks must be multiples of 64 bytes");
-  static constexpr int64_t kNr = Nr, kKr = Kr, kLhsBytes = LhsBytes, kLhsRows = LhsRows;
+/// The A part of a kernel's packing (BGemmPacking's, F8Packing's): K padded to
+/// kp = round_up(k, Kr); A rows of kp elements of LhsBytes bytes (2: bf16, 4: widened to fp32),
+/// the row count rounded up to LhsRows (zero rows).
+template <int64_t Kr, int64_t LhsBytes, int64_t LhsRows>
+struct RowLhsPacking {
+  static constexpr int64_t kKr = Kr, kLhsBytes = LhsBytes, kLhsRows = LhsRows;
   static int64_t padded_k(int64_t k) { return round_up(k, Kr); }
   static size_t lhs_size(int64_t m, int64_t k) {
     return size_t(round_up(m, LhsRows)) * size_t(padded_k(k)) * size_t(LhsBytes);
@@ -30,6 +29,15 @@ struct BGemmPacking {
   static size_t lhs_offset(int64_t m_idx, int64_t k) {
     return size_t(m_idx) * size_t(padded_k(k)) * size_t(LhsBytes);
   }
+};
+
+/// A kernel's packing: A as RowLhsPacking's; B in blocks of Nr columns x kp bf16 (a multiple of
+/// 64 bytes when Nr * Kr is a multiple of 32).
+template <int64_t Nr, int64_t Kr, int64_t LhsBytes, int64_t LhsRows = 1>
+struct BGemmPacking : RowLhsPacking<Kr, LhsBytes, LhsRows> {
+  static_assert(Nr * Kr % 32 == 0, "packed B blocks must be multiples of 64 bytes");
+  static constexpr int64_t kNr = Nr;
+  using RowLhsPacking<Kr, LhsBytes, LhsRows>::padded_k;
   static size_t rhs_size(int64_t n, int64_t k) {
     return size_t(round_up(n, Nr)) * size_t(padded_k(k)) * 2;
   }

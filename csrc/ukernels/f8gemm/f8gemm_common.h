@@ -19,8 +19,9 @@ namespace {
 
 /// Packed A and B of an f8gemm kernel.
 ///
-/// A: as BGemmPacking's, rows of kp = round_up(k, Kr) elements of LhsBytes bytes (2: bf16, 4:
-/// widened to fp32), zero-padded from k to kp, the row count rounded up to LhsRows with zero rows.
+/// A: RowLhsPacking's (bgemm_common.h, as BGemmPacking's), rows of kp = round_up(k, Kr) elements
+/// of LhsBytes bytes (2: bf16, 4: widened to fp32), zero-padded from k to kp, the row count
+/// rounded up to LhsRows with zero rows.
 /// Group g of a row starts at element g * group_k (below), as in B.
 ///
 /// B: blocks of Nr output columns, each a multiple of 64 bytes (so every block starts a cache
@@ -37,17 +38,9 @@ namespace {
 /// Groups follow each other at a fixed stride (group_stride): only the last may be shorter. Zero
 /// bytes pad the block to a multiple of 64. Offsets at multiples of Nr.
 template <int64_t Nr, int64_t Kr, int64_t LhsBytes, int64_t LhsRows = 1>
-struct F8Packing {
+struct F8Packing : RowLhsPacking<Kr, LhsBytes, LhsRows> {
   static_assert(kF8GroupMultiple % Kr == 0, "every group but the last must be whole k steps");
-  static constexpr int64_t kNr = Nr, kKr = Kr, kLhsBytes = LhsBytes, kLhsRows = LhsRows;
-
-  static int64_t padded_k(int64_t k) { return round_up(k, Kr); }
-  static size_t lhs_size(int64_t m, int64_t k) {
-    return size_t(round_up(m, LhsRows)) * size_t(padded_k(k)) * size_t(LhsBytes);
-  }
-  static size_t lhs_offset(int64_t m_idx, int64_t k) {
-    return size_t(m_idx) * size_t(padded_k(k)) * size_t(LhsBytes);
-  }
+  static constexpr int64_t kNr = Nr;
 
   /// k per group (every group but the last): the layout's group, or k when that covers k.
   static int64_t group_k(int64_t k, const F8Layout& w) { return w.group >= k ? k : w.group; }
@@ -166,6 +159,23 @@ inline void store_f8_row(float* dst, const float* acc, int64_t n, const float* b
   } else {
     for (int64_t j = 0; j < n; ++j) dst[j] = acc[j];
   }
+}
+
+/// The layout numbers of one call that a kernel's tiles share (packing P, depth k, layout w):
+/// k, kp = P::padded_k(k), the group count, group_k, group_stride and block_bytes.
+struct F8Call {
+  int64_t k, kp, groups, gk, gstride, block_bytes;
+  const F8Layout* w;
+};
+template <class P>
+F8Call f8_call(int64_t k, const F8Layout& w) {
+  return F8Call{k,
+                P::padded_k(k),
+                f8_groups(k, w),
+                P::group_k(k, w),
+                P::group_stride(k, w),
+                int64_t(P::block_bytes(k, w)),
+                &w};
 }
 
 /// F8GemmUkernel::scratch_bytes of a kernel that needs no scratch.

@@ -35,6 +35,7 @@
 
 #include "cpumoe/bgemm.h"
 #include "ukernels/common/arm/neon_bf16_common.h"
+#include "ukernels/common/arm/neon_common.h"  // store_row_f32x8
 
 namespace cpumoe {
 namespace {
@@ -58,37 +59,12 @@ struct Fp32Sum {
   }
 };
 
-// Row i, columns [j, j + nc) of the destination: acc (+ bias). The bias is added in vector form
-// for full and partial rows alike (a partial row's nc bias values through a zero-padded copy); a
-// partial row (the last block when n % 8 != 0) is stored through a stack copy.
-inline void store_row(float* d, float32x4_t lo, float32x4_t hi, int64_t nc, const float* bias) {
-  float v[8];
-  if (bias != nullptr) {
-    const float* b = bias;
-    if (nc < 8) {
-      std::memset(v, 0, sizeof v);
-      std::memcpy(v, bias, size_t(nc) * sizeof(float));
-      b = v;
-    }
-    lo = vaddq_f32(lo, vld1q_f32(b));
-    hi = vaddq_f32(hi, vld1q_f32(b + 4));
-  }
-  if (nc == 8) {
-    vst1q_f32(d, lo);
-    vst1q_f32(d + 4, hi);
-  } else {
-    vst1q_f32(v, lo);
-    vst1q_f32(v + 4, hi);
-    std::memcpy(d, v, size_t(nc) * sizeof(float));
-  }
-}
-
 void run_f32(int64_t m, int64_t n, int64_t k, const void* lhs, const void* rhs, float* dst,
              int64_t dst_stride, const float* bias) {
   bfmmla_run<Fp32Sum>(m, n, k, lhs, rhs,
                       [&](int64_t i, int64_t j, int64_t nc, float32x4_t lo, float32x4_t hi) {
-                        store_row(dst + i * dst_stride + j, lo, hi, nc,
-                                  bias != nullptr ? bias + j : nullptr);
+                        store_row_f32x8(dst + i * dst_stride + j, lo, hi, nc,
+                                        bias != nullptr ? bias + j : nullptr);
                       });
 }
 

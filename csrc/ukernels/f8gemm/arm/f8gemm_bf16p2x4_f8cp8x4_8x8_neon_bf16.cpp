@@ -49,6 +49,7 @@
 #include <cstring>
 
 #include "ukernels/common/arm/neon_bf16_common.h"
+#include "ukernels/common/arm/neon_common.h"  // store_row_f32x8
 #include "ukernels/f8gemm/f8gemm_common.h"
 
 namespace cpumoe {
@@ -72,11 +73,7 @@ struct FromBf16 {
   static uint16_t one(uint16_t v) { return v; }
 };
 
-// What every tile of one call shares.
-struct Call {
-  int64_t k, kp, groups, gk, gstride, block_bytes;
-  const F8Layout* w;
-};
+using Call = F8Call;  // what every tile of one call shares
 
 // 8 codes (one column pair's 4-k operand) -> the bf16 of their values times 2^-8.
 __attribute__((always_inline)) inline bfloat16x8_t decode8(int8x8_t c) {
@@ -178,29 +175,6 @@ void decode_chunk(const uint8_t* b, int64_t slices, bfloat16_t* d) {
   }
 }
 
-// Row i of the destination, columns [0, nc) of one block: the totals (+ bias).
-inline void store_row(float* d, float32x4_t lo, float32x4_t hi, int64_t nc, const float* bias) {
-  float v[8];
-  if (bias != nullptr) {
-    const float* bb = bias;
-    if (nc < 8) {
-      std::memset(v, 0, sizeof v);
-      std::memcpy(v, bias, size_t(nc) * sizeof(float));
-      bb = v;
-    }
-    lo = vaddq_f32(lo, vld1q_f32(bb));
-    hi = vaddq_f32(hi, vld1q_f32(bb + 4));
-  }
-  if (nc == 8) {
-    vst1q_f32(d, lo);
-    vst1q_f32(d + 4, hi);
-  } else {
-    vst1q_f32(v, lo);
-    vst1q_f32(v + 4, hi);
-    std::memcpy(d, v, size_t(nc) * sizeof(float));
-  }
-}
-
 // The rows of NP pairs x NB blocks from their totals (as group_sums leaves them): `rows`
 // (> 2 (NP - 1)) destination rows at dst (dst_stride apart), `cols` (> 8 (NB - 1)) columns.
 template <int NP, int NB>
@@ -214,9 +188,9 @@ void store_tile(const float (*tot)[4], float* dst, int64_t dst_stride, int64_t r
       float* d = dst + 2 * p * dst_stride + 8 * nb;
       const float32x4_t q0 = vld1q_f32(q[0]), q1 = vld1q_f32(q[1]), q2 = vld1q_f32(q[2]),
                         q3 = vld1q_f32(q[3]);
-      store_row(d, bfmmla_row0(q0, q1), bfmmla_row0(q2, q3), nc, bj);
+      store_row_f32x8(d, bfmmla_row0(q0, q1), bfmmla_row0(q2, q3), nc, bj);
       if (2 * p + 1 < rows)
-        store_row(d + dst_stride, bfmmla_row1(q0, q1), bfmmla_row1(q2, q3), nc, bj);
+        store_row_f32x8(d + dst_stride, bfmmla_row1(q0, q1), bfmmla_row1(q2, q3), nc, bj);
     }
 }
 
@@ -308,13 +282,7 @@ void run_decoded(const Call& cl, int64_t m, int64_t n, const bfloat16_t* a, cons
 void run_f32(int64_t m, int64_t n, int64_t k, const F8Layout& w, const void* lhs, const void* rhs,
              float* dst, int64_t dst_stride, const F8GemmEpilogue& ep) {
   if (m <= 0 || n <= 0) return;
-  const Call cl{k,
-                Packing::padded_k(k),
-                f8_groups(k, w),
-                Packing::group_k(k, w),
-                Packing::group_stride(k, w),
-                int64_t(Packing::block_bytes(k, w)),
-                &w};
+  const Call cl = f8_call<Packing>(k, w);
   const auto* a = static_cast<const bfloat16_t*>(lhs);
   const auto* b = static_cast<const uint8_t*>(rhs);
   if (m > kMr) {

@@ -41,6 +41,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "ukernels/common/arm/neon_common.h"  // store_row_f32x8
 #include "ukernels/f8gemm/f8gemm_common.h"
 
 namespace cpumoe {
@@ -50,11 +51,7 @@ using Packing = F8Packing</*Nr=*/8, /*Kr=*/4, /*LhsBytes=*/4>;
 constexpr int64_t kMr = 8;
 constexpr int64_t kNr = Packing::kNr;
 
-// What every tile of one call shares.
-struct Call {
-  int64_t k, kp, groups, gk, gstride, block_bytes;
-  const F8Layout* w;
-};
+using Call = F8Call;  // what every tile of one call shares
 
 // 16 codes (2 k x 8 columns, k-major) -> the fp32 values times 2^-8: d[0], d[1] columns 0-3, 4-7
 // of the first k, d[2], d[3] of the second.
@@ -128,29 +125,6 @@ __attribute__((noinline)) void group_sums(const float* a, int64_t kp, const uint
   }
 }
 
-// Row i of the destination, columns [0, nc) of one block: the totals (+ bias).
-inline void store_row(float* d, float32x4_t lo, float32x4_t hi, int64_t nc, const float* bias) {
-  float v[8];
-  if (bias != nullptr) {
-    const float* bb = bias;
-    if (nc < 8) {
-      std::memset(v, 0, sizeof v);
-      std::memcpy(v, bias, size_t(nc) * sizeof(float));
-      bb = v;
-    }
-    lo = vaddq_f32(lo, vld1q_f32(bb));
-    hi = vaddq_f32(hi, vld1q_f32(bb + 4));
-  }
-  if (nc == 8) {
-    vst1q_f32(d, lo);
-    vst1q_f32(d + 4, hi);
-  } else {
-    vst1q_f32(v, lo);
-    vst1q_f32(v + 4, hi);
-    std::memcpy(d, v, size_t(nc) * sizeof(float));
-  }
-}
-
 // An MR x NB tile over the whole depth: rows of A at a (kp apart), NB blocks of B from b, the
 // destination's rows at dst (dst_stride apart), cols real columns (> 8 (NB - 1)).
 template <int MR, int NB>
@@ -166,9 +140,9 @@ void tile(const Call& cl, const float* a, const uint8_t* b, float* dst, int64_t 
   }
   for (int r = 0; r < MR; ++r)
     for (int nb = 0; nb < NB; ++nb)
-      store_row(dst + r * dst_stride + 8 * nb, vld1q_f32(tot[r] + 8 * nb),
-                vld1q_f32(tot[r] + 8 * nb + 4), std::min<int64_t>(8, cols - 8 * nb),
-                bias != nullptr ? bias + 8 * nb : nullptr);
+      store_row_f32x8(dst + r * dst_stride + 8 * nb, vld1q_f32(tot[r] + 8 * nb),
+                      vld1q_f32(tot[r] + 8 * nb + 4), std::min<int64_t>(8, cols - 8 * nb),
+                      bias != nullptr ? bias + 8 * nb : nullptr);
 }
 
 using TileFn = void (*)(const Call&, const float*, const uint8_t*, float*, int64_t, int64_t,
@@ -189,13 +163,7 @@ constexpr TileFn kTiles[9][5] = {
 void run_f32(int64_t m, int64_t n, int64_t k, const F8Layout& w, const void* lhs, const void* rhs,
              float* dst, int64_t dst_stride, const F8GemmEpilogue& ep) {
   if (m <= 0 || n <= 0) return;
-  const Call cl{k,
-                Packing::padded_k(k),
-                f8_groups(k, w),
-                Packing::group_k(k, w),
-                Packing::group_stride(k, w),
-                int64_t(Packing::block_bytes(k, w)),
-                &w};
+  const Call cl = f8_call<Packing>(k, w);
   const auto* a = static_cast<const float*>(lhs);
   const auto* b = static_cast<const uint8_t*>(rhs);
   const int64_t blocks = (n + kNr - 1) / kNr;

@@ -171,16 +171,7 @@ struct TileTable {
     if constexpr (used) return &tile<V, MR, NB>;
     else return nullptr;
   }
-  template <int MR, int... NB>
-  static constexpr std::array<Fn, kMaxBlocks> row(std::integer_sequence<int, NB...>) {
-    return {fn<MR, NB + 1>()...};
-  }
-  template <int... MR>
-  static constexpr auto make(std::integer_sequence<int, MR...>) {
-    return std::array<std::array<Fn, kMaxBlocks>, sizeof...(MR)>{
-        row<MR + 1>(std::make_integer_sequence<int, kMaxBlocks>{})...};
-  }
-  static constexpr auto table = make(std::make_integer_sequence<int, kMaxRows>{});
+  static constexpr auto table = TileFnGrid<TileTable, Fn, kMaxRows, kMaxBlocks>::table;
 };
 
 /// F8GemmUkernel::run_f32 over V's tiles, K's steps (static constexpr Steps kSmall, kMid,

@@ -153,16 +153,7 @@ struct Q4TileTable {
     if constexpr (NB <= max_nb) return &K::template tile<MR, NB, Mx, G>;
     else return nullptr;
   }
-  template <int MR, int... NB>
-  static constexpr std::array<Fn, kMaxBlocks> row(std::integer_sequence<int, NB...>) {
-    return {fn<MR, NB + 1>()...};
-  }
-  template <int... MR>
-  static constexpr auto make(std::integer_sequence<int, MR...>) {
-    return std::array<std::array<Fn, kMaxBlocks>, sizeof...(MR)>{
-        row<MR + 1>(std::make_integer_sequence<int, kMaxBlocks>{})...};
-  }
-  static constexpr auto table = make(std::make_integer_sequence<int, K::kRows>{});
+  static constexpr auto table = TileFnGrid<Q4TileTable, Fn, K::kRows, kMaxBlocks>::table;
 };
 
 /// Q4GemmUkernel::run_f32 of an x86 kernel K over the `qs8rs` A and Q4Packing<K::kNr> B, on
