@@ -25,30 +25,42 @@ from cpumoe.testing import models  # noqa: E402
 #: (models.save_tiny); otherwise the checkpoint made from the model ``source`` by
 #: models.save_<kind>:
 #: "w8a8" / "w4a8" / "w4a16" quantized with compressed-tensors, "mxfp4" in gpt-oss's release
-#: layout, and two bf16 references: "int4_grid" (the experts on an int4 grid: the int4
-#: checkpoints made from it hold it exactly) and "mxfp4_dequantized" (an MXFP4 checkpoint's
-#: experts, exactly). A quantized run is compared with vLLM's bf16 run of REFERENCE[name]; where
-#: that holds the same weights, they differ only by cpumoe's int8 activations.
+#: layout, "fp8" (HF quant_method fp8, 128x128 blocks, the experts only: vLLM 0.32's CPU
+#: backend has no FP8 linear layers), "fp8_compressed" (compressed-tensors FP8_DYNAMIC: channel
+#: weights, the experts only), and three bf16 references: "int4_grid" (the experts on an
+#: int4 grid: the int4 checkpoints made from it hold it exactly), "mxfp4_dequantized" (an MXFP4
+#: checkpoint's experts, exactly) and "fp8_dequantized" (an FP8 checkpoint's experts, e4m3 *
+#: scale rounded to bf16). A quantized run is compared with vLLM's bf16 run of
+#: REFERENCE[name]; where that holds the same weights, they differ only by cpumoe's int8
+#: activations (4-bit) or the bf16 rounding of the dequantized weights (FP8).
 MODELS = {"qwen3_moe": ("qwen3_moe", None), "qwen3_moe_w8a8": ("qwen3_moe", "w8a8"),
           "qwen3_moe_int4_grid": ("qwen3_moe", "int4_grid"),
           "qwen3_moe_w4a8": ("qwen3_moe_int4_grid", "w4a8"),
           "qwen3_moe_w4a16": ("qwen3_moe_int4_grid", "w4a16"),
           "mixtral": ("mixtral", None), "mixtral_w8a8": ("mixtral", "w8a8"),
           "gpt_oss": ("gpt_oss", None), "gpt_oss_mxfp4": ("gpt_oss", "mxfp4"),
-          "gpt_oss_mxfp4_bf16": ("gpt_oss_mxfp4", "mxfp4_dequantized")}
+          "gpt_oss_mxfp4_bf16": ("gpt_oss_mxfp4", "mxfp4_dequantized"),
+          "qwen3_moe_fp8": ("qwen3_moe", "fp8"),
+          "qwen3_moe_fp8_compressed": ("qwen3_moe", "fp8_compressed"),
+          "qwen3_moe_fp8_bf16": ("qwen3_moe_fp8", "fp8_dequantized"),
+          "qwen3_moe_fp8_compressed_bf16": ("qwen3_moe_fp8_compressed", "fp8_dequantized")}
 #: The bf16 checkpoints' kinds (the rest are quantized).
-BF16_KINDS = (None, "int4_grid", "mxfp4_dequantized")
+BF16_KINDS = (None, "int4_grid", "mxfp4_dequantized", "fp8_dequantized")
 #: The bf16 model each quantized checkpoint is compared with.
 REFERENCE = {"qwen3_moe_w8a8": "qwen3_moe", "mixtral_w8a8": "mixtral",
              "qwen3_moe_w4a8": "qwen3_moe_int4_grid", "qwen3_moe_w4a16": "qwen3_moe_int4_grid",
-             "gpt_oss_mxfp4": "gpt_oss_mxfp4_bf16"}
+             "gpt_oss_mxfp4": "gpt_oss_mxfp4_bf16", "qwen3_moe_fp8": "qwen3_moe_fp8_bf16",
+             "qwen3_moe_fp8_compressed": "qwen3_moe_fp8_compressed_bf16"}
 #: Served by each backend in this order, one engine at a time, in one process per backend (the
-#: two processes run side by side). mixtral_w8a8 is left out of the CI run: it takes the same
-#: kernel path as qwen3_moe_w8a8 and an engine start costs the whole suite's time budget
-#: (CPUMOE_VLLM_ALL_MODELS=1 serves it too).
+#: two processes run side by side). mixtral_w8a8 and qwen3_moe_fp8_compressed are left out of
+#: the CI run: they take the same kernel paths as qwen3_moe_w8a8 and qwen3_moe_fp8 (the
+#: compressed-tensors FP8 method's parameters are covered by test_plugin.py) and an engine
+#: start costs the whole suite's time budget (CPUMOE_VLLM_ALL_MODELS=1 serves them too).
 ORDER = ["qwen3_moe", "mixtral", "gpt_oss", "qwen3_moe_w8a8", "qwen3_moe_int4_grid",
-         "qwen3_moe_w4a8", "qwen3_moe_w4a16", "gpt_oss_mxfp4_bf16", "gpt_oss_mxfp4"] + (
-    ["mixtral_w8a8"] if os.environ.get("CPUMOE_VLLM_ALL_MODELS") == "1" else [])
+         "qwen3_moe_w4a8", "qwen3_moe_w4a16", "gpt_oss_mxfp4_bf16", "gpt_oss_mxfp4",
+         "qwen3_moe_fp8_bf16", "qwen3_moe_fp8"] + (
+    ["mixtral_w8a8", "qwen3_moe_fp8_compressed_bf16", "qwen3_moe_fp8_compressed"]
+    if os.environ.get("CPUMOE_VLLM_ALL_MODELS") == "1" else [])
 N_TOKENS = 16
 #: Seconds for one backend's whole run at most (a hung engine fails the session, not all CI).
 TIMEOUT_S = 1500
@@ -56,16 +68,18 @@ TIMEOUT_S = 1500
 
 def cpumoe_serves(name: str) -> bool:
     """Whether the cpumoe-backend run serves this model: all but the bf16 references of the 4-bit
-    checkpoints (their bf16 path is the one qwen3_moe and gpt_oss cover)."""
-    return MODELS[name][1] not in ("int4_grid", "mxfp4_dequantized")
+    and FP8 checkpoints (their bf16 path is the one qwen3_moe and gpt_oss cover)."""
+    return MODELS[name][1] not in ("int4_grid", "mxfp4_dequantized", "fp8_dequantized")
 
 
 def vllm_serves(name: str) -> bool:
     """Whether the vLLM-backend run serves this model: every bf16 one; a W8A8 one only where
     vLLM has a CPU Int8 MoE kernel (x86 with AMX, Arm, ...); W4A8 only on Arm (KleidiAI), W4A16
-    and MXFP4 only on x86 with AMX. Elsewhere its engine cannot start ("No Int8 MoE backend
+    MXFP4 and block FP8 (its W8A16 CPUExpertsFp8, 128x128 blocks) only on x86 with AMX, FP8
+    with channel scales nowhere. Elsewhere its engine cannot start ("No Int8 MoE backend
     supports the deployment configuration", "No W4A8 Int8 MoE backend ...", "No MXFP4 MoE
-    backend ..."), and an engine start costs more than the rest of a test."""
+    backend ...", "No FP8 MoE backend ..."), and an engine start costs more than the rest of a
+    test."""
     import platform
     from cpumoe.cli.bench.vllm_engine import vllm_int8_kernel
     kind = MODELS[name][1]
@@ -75,12 +89,64 @@ def vllm_serves(name: str) -> bool:
         return bool(vllm_int8_kernel())
     if kind == "w4a8":
         return platform.machine() in ("aarch64", "arm64")
+    if kind == "fp8_compressed":  # channel scales: none of vLLM's CPU FP8 experts (blocks only)
+        return False
     return platform.machine() == "x86_64" and torch_has_amx()
 
 
 def torch_has_amx() -> bool:
     import torch
     return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
+def save_fp8(src: Path, dst: Path) -> Path:
+    """models.save_fp8 (the experts only, 128x128 blocks) with modules_to_not_convert spelled
+    out module by module: vLLM matches the names exactly (no globs), and every Linear it does
+    not skip gets its FP8 linear method, which vLLM 0.32's CPU backend cannot run ("Failed to
+    find a kernel that can implement the ScaledMM linear layer")."""
+    n = json.loads((Path(src) / "config.json").read_text())["num_hidden_layers"]
+    names = ["lm_head", "model.embed_tokens"] + [
+        f"model.layers.{i}.{m}" for i in range(n)
+        for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                  "self_attn.o_proj", "mlp.gate")]
+    return models.save_fp8(src, dst, linears=False, modules_to_not_convert=names)
+
+
+def save_fp8_dequantized(src: Path, dst: Path) -> Path:
+    """Writes ``dst``: the FP8 checkpoint ``src`` (HF fp8: ``weight_scale_inv`` blocks of
+    ``weight_block_size``; compressed-tensors: ``weight_scale`` per channel, per tensor or in
+    blocks of ``block_structure``) with its FP8 weights dequantized to bf16 (e4m3 * scale,
+    rounded to bf16) and no quantization_config: vLLM's bf16 reference."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    config = json.loads((src / "config.json").read_text())
+    qc = config.pop("quantization_config")
+    block = qc.get("weight_block_size") or next(
+        (g["weights"].get("block_structure") for g in qc.get("config_groups", {}).values()),
+        None)
+    tensors = load_file(str(src / "model.safetensors"))
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith((".weight_scale_inv", ".weight_scale")):
+            continue
+        scale = tensors.get(name + "_scale_inv", tensors.get(name + "_scale"))
+        if scale is not None and t.dtype == torch.float8_e4m3fn:
+            n, k = t.shape
+            s = scale.float().reshape(-1, 1)  # a scale per tensor or per channel
+            if block is not None and scale.numel() > 1:  # blocks
+                bn, bk = block
+                s = scale.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+            t = (t.float() * s).to(torch.bfloat16)
+        out[name] = t.contiguous()
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
+
+
+#: Checkpoint writers of this file (the rest are models.save_<kind>).
+SAVERS = {"fp8": save_fp8, "fp8_dequantized": save_fp8_dequantized}
 
 
 @pytest.fixture(scope="session")
@@ -93,7 +159,8 @@ def checkpoints(tmp_path_factory):
             if kind is None:
                 out[name] = models.save_tiny(source, root / name)
             elif source in out:
-                out[name] = getattr(models, f"save_{kind}")(out[source], root / name)
+                save = SAVERS.get(kind) or getattr(models, f"save_{kind}")
+                out[name] = save(out[source], root / name)
             else:
                 continue
             del todo[name]

@@ -34,7 +34,8 @@ QUANTIZED = [n for n in ORDER if MODELS[n][1] not in BF16_KINDS]
 #: quantization -> (cpumoe's experts class, its stats kind).
 EXPERTS = {None: ("CpumoeBf16Experts", "bf16"), "w8a8": ("CpumoeInt8Experts", "int8"),
            "w4a8": ("CpumoeInt4Experts", "int4"), "w4a16": ("CpumoeInt4Experts", "int4"),
-           "mxfp4": ("CpumoeMxfp4Experts", "mxfp4")}
+           "mxfp4": ("CpumoeMxfp4Experts", "mxfp4"), "fp8": ("CpumoeFp8Experts", "fp8"),
+           "fp8_compressed": ("CpumoeFp8Experts", "fp8")}
 
 
 def compare(a: dict, b: dict, tol: float) -> Tuple[int, int, float, List[str]]:
@@ -119,7 +120,7 @@ def test_bf16_same_tokens_as_vllm(runs, name):
 
 @pytest.mark.parametrize("name", QUANTIZED)
 def test_quantized_against_vllm(runs, name):
-    """W8A8 / W4A8 / W4A16 / MXFP4 served by cpumoe, against vLLM's kernel for the same
+    """W8A8 / W4A8 / W4A16 / MXFP4 / FP8 served by cpumoe, against vLLM's kernel for the same
     checkpoint where vLLM has one here, else against vLLM's bf16 serving of the reference model
     (the model it was quantized from, or one holding the same weights exactly)."""
     ours = runs["cpumoe"]["results"][name]

@@ -11,9 +11,10 @@ import torch
 
 import cpumoe
 from cpumoe import vllm_plugin
+from cpumoe.quantize import quantize_fp8
 from cpumoe.reference import (quantize_int4, quantize_mxfp4, quantize_per_channel,
-                              ref_fused_moe_bf16, ref_fused_moe_int4, ref_fused_moe_int8,
-                              ref_fused_moe_mxfp4)
+                              ref_fused_moe_bf16, ref_fused_moe_fp8, ref_fused_moe_int4,
+                              ref_fused_moe_int8, ref_fused_moe_mxfp4)
 from cpumoe.vllm_plugin import experts, kinds
 from cpumoe.vllm_plugin import layer as L
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
@@ -54,7 +55,7 @@ def test_layer_module_reexports_the_public_names():
     assert L.stats is experts.stats and L.reset_counts is experts.reset_counts
     assert L.layer_problem is kinds.layer_problem
     for name in ("CpumoeInt8Experts", "CpumoeInt4Experts", "CpumoeMxfp4Experts",
-                 "CpumoeBf16Experts"):
+                 "CpumoeFp8Experts", "CpumoeBf16Experts"):
         assert getattr(L, name) is getattr(experts, name)
 
 
@@ -147,7 +148,8 @@ def _call(ex, x, tw, ids, emap=None, on_input=False):
     return out
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", "int4_a16", "mxfp4", "bf16"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "int4_a16", "mxfp4", "fp8", "fp8_channel",
+                                  "bf16"])
 def test_experts_with_expert_map_match_the_reference(kind):
     g = torch.Generator().manual_seed(0)
     E_global, E, H, I, k, T = 8, 4, 64, 32, 2, 12
@@ -200,6 +202,19 @@ def test_experts_with_expert_map_match_the_reference(kind):
                        w13_bias=b13, w2_bias=b2)
         ex = _experts(L.CpumoeMxfp4Experts, E, H, I, k)
         want = ref_fused_moe_mxfp4(x, bl13, sc13, bl2, sc2, tw_ref, ids_ref, b13=b13, b2=b2)
+    elif kind in ("fp8", "fp8_channel"):
+        # As vLLM's FP8 methods load them: float8_e4m3fn weights; HF fp8's block scales
+        # weight_scale_inv (and the layer's weight_block_size), compressed-tensors' channel
+        # scales weight_scale [E, N, 1].
+        block = (32, 32) if kind == "fp8" else None
+        (c13, s13), (c2, s2) = quantize_fp8(w13, block), quantize_fp8(w2, block)
+        f13, f2 = c13.view(torch.float8_e4m3fn), c2.view(torch.float8_e4m3fn)
+        names = (("w13_weight_scale_inv", "w2_weight_scale_inv") if block else
+                 ("w13_weight_scale", "w2_weight_scale"))
+        layer = _layer(w13_weight=f13, w2_weight=f2, **dict(zip(names, (s13, s2))))
+        layer.weight_block_size = None if block is None else list(block)
+        ex = _experts(L.CpumoeFp8Experts, E, H, I, k)
+        want = ref_fused_moe_fp8(x, c13, c2, s13, s2, tw_ref, ids_ref, block_size=block)
     else:
         b13, b2 = w13.to(torch.bfloat16), w2.to(torch.bfloat16)
         layer = _layer(w13_weight=b13, w2_weight=b2)
@@ -208,8 +223,13 @@ def test_experts_with_expert_map_match_the_reference(kind):
     ex.process_weights_after_loading(layer)
     # vLLM's copies are replaced by empty placeholders of E and H; the packed layer holds them.
     assert tuple(layer.w13_weight.shape) == (E, 0, H) and layer.w13_weight.numel() == 0
-    assert ex.packed.path == (cpumoe.selected_path(op="bf16") if kind == "bf16"
-                              else cpumoe.selected_path())
+    if kind.startswith("fp8"):
+        assert ex.packed.weight_format == "fp8"
+        assert ex._format_name() == ("W8A16 fp8, blocks 32x32" if kind == "fp8" else
+                                     "W8A16 fp8, a scale per channel")
+    else:
+        assert ex.packed.path == (cpumoe.selected_path(op="bf16") if kind == "bf16"
+                                  else cpumoe.selected_path())
     if kind == "int4":
         assert ex.packed.weight_format == "int4" and ex.packed.group_size == 32
         assert ex._format_name() == "W4A8 int4 g32"
@@ -279,9 +299,17 @@ _TOKEN8 = dict(num_bits=8, type="int", symmetric=True, strategy="token", dynamic
      None, "W4A16 int4: weights: symmetric is False"),
     (dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=128,
           actorder="group"), None, None, "actorder 'group'"),
-    # FP8 is no scheme of the int8 op: vLLM's method decides, and plan_layer gives the reason.
+    # FP8 W8A8 (dynamic activations) runs on the fp8 op with bf16 activations.
     (dict(num_bits=8, type="float", symmetric=True, strategy="channel"),
-     dict(_TOKEN8, type="float"), None, ""),
+     dict(_TOKEN8, type="float"), "fp8_ct", ""),
+    (dict(num_bits=8, type="float", symmetric=True, strategy="block", block_structure=[128, 128]),
+     dict(_TOKEN8, type="float", strategy="group", group_size=128), "fp8_ct", ""),
+    (dict(num_bits=8, type="float", symmetric=True, strategy="tensor"),
+     dict(_TOKEN8, type="float", strategy="tensor", dynamic=False), None,
+     "static activation scales"),
+    (dict(num_bits=8, type="float", symmetric=True, strategy="block", block_structure=[512, 128]),
+     dict(_TOKEN8, type="float", strategy="group", group_size=128), None,
+     "intermediate dim 768 (per partition) is not a multiple"),
     (dict(num_bits=8, type="int", symmetric=True, strategy="channel"), None, None, ""),  # W8A16
 ])
 def test_compressed_tensors_schemes_cpumoe_takes(weights, acts, want, reason):
@@ -291,7 +319,8 @@ def test_compressed_tensors_schemes_cpumoe_takes(weights, acts, want, reason):
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
         CompressedTensorsConfig)
     fmt = "pack-quantized" if acts is None else "int-quantized"
-    moe = types.SimpleNamespace(hidden_dim=2048, intermediate_size_per_partition=768)
+    moe = types.SimpleNamespace(hidden_dim=2048, intermediate_size_per_partition=768,
+                                moe_parallel_config=types.SimpleNamespace(tp_size=1))
     kind, why = kinds._ct_kind(CompressedTensorsConfig, _ct_scheme(weights, acts, fmt), moe)
     assert kind == want
     assert (reason in why) if reason else why == "", why
@@ -301,7 +330,8 @@ def test_w4a16_needs_pack_quantized():
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
         CompressedTensorsConfig)
     w = dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=128)
-    moe = types.SimpleNamespace(hidden_dim=2048, intermediate_size_per_partition=768)
+    moe = types.SimpleNamespace(hidden_dim=2048, intermediate_size_per_partition=768,
+                                moe_parallel_config=types.SimpleNamespace(tp_size=1))
     kind, why = kinds._ct_kind(CompressedTensorsConfig, _ct_scheme(w, None, "int-quantized"), moe)
     assert kind is None and "format 'int-quantized'" in why
 

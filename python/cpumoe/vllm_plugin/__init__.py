@@ -18,6 +18,9 @@ cpumoe's, as a ``FusedMoEExpertsModular`` of vLLM's modular kernel:
 * compressed-tensors W4A8 int4 (group weights, dynamic per-token int8 activations), W4A16 int4
   (pack-quantized) and gpt-oss MXFP4: the int8 op on 4-bit weights (W4A8; the W4A16 and MXFP4
   checkpoints' activations become int8 per token);
+* HF ``quant_method: fp8`` (E4M3 weights, ``weight_block_size`` blocks or a scale per tensor)
+  and compressed-tensors FP8 (channel, tensor or block scales), dynamic activations: the fp8
+  op (W8A16: bf16 activations);
 * unquantized bf16: the BF16 op;
 * with expert parallelism, vLLM's ``expert_map`` goes to the op (global top-k ids).
 

@@ -32,8 +32,8 @@ from cpumoe import ops as _ops
 
 from .kinds import VLLM_ACTIVATIONS, activation_of
 
-__all__ = ["CpumoeBf16Experts", "CpumoeInt4Experts", "CpumoeInt8Experts", "CpumoeMxfp4Experts",
-           "reset_counts", "stats"]
+__all__ = ["CpumoeBf16Experts", "CpumoeFp8Experts", "CpumoeInt4Experts", "CpumoeInt8Experts",
+           "CpumoeMxfp4Experts", "reset_counts", "stats"]
 
 # A child of vLLM's logger: vLLM's handler and format, and VLLM_LOGGING_LEVEL, apply.
 logger = init_logger("vllm.plugins.cpumoe")
@@ -184,8 +184,9 @@ class _CpumoeExperts(mk.FusedMoEExpertsModular):
             topk_weights = topk_weights.float()
         # apply_router_weight_on_input (top-1): vLLM's prepare step already scaled x by the
         # router weight, so the op must not weight again (its skip_weighted).
-        # Every weight format but bf16 runs on the int8 op (int8 activations).
-        fn = cpumoe.fused_moe_bf16 if self.kind == "bf16" else cpumoe.fused_moe_int8
+        # bf16 and fp8 (W8A16) run on the BF16 op; the other formats on the int8 op (int8
+        # activations).
+        fn = cpumoe.fused_moe_bf16 if self.kind in ("bf16", "fp8") else cpumoe.fused_moe_int8
         fn(hidden_states, self.packed, topk_weights.contiguous(), topk_ids.contiguous(), act,
            bool(apply_router_weight_on_input), out=output,
            expert_map=self._expert_map(expert_map))
@@ -284,6 +285,49 @@ class CpumoeMxfp4Experts(_CpumoeExperts):
 
     def _format_name(self) -> str:
         return "W4A8 mxfp4 (W4A16 checkpoint, int8 activations)"
+
+
+class CpumoeFp8Experts(_CpumoeExperts):
+    """FP8 experts (E4M3 weights with fp32 block scales, HF ``weight_block_size``, or a scale per
+    channel or tensor) on cpumoe's fp8 op with bf16 activations (W8A16): vLLM's FP8 methods
+    load ``w13_weight`` / ``w2_weight`` (float8_e4m3fn) and the scales: HF fp8's
+    ``w13_weight_scale_inv`` / ``w2_weight_scale_inv`` [E, ceil(N / bn), ceil(K / bk)] (per
+    tensor ``w13_weight_scale`` [E, 2], one per shard, and ``w2_weight_scale`` [E]),
+    compressed-tensors' ``w13_weight_scale`` / ``w2_weight_scale`` (blocks as HF's, channels
+    [E, N, 1], tensors as HF's). They are packed as they are (no float copy of the weights)."""
+
+    kind = "fp8"
+
+    @staticmethod
+    def _supports_quant_scheme(weight_key: Optional[QuantKey],
+                               activation_key: Optional[QuantKey]) -> bool:
+        from vllm.model_executor.layers.quantization.utils import quant_utils as qu
+        return weight_key in (qu.kFp8Static128BlockSym, qu.kFp8StaticChannelSym,
+                              qu.kFp8StaticTensorSym)
+
+    def _prepack(self, layer: torch.nn.Module) -> Any:
+        w13, w2 = layer.w13_weight.data, layer.w2_weight.data
+        E, N13, H = w13.shape
+        # HF fp8 names its block scales weight_scale_inv, compressed-tensors weight_scale.
+        suffix = "weight_scale_inv" if hasattr(layer, "w13_weight_scale_inv") else "weight_scale"
+        s13 = getattr(layer, f"w13_{suffix}").data.float()
+        s2 = getattr(layer, f"w2_{suffix}").data.float()
+        block = getattr(layer, "weight_block_size", None)
+        if block is not None:
+            block = (int(block[0]), int(block[1]))
+            self.source = f"blocks {block[0]}x{block[1]}"
+        elif s13.numel() == E * N13:  # compressed-tensors channel scales [E, N, 1]
+            self.source = "a scale per channel"
+        else:  # per tensor: a scale per shard of w13 ([E, 2]) and per w2 ([E]), as row scales
+            s13 = s13.reshape(E, -1)
+            s13 = s13.repeat_interleave(N13 // s13.size(1), dim=1)
+            s2 = s2.reshape(E, 1).expand(E, H).contiguous()
+            self.source = "a scale per tensor"
+        return _ops.prepack_fp8(w13, w2, s13, s2, _bias(layer, "w13_bias"),
+                                _bias(layer, "w2_bias"), block_size=block)
+
+    def _format_name(self) -> str:
+        return f"W8A16 fp8, {getattr(self, 'source', '')}"
 
 
 class CpumoeBf16Experts(_CpumoeExperts):

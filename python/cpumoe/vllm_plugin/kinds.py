@@ -1,10 +1,11 @@
 """Which MoE layers cpumoe takes, and in which weight format: the layer's kind ("int8", "int4",
-"int4_a16", "mxfp4" or "bf16"), or the reason the layer stays on vLLM's kernel.
+"int4_a16", "mxfp4", "fp8", "fp8_ct" or "bf16"), or the reason the layer stays on vLLM's kernel.
 
 A quantized layer's kind is read from its quantization config before vLLM picks its method
 (:func:`quantized_kind`: compressed-tensors W8A8 int8, W4A8 int4, W4A16 pack-quantized int4,
-gpt-oss MXFP4); an unquantized layer's once vLLM built it (:func:`plan_layer`: bf16 where vLLM
-selected its CPU backend). :func:`layer_problem` checks what cpumoe's op needs of any layer.
+gpt-oss MXFP4, HF ``quant_method: fp8`` and compressed-tensors FP8 E4M3 weights); an
+unquantized layer's once vLLM built it (:func:`plan_layer`: bf16 where vLLM selected its CPU
+backend). :func:`layer_problem` checks what cpumoe's op needs of any layer.
 """
 
 from __future__ import annotations
@@ -142,12 +143,31 @@ def _is_gpt_oss_mxfp4(quant_config: Any) -> bool:
 def _ct_kind(quant_config: Any, scheme: Dict, moe: FusedMoEConfig) -> Tuple[Optional[str], str]:
     """(kind, "") if cpumoe's int8 op computes this compressed-tensors scheme: "int8" (W8A8),
     "int4" (W4A8, int-quantized) or "int4_a16" (W4A16 pack-quantized, run with int8
-    activations); else (None, why) for a scheme cpumoe could run but not as given, or (None, "")
-    for one it has no kernel for (vLLM's own method then decides)."""
+    activations), or its fp8 op: "fp8_ct" (FP8 weights per tensor, channel or block, dynamic
+    activations, run in bf16); else (None, why) for a scheme cpumoe could run but not as given,
+    or (None, "") for one it has no kernel for (vLLM's own method then decides)."""
     from compressed_tensors.quantization import QuantizationStrategy, QuantizationType
     wq, iq = scheme["weights"], scheme.get("input_activations")
+    if (wq.type == QuantizationType.FLOAT and wq.num_bits == 8 and iq is not None
+            and quant_config._is_fp8_w8a8(wq, iq)):  # vLLM's W8A8 FP8 method's layers
+        S = QuantizationStrategy
+        if not iq.dynamic:
+            return None, ("FP8 with static activation scales (cpumoe's fp8 op keeps the "
+                          "activations bf16: dynamic checkpoints only)")
+        if (wq.strategy, iq.strategy) not in ((S.TENSOR, S.TENSOR), (S.CHANNEL, S.TOKEN)) and (
+                wq.strategy != S.BLOCK):
+            return None, ""  # vLLM's method refuses it
+        if wq.strategy == S.BLOCK:
+            bn, bk = wq.block_structure
+            I = moe.intermediate_size_per_partition
+            if I % bn or (moe.moe_parallel_config.tp_size > 1 and I % bk):
+                return None, (f"FP8 blocks {bn}x{bk}: intermediate dim {I} (per partition) is "
+                              f"not a multiple of them")
+            if bk % 32 and bk < max(moe.hidden_dim, I):
+                return None, f"FP8 blocks {bn}x{bk}: cpumoe needs block_k a multiple of 32"
+        return "fp8_ct", ""
     if wq.type != QuantizationType.INT or (iq is not None and iq.type != QuantizationType.INT):
-        return None, ""  # FP8 / FP4: vLLM's _is_dynamic_token_w8a8 looks at the bits only
+        return None, ""  # FP4 / FP8 W8A16: vLLM's _is_dynamic_token_w8a8 looks at the bits only
     if iq is not None and quant_config._is_dynamic_token_w8a8(wq, iq):
         if wq.strategy != QuantizationStrategy.CHANNEL or not (
                 iq.strategy == QuantizationStrategy.TOKEN and iq.dynamic and iq.symmetric):
@@ -179,12 +199,47 @@ def _ct_kind(quant_config: Any, scheme: Dict, moe: FusedMoEConfig) -> Tuple[Opti
     return kind, ""
 
 
+def _fp8_kind(layer: RoutedExperts, prefix: str, quant_config: Any,
+              moe: FusedMoEConfig) -> Tuple[Optional[str], str, bool]:
+    """(kind, why, handled) for vLLM's Fp8Config (HF ``quant_method: fp8``): "fp8" for E4M3
+    weights with block scales (``weight_block_size``) or a scale per tensor, dynamic activations
+    (cpumoe's fp8 op keeps them bf16: W8A16); handled False if ``quant_config`` is no Fp8Config
+    or the layer is not vLLM's Fp8MoEMethod's (an ignored layer, ``store_dtype: mxfp4``)."""
+    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+    from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
+    if not isinstance(quant_config, Fp8Config):
+        return None, "", False
+    if quant_config.store_dtype == "mxfp4" or is_layer_skipped(
+            prefix=prefix, ignored_layers=quant_config.ignored_layers,
+            fused_mapping=quant_config.packed_modules_mapping,
+            match_mode=quant_config.ignored_layers_match_mode):
+        return None, "", False
+    if not quant_config.is_checkpoint_fp8_serialized:
+        return None, "", True
+    if quant_config.activation_scheme != "dynamic":
+        return None, (f"FP8 with {quant_config.activation_scheme} activation scales (cpumoe's "
+                      f"fp8 op keeps the activations bf16: dynamic checkpoints only)"), True
+    block = quant_config.weight_block_size
+    if block is not None:
+        bn, bk = block
+        I = moe.intermediate_size_per_partition
+        if I % bn or (moe.moe_parallel_config.tp_size > 1 and I % bk):
+            return None, (f"FP8 blocks {bn}x{bk}: intermediate dim {I} (per partition) is not "
+                          f"a multiple of them"), True
+        if bk % 32 and bk < max(moe.hidden_dim, I):
+            return None, f"FP8 blocks {bn}x{bk}: cpumoe needs block_k a multiple of 32", True
+    return "fp8", "", True
+
+
 def quantized_kind(layer: RoutedExperts, prefix: str, quant_config: Any,
                     moe: FusedMoEConfig) -> Tuple[Optional[str], Dict, str]:
     """(kind, scheme, "") for a quantized layer cpumoe takes (a key of method_classes());
     otherwise (None, scheme, why), why "" where cpumoe has no kernel for the quantization."""
+    fp8_kind, fp8_why, fp8 = _fp8_kind(layer, prefix, quant_config, moe)
     if _is_gpt_oss_mxfp4(quant_config):
         kind, scheme, why = "mxfp4", {}, ""
+    elif fp8:  # the method takes the Fp8Config where the others take the weights' scheme
+        kind, scheme, why = fp8_kind, {"weights": quant_config}, fp8_why
     else:
         scheme = _ct_scheme(layer, prefix, quant_config)
         if scheme is None:

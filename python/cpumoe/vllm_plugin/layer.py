@@ -16,6 +16,10 @@ the layer:
   gets vLLM's WNA16 method's parameters with the same experts, which unpack the int32 words;
 * a gpt-oss MXFP4 layer gets vLLM's gpt-oss MXFP4 method (parameters, loader) with
   :class:`CpumoeMxfp4Experts` (vLLM's own CPU MXFP4 experts need AMX);
+* an FP8 layer (HF ``quant_method: fp8``, or compressed-tensors FP8 with dynamic activations)
+  gets vLLM's FP8 method (or its compressed-tensors W8A8 FP8 method) with
+  :class:`CpumoeFp8Experts`, which pack the loaded E4M3 weights and scales for cpumoe's fp8 op
+  (bf16 activations; vLLM's own CPU FP8 experts need AMX and 128x128 blocks);
 * an unquantized bf16 layer for which vLLM selected its CPU backend keeps vLLM's method, whose
   experts class becomes :class:`CpumoeBf16Experts`.
 

@@ -1,7 +1,8 @@
-"""cpumoe's quantized MoE methods, by kind: vLLM's compressed-tensors W8A8 int8, W4A8 int8 and
-WNA16 methods and its gpt-oss MXFP4 method (their parameters and weight loading) with cpumoe's
-experts, made without vLLM's backend selection. Their ``process_weights_after_loading`` builds
-vLLM's modular kernel around cpumoe's experts (:func:`_modular_kernel`).
+"""cpumoe's quantized MoE methods, by kind: vLLM's compressed-tensors W8A8 int8, W4A8 int8,
+WNA16 and W8A8 FP8 methods, its gpt-oss MXFP4 method and its (HF) FP8 method (their parameters
+and weight loading) with cpumoe's experts, made without vLLM's backend selection. Their
+``process_weights_after_loading`` builds vLLM's modular kernel around cpumoe's experts
+(:func:`_modular_kernel`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from vllm.model_executor.layers.fused_moe.config import (FUSED_MOE_UNQUANTIZED_C
 from vllm.model_executor.layers.fused_moe.oracle.int8 import Int8MoeBackend
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
-from .experts import CpumoeInt4Experts, CpumoeInt8Experts, CpumoeMxfp4Experts
+from .experts import CpumoeFp8Experts, CpumoeInt4Experts, CpumoeInt8Experts, CpumoeMxfp4Experts
 
 
 def _modular_kernel(method: Any, layer: RoutedExperts) -> mk.FusedMoEKernel:
@@ -39,11 +40,12 @@ def _modular_kernel(method: Any, layer: RoutedExperts) -> mk.FusedMoEKernel:
 
 
 def method_classes() -> Dict[str, type]:
-    """cpumoe's quantized MoE methods, by kind: vLLM's compressed-tensors W8A8 int8, W4A8 int8
-    and WNA16 methods and its gpt-oss MXFP4 method (their parameters and weight loading) with
-    cpumoe's experts, made without vLLM's backend selection (which finds no W8A8 kernel on x86
-    CPUs without AMX, none for swigluoai or an expert map, no W4A8 kernel on x86 and no W4A16 or
-    MXFP4 kernel on x86 without AMX)."""
+    """cpumoe's quantized MoE methods, by kind: vLLM's compressed-tensors W8A8 int8, W4A8 int8,
+    WNA16 and W8A8 FP8 methods, its gpt-oss MXFP4 method and its (HF) FP8 method (their
+    parameters and weight loading) with cpumoe's experts, made without vLLM's backend selection
+    (which finds no W8A8 kernel on x86 CPUs without AMX, none for swigluoai or an expert map, no
+    W4A8 kernel on x86, no W4A16, MXFP4 or block FP8 kernel on x86 without AMX, and no CPU FP8
+    kernel at all for channel or tensor scales)."""
     global _METHODS
     if _METHODS:
         return _METHODS
@@ -58,6 +60,9 @@ def method_classes() -> Dict[str, type]:
     from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
     from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend
     from vllm.model_executor.layers.quantization.mxfp4 import GptOssMxfp4MoEMethod
+    from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe\
+        .compressed_tensors_moe_w8a8_fp8 import CompressedTensorsW8A8Fp8MoEMethod
 
     class CpumoeW8A8Int8MoEMethod(CompressedTensorsW8A8Int8MoEMethod):
         def __init__(self, weight_quant: Any, input_quant: Any, moe: FusedMoEConfig):
@@ -140,8 +145,47 @@ def method_classes() -> Dict[str, type]:
         def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> FusedMoEQuantConfig:
             return GptOssMxfp4MoEMethod.get_fused_moe_quant_config(self, layer)
 
+    class CpumoeFp8MoEMethod(_Modular, Fp8MoEMethod):
+        """vLLM's FP8 method (HF quant_method fp8): its E4M3 parameters, block or per-tensor
+        scales and loader; cpumoe's W8A16 experts read them as loaded (no conversion)."""
+
+        def __init__(self, quant_config: Any, input_quant: Any, moe: FusedMoEConfig):
+            FusedMoEMethodBase.__init__(self, moe)  # vLLM's __init__ selects its backend
+            self.quant_config = quant_config
+            self.weight_block_size = quant_config.weight_block_size
+            self.block_quant = self.weight_block_size is not None
+            self.weight_scale_name = "weight_scale_inv" if self.block_quant else "weight_scale"
+            self.weight_scale_refine = None  # kinds: I (per partition) is a multiple of bn
+            self.moe_block_shape = self.weight_block_size
+            self.fp8_backend = None
+            self.experts_cls = CpumoeFp8Experts
+
+        @property
+        def supports_eplb(self) -> bool:
+            return False  # the weights live packed in cpumoe's layer, not in vLLM's parameters
+
+    class CpumoeCtFp8MoEMethod(_Modular, CompressedTensorsW8A8Fp8MoEMethod):
+        """vLLM's compressed-tensors W8A8 FP8 method (its parameters: ``w13_weight_scale``
+        per tensor, channel or block) with cpumoe's W8A16 experts."""
+
+        def __init__(self, weight_quant: Any, input_quant: Any, moe: FusedMoEConfig):
+            CompressedTensorsMoEMethod.__init__(self, moe)
+            self.weight_quant = weight_quant
+            self.input_quant = input_quant
+            block = weight_quant.strategy == "block"
+            self.weight_block_size = weight_quant.block_structure if block else None
+            self.block_quant = block
+            self.static_input_scales = False  # kinds: dynamic activations only
+            self.fp8_backend = None
+            self.experts_cls = CpumoeFp8Experts
+
+        @property
+        def supports_eplb(self) -> bool:
+            return False
+
     _METHODS.update(int8=CpumoeW8A8Int8MoEMethod, int4=CpumoeW4A8Int8MoEMethod,
-                    int4_a16=CpumoeW4A16Int4MoEMethod, mxfp4=CpumoeGptOssMxfp4MoEMethod)
+                    int4_a16=CpumoeW4A16Int4MoEMethod, mxfp4=CpumoeGptOssMxfp4MoEMethod,
+                    fp8=CpumoeFp8MoEMethod, fp8_ct=CpumoeCtFp8MoEMethod)
     return _METHODS
 
 
