@@ -20,8 +20,10 @@
 #          gptoss = gpt-oss-20b layer:   H=2880 I=2880 E=32  k=4 swigluoai, bf16 activations
 # --raw    keep each run's bench output and counter marks in DIR
 # --formats  weight formats (default int8): int4[:G] (W4A8, group G, default 128) and mxfp4 run
-#          the same paths on 4-bit weights; their rows are labelled path/format (gptoss: G must
-#          divide 2880, i.e. int4:32 or int4:64)
+#          the same paths on 4-bit weights, bf16 the BF16 op, fp8[:G] the BF16 op on FP8 weights
+#          (G x G blocks, default 128); their rows are labelled path/format (gptoss: G must
+#          divide 2880, i.e. int4:32 or int4:64); a path is a cap: each format takes its best
+#          kernel at or below it
 # Needs: g++-aarch64-linux-gnu, qemu-user, gcc, python3, cmake, ninja.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -40,7 +42,7 @@ while [ $# -gt 0 ]; do
     --no-phases) phases=0; shift ;;
     --raw) raw=$2; shift 2 ;;
     --formats) formats=$2; shift 2 ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done

@@ -5,14 +5,17 @@
 //   cpumoe_moe_bench [--H 2048] [--I 768] [--E 128] [--k 8] [--T 16] [--iters 3]
 //                    [--act SPEC, e.g. silu or silu_clamp(limit=10)] [--dtype f32|bf16|f16]
 //                    [--isa CAP] [--threads N] [--phases 0|1] [--tasks 0|1]
-//                    [--format int8|int4|mxfp4] [--group G] [--fuse 0|1|2] [--routings N]
+//                    [--format int8|int4|mxfp4|bf16|fp8] [--group G] [--fuse 0|1|2]
+//                    [--routings N]
 //
 // --fuse: the tile policy's fusion (0 phase by phase, 1 GEMM1 + activation in row tasks, 2 GEMM2
 // in them too; default the policy's own). --routings N: the measured calls cycle through N random
 // routings (N > 1 reads other experts' weights each call: cold weights at decode).
 // --format int4 / mxfp4: the W4A8 op (PackedMoeW4) on 4-bit weights made from the same random
 // bytes (int4: the top four bits of each int8, groups of G k, default 128; mxfp4: the bytes as
-// E2M1 code pairs, E8M0 scales near 2^-7).
+// E2M1 code pairs, E8M0 scales near 2^-7). --format bf16: the BF16 op on the bytes times 2^-10 in
+// bf16; fp8: the BF16 op on FP8 weights (PackedMoeFp8), the bytes as E4M3 codes (NaN codes
+// replaced by zero), one fp32 scale per G x G block (G = --group, default 128).
 // Prints the kernel used, ms per call, the routing (active experts, largest m_e) and the SMMLA
 // floor of the routing (PERF.md: sum_e ceil(m_e / 2) * (2I*H/16 + H*I/16) per call).
 // Marks: one before and one after the `iters` measured calls. With --phases 1 (a build with
@@ -30,6 +33,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "../../csrc/moe/bench_hooks.h"  // internal to the dispatcher: bench-only
@@ -154,6 +158,15 @@ int main(int argc, char** argv) {
   const cpumoe::Isa* capp = isa.empty() ? nullptr : &cap;
   // The rest of the run, on the packed layer of either op.
   auto measure = [&](const auto& packed) -> int {
+    // The op of the packed layer's weight format: int8 activations or bf16 (bf16, fp8 weights).
+    auto run_op = [](const auto& p, const cpumoe::MoeCall& call) {
+      using P = std::decay_t<decltype(p)>;
+      if constexpr (std::is_same_v<P, cpumoe::PackedMoeBf16> ||
+                    std::is_same_v<P, cpumoe::PackedMoeFp8>)
+        cpumoe::fused_moe_bf16(p, call);
+      else
+        cpumoe::fused_moe_int8(p, call);
+    };
     cpumoe::MoeCall c;
     c.num_tokens = T;
     c.topk = k;
@@ -169,7 +182,7 @@ int main(int argc, char** argv) {
     c.out_row_stride = H;
     c.num_threads = threads;
 
-    cpumoe::fused_moe_int8(packed, c);  // warm-up: page faults, lazy set-up
+    run_op(packed, c);  // warm-up: page faults, lazy set-up
   #if defined(CPUMOE_BENCH_HOOKS)
     cpumoe::bench_hooks::reset_tasks();
   #endif
@@ -177,7 +190,7 @@ int main(int argc, char** argv) {
     const auto t0 = std::chrono::steady_clock::now();
     for (int64_t i = 0; i < iters; ++i) {
       c.topk_ids = all_ids.data() + (i % routings) * T * k;
-      cpumoe::fused_moe_int8(packed, c);
+      run_op(packed, c);
     }
     c.topk_ids = ids.data();
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -188,7 +201,7 @@ int main(int argc, char** argv) {
       cpumoe::bench_hooks::set_single_thread(threads == 1);
       cpumoe::bench_hooks::set_phase_callback(on_phase);
       g_recording = true;
-      for (int64_t i = 0; i < iters; ++i) cpumoe::fused_moe_int8(packed, c);
+      for (int64_t i = 0; i < iters; ++i) run_op(packed, c);
       g_recording = false;
       g_phase_time.push_back(std::chrono::steady_clock::now());
       getppid();                        // mark: end of the phase-marked calls
@@ -253,11 +266,15 @@ int main(int argc, char** argv) {
   #endif
     return 0;
   };
-  if (format == "int8") {
-    cpumoe::MoeWeights w;
+  // The shape every weight struct has.
+  auto shaped = [&](auto w) {
     w.num_experts = E;
     w.hidden = H;
     w.intermediate = I;
+    return w;
+  };
+  if (format == "int8") {
+    auto w = shaped(cpumoe::MoeWeights{});
     w.w13 = w13.data();
     w.w2 = w2.data();
     w.s13 = s13.data();
@@ -269,16 +286,56 @@ int main(int argc, char** argv) {
     std::vector<int8_t>().swap(w2);
     return measure(packed);
   }
+  if (format == "bf16" || format == "fp8") {
+    try {
+      if (format == "bf16") {
+        std::vector<uint16_t> b13(w13.size()), b2(w2.size());
+        for (size_t i = 0; i < w13.size(); ++i) b13[i] = cpumoe::f32_to_bf16(w13[i] / 1024.0f);
+        for (size_t i = 0; i < w2.size(); ++i) b2[i] = cpumoe::f32_to_bf16(w2[i] / 1024.0f);
+        std::vector<int8_t>().swap(w13);
+        std::vector<int8_t>().swap(w2);
+        auto w = shaped(cpumoe::MoeWeightsBf16{});
+        w.w13 = b13.data();
+        w.w2 = b2.data();
+        auto cfg = cpumoe::bf16_config(capp ? cpumoe::bgemm_select(capp) : nullptr);
+        set_fusion(&cfg.tiles, fuse);
+        cpumoe::PackedMoeBf16 packed(w, cfg, threads);
+        std::vector<uint16_t>().swap(b13);
+        std::vector<uint16_t>().swap(b2);
+        return measure(packed);
+      }
+      for (auto* v : {&w13, &w2})
+        for (auto& x : *v) x = (uint8_t(x) & 0x7F) == 0x7F ? int8_t(0) : x;  // no NaN codes
+      auto blocks = [&](int64_t n, int64_t kk) {
+        return size_t(E * ((n + group - 1) / group) * ((kk + group - 1) / group));
+      };
+      std::vector<float> f13(blocks(2 * I, H), 1e-3f), f2(blocks(H, I), 1e-3f);
+      auto w = shaped(cpumoe::MoeWeightsFp8{});
+      w.block_n = w.block_k = group;
+      w.w13 = reinterpret_cast<const uint8_t*>(w13.data());
+      w.w2 = reinterpret_cast<const uint8_t*>(w2.data());
+      w.s13 = f13.data();
+      w.s2 = f2.data();
+      auto cfg = cpumoe::fp8_config(capp ? cpumoe::f8gemm_select(capp) : nullptr);
+      set_fusion(&cfg.tiles, fuse);
+      cpumoe::PackedMoeFp8 packed(w, cfg, threads);
+      std::vector<int8_t>().swap(w13);
+      std::vector<int8_t>().swap(w2);
+      std::printf("format fp8 block %lldx%lld packed_bytes %zu\n", (long long)group,
+                  (long long)group, packed.packed_bytes());
+      return measure(packed);
+    } catch (const cpumoe::ArgumentError& e) {
+      std::fprintf(stderr, "%s\n", e.what());
+      return 2;
+    }
+  }
   if (format != "int4" && format != "mxfp4") {
-    std::fprintf(stderr, "unknown format %s (int8, int4, mxfp4)\n", format.c_str());
+    std::fprintf(stderr, "unknown format %s (int8, int4, mxfp4, bf16, fp8)\n", format.c_str());
     return 2;
   }
   const bool mx = format == "mxfp4";
   if (mx) group = 32;
-  cpumoe::MoeWeightsW4 w;
-  w.num_experts = E;
-  w.hidden = H;
-  w.intermediate = I;
+  auto w = shaped(cpumoe::MoeWeightsW4{});
   w.format = mx ? cpumoe::W4Format::mxfp4 : cpumoe::W4Format::int4;
   w.group_size = group;
   if (!mx)

@@ -99,8 +99,8 @@ def _run_small_case(lib: problem.Lib, case: dict, paths: List[str], threads: int
 
 
 # Beside the int8 layers above: each other format of the extension's table, at its group sizes
-# (32 and 128 where it may choose), activations in turn.
-_CASE_ACTIVATIONS = ("silu", "gelu", "swigluoai", "gelu_tanh")
+# (32 and 128 where it may choose), the activations of the op's table in turn.
+_CASE_ACTIVATIONS = problem.ACTIVATIONS
 
 
 def format_cases() -> List[tuple]:

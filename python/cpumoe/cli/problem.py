@@ -25,6 +25,9 @@ PRESETS = {
     "qwen3-30b-a3b": (2048, 768, 128, 8, "silu", False),
     "gpt-oss-20b": (2880, 2880, 32, 4, "swigluoai", True),
     "mixtral": (4096, 14336, 8, 2, "silu", False),
+    # DeepSeek-V3/R1's expert shape, 32 of its 256 routed experts (the FP8 issue's second layer;
+    # the shared expert is not part of the op).
+    "deepseek-v3-experts": (7168, 2048, 32, 8, "silu", False),
 }
 DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",
                  "float16": "float16", "half": "float16", "fp32": "float32",

@@ -25,10 +25,10 @@ Reported per row: median and min ms per call, tokens/s, weight-read GB/s (bytes 
 experts a call reads, in the contender's weight format, / median time) and its share of the
 probe's read bandwidth at that point, and GOP/s (2 x multiply-adds: 6 T k H I per call). Then
 ratios of median times (speed-ups) and, with ``--targets``, the issue-4 targets with a verdict.
-``--targets`` alone runs the issue's matrix: every preset, T = 1, 16, 128, 512, all contenders,
-cold and warm weights. ``--amx-targets`` (issue 15) and ``--w4-targets`` (issue 14: the W4A8
-ops' time against W8A8's on the Qwen3 layer, T = 1, 16, 128, with vLLM's 4-bit kernels beside
-them) run their issues' matrices and verdicts the same way.
+``--targets`` alone runs the issue's matrix: the Qwen3, gpt-oss and Mixtral presets, T = 1, 16,
+128, 512, all contenders, cold and warm weights. ``--amx-targets`` (issue 15) and
+``--w4-targets`` (issue 14: the W4A8 ops' time against W8A8's on the Qwen3 layer, T = 1, 16,
+128, with vLLM's 4-bit kernels beside them) run their issues' matrices and verdicts the same way.
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ MODES = ("cold", "warm")
 TARGET_TOKENS = [1, 16, 128, 512]
 #: The issue-15 (AMX) matrix: decode to long prefill on the Qwen3 layer.
 AMX_TOKENS = [1, 16, 128, 512, 2048, 4096]
+#: The presets of --targets (the issue-4 matrix).
+TARGET_PRESETS = ("qwen3-30b-a3b", "gpt-oss-20b", "mixtral")
 AMX_CONTENDERS = ["cpumoe-int8", "cpumoe-bf16", "vllm-int8", "vllm-bf16"]
 #: The issue-14 (W4A8) matrix: cpumoe's W8A8 and W4A8 ops and vLLM's 4-bit kernels.
 W4_TOKENS = [1, 16, 128]
@@ -140,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         return hf_block.run_model(args)
 
     if args.targets:
-        args.preset = args.preset or list(problem.PRESETS)
+        args.preset = args.preset or list(TARGET_PRESETS)
         args.tokens = TARGET_TOKENS if args.tokens is problem.BENCH_TOKENS else args.tokens
         args.contenders = args.contenders or list(ALL_CONTENDERS)
         args.weights = args.weights or list(MODES)
