@@ -1,6 +1,7 @@
 // The AMX tile model against the hardware and the naive sums, and the kernels' tile scope (the
 // thread's tile configuration survives a call). The model kernels themselves run the registry
-// testers in this binary (test_qgemm.cpp / test_bgemm.cpp built with CPUMOE_TEST_AMX_TILE_MODEL).
+// testers in this binary (test_qgemm.cpp, test_bgemm.cpp, test_q4gemm.cpp, test_f8gemm.cpp built
+// with CPUMOE_TEST_AMX_TILE_MODEL).
 #include <gtest/gtest.h>
 
 #include <cmath>

@@ -19,6 +19,9 @@
 #include "cpumoe/dtype.h"
 #include "cpumoe/f8gemm.h"
 #include "f8gemm_tester.h"
+#if defined(CPUMOE_TEST_AMX_TILE_MODEL)
+#include "amx/amx_model_kernels.h"
+#endif
 #include "reference/reference.h"
 
 namespace {
@@ -327,8 +330,14 @@ std::string KernelName(const testing::TestParamInfo<const F8GemmUkernel*>& info)
   return info.param->name;
 }
 
+#if defined(CPUMOE_TEST_AMX_TILE_MODEL)
+// The AMX kernel's code over the tile model (tests_cpp/amx), in a binary of its own.
+INSTANTIATE_TEST_SUITE_P(AmxTileModel, F8GemmKernelTest,
+                         testing::Values(&cpumoe_test::f8gemm_amx_tilemodel), KernelName);
+#else
 INSTANTIATE_TEST_SUITE_P(Registry, F8GemmKernelTest, testing::ValuesIn(cpumoe::f8gemm_registry()),
                          KernelName);
+#endif
 
 bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() &&

@@ -12,6 +12,7 @@
 
 #include "amx/amx_tile_model.h"
 #include "ukernels/bgemm/x86/bgemm_amx.h"
+#include "ukernels/f8gemm/x86/f8gemm_amx.h"
 #include "ukernels/q4gemm/x86/q4gemm_amx.h"
 #include "ukernels/qgemm/x86/qgemm_amx.h"
 
@@ -28,6 +29,13 @@ extern const cpumoe::BGemmUkernel bgemm_amx_tilemodel =
         cpumoe::bgemm_amx::kMr, cpumoe::pack_lhs_bf16r<cpumoe::bgemm_amx::Packing>,
         cpumoe::pack_rhs_bf16c<cpumoe::bgemm_amx::Packing, 2>,
         cpumoe::bgemm_amx::run_f32<AmxTileModel>);
+
+extern const cpumoe::F8GemmUkernel f8gemm_amx_tilemodel =
+    cpumoe::make_f8gemm<cpumoe::f8_amx::Packing>(
+        "f8gemm_bf16r_f8ci32x2_16x32_amx_tilemodel", cpumoe::Isa::avx512_bf16,
+        cpumoe::f8_amx::kMr, cpumoe::pack_lhs_bf16r<cpumoe::f8_amx::Packing>,
+        cpumoe::pack_rhs_f8<cpumoe::f8_amx::Packing, cpumoe::f8_bf16::Arrange>,
+        cpumoe::f8_amx::run_f32<AmxTileModel>, cpumoe::f8_amx::scratch_bytes);
 
 extern const cpumoe::Q4GemmUkernel q4gemm_amx_tilemodel =
     cpumoe::make_q4gemm<cpumoe::q4_amx::LhsPacking, cpumoe::q4_amx::Packing>(

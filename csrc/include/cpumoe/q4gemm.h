@@ -47,7 +47,7 @@ static_assert(weight_format_info(WeightFormat::int4).family == KernelFamily::q4g
               "a W4Format is a q4gemm row of the format table");
 
 /// The format-table enumerator of @p f.
-constexpr WeightFormat weight_format_of(W4Format f) { return WeightFormat(int32_t(f)); }
+[[gnu::always_inline]] constexpr WeightFormat weight_format_of(W4Format f) { return WeightFormat(int32_t(f)); }
 /// The W4Format of @p f into @p out; false when @p f is not a q4gemm format.
 constexpr bool w4_format_of(WeightFormat f, W4Format* out) {
   if (weight_format_info(f).format != f || weight_format_info(f).family != KernelFamily::q4gemm)
@@ -83,7 +83,7 @@ struct W4Layout {
   int64_t group = 32;  ///< a multiple of kW4GroupMultiple; exactly 32 for mxfp4
   /// Bytes of one group scale in the input of pack_rhs (the table's: 4 for int4's fp32, 1 for
   /// mxfp4's E8M0).
-  constexpr int64_t scale_bytes() const {
+  [[gnu::always_inline]] constexpr int64_t scale_bytes() const {
     return weight_format_scale_bytes(weight_format_of(format));
   }
 };

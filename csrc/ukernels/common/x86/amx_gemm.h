@@ -44,6 +44,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace cpumoe {
 namespace {
@@ -88,6 +89,79 @@ class TileScope {
  private:
   typename Tiles::Saved saved_;
 };
+
+/// The tile product of a grouped kernel (q4gemm int8, f8gemm bf16): C += A . B on the tiles.
+struct DotS8 {
+  using Acc = int32_t;
+  template <class Tiles, int C, int A, int B> static void dot() { Tiles::template dpbssd<C, A, B>(); }
+};
+struct DotBf16 {
+  using Acc = float;
+  template <class Tiles, int C, int A, int B> static void dot() {
+    Tiles::template dpbf16ps<C, A, B>();
+  }
+};
+
+/// Rows [0, 16 RT) of A (at @p a, the group's first byte) x a 32-column panel of one k group
+/// (@p a_bytes bytes of each A row; steps of @p a_step bytes, a_step <= 64): the sums on the
+/// tiles, stored to buf[accumulator]. The panel holds each 16-column half as 16 a_bytes bytes,
+/// a step's B tile at 16 a_step s. RT = 2 takes accumulators 0-3 and A tiles 4, 5; RT = 1 takes
+/// accumulators 2 S, 2 S + 1 and A tile 4 + S, so that consecutive groups alternate S: the tiles
+/// are not renamed, and one set's dot products then overlap the other's stores and fp32 epilogue
+/// instead of waiting for them.
+template <class Tiles, class Dot, int RT, int S>
+inline void group_dots(const uint8_t* a, int64_t lda, const uint8_t* panel, int64_t a_bytes,
+                       int64_t a_step, typename Dot::Acc (*buf)[16][16]) {
+  static_assert(RT == 2 ? S == 0 : (S == 0 || S == 1), "RT = 2 uses every accumulator");
+  constexpr int C0 = 2 * S, C1 = 2 * S + 1, A0 = 4 + S;
+  Tiles::template zero<C0>();
+  Tiles::template zero<C1>();
+  if constexpr (RT > 1) {
+    Tiles::template zero<2>();
+    Tiles::template zero<3>();
+  }
+  const int64_t half = 16 * a_bytes;  // bytes of one half's panel
+  for (int64_t k0 = 0; k0 < a_bytes; k0 += a_step) {
+    const uint8_t* b = panel + 16 * k0;  // a_step / 4 rows of 64 bytes per step
+    Tiles::template load<A0>(a + k0, lda);
+    Tiles::template load<6>(b, 64);
+    Tiles::template load<7>(b + half, 64);
+    Dot::template dot<Tiles, C0, A0, 6>();
+    Dot::template dot<Tiles, C1, A0, 7>();
+    if constexpr (RT > 1) {
+      Tiles::template load<5>(a + kTileRows * lda + k0, lda);
+      Dot::template dot<Tiles, 2, 5, 6>();
+      Dot::template dot<Tiles, 3, 5, 7>();
+    }
+  }
+  Tiles::template store<C0>(buf[C0], 64);
+  Tiles::template store<C1>(buf[C1], 64);
+  if constexpr (RT > 1) {
+    Tiles::template store<2>(buf[2], 64);
+    Tiles::template store<3>(buf[3], 64);
+  }
+}
+
+/// The row tiles of one k group of a grouped kernel (q4gemm, f8gemm): tiles(RT, set, i0) for
+/// RT = 1 or 2 row tiles of 16 from row i0. With one row tile the groups alternate between tile
+/// sets 0 and 1 (@p g odd or even), so a group's loads need not wait for the previous group's
+/// stores; more rows go in pairs of row tiles on set 0.
+template <class F>
+[[gnu::always_inline]] inline void group_row_tiles(int64_t m, int64_t g, F&& tiles) {
+  using One = std::integral_constant<int, 1>;
+  using Two = std::integral_constant<int, 2>;
+  using Set0 = std::integral_constant<int, 0>;
+  constexpr int64_t kMr = 16;
+  if (m <= kMr) {
+    if (g % 2 == 0) tiles(One{}, Set0{}, 0);
+    else tiles(One{}, One{}, 0);
+    return;
+  }
+  for (int64_t i0 = 0; i0 < m; i0 += 2 * kMr) {
+    if (m - i0 > kMr) tiles(Two{}, Set0{}, i0);
+    else tiles(One{}, Set0{}, i0);
+  }
+}
 
 /// Rows [i0, i0 + rows) (rows <= 16 RT) x columns [j0, j0 + 16 CT) (clipped to n) over the
 /// whole depth (@p steps k steps): A tile r at a + 16 r lda, B block c at b + c bstride. While it

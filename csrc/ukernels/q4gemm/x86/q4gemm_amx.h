@@ -122,51 +122,13 @@ template <class Body>
   }
 }
 
-/// Rows [i0, i0 + 16 RT) of A (at @p a) x the block's 32 columns, one group: the exact int32 sums
-/// on the tiles, stored to buf[accumulator]. RT = 2 takes accumulators 0-3 and A tiles 4, 5;
-/// RT = 1 takes accumulators 2 S, 2 S + 1 and A tile 4 + S, so that consecutive groups alternate
-/// S: the tiles are not renamed, and one set's tile dot products then overlap the other's stores
-/// and fp32 epilogue instead of waiting for them.
-template <class Tiles, int RT, int S>
-inline void group_dots(const uint8_t* a, int64_t lda, const uint8_t* panel, int64_t g, int64_t ks,
-                       int32_t (*buf)[16][16]) {
-  static_assert(RT == 2 ? S == 0 : (S == 0 || S == 1), "RT = 2 uses every accumulator");
-  constexpr int C0 = 2 * S, C1 = 2 * S + 1, A0 = 4 + S;
-  Tiles::template zero<C0>();
-  Tiles::template zero<C1>();
-  if constexpr (RT > 1) {
-    Tiles::template zero<2>();
-    Tiles::template zero<3>();
-  }
-  const int64_t half = 16 * g;  // bytes of one half's panel
-  for (int64_t k0 = 0; k0 < g; k0 += ks) {
-    const uint8_t* b = panel + 16 * k0;  // ks / 4 rows of 64 bytes per step
-    Tiles::template load<A0>(a + k0, lda);
-    Tiles::template load<6>(b, 64);
-    Tiles::template load<7>(b + half, 64);
-    Tiles::template dpbssd<C0, A0, 6>();
-    Tiles::template dpbssd<C1, A0, 7>();
-    if constexpr (RT > 1) {
-      Tiles::template load<5>(a + kMr * lda + k0, lda);
-      Tiles::template dpbssd<2, 5, 6>();
-      Tiles::template dpbssd<3, 5, 7>();
-    }
-  }
-  Tiles::template store<C0>(buf[C0], 64);
-  Tiles::template store<C1>(buf[C1], 64);
-  if constexpr (RT > 1) {
-    Tiles::template store<2>(buf[2], 64);
-    Tiles::template store<3>(buf[3], 64);
-  }
-}
-
 /// group_dots, then acc[i][0..32) += float(sum) * scale for the rows < m.
 template <class Tiles, int RT, int S, bool Mx>
 inline void group_tiles(int64_t i0, int64_t m, const uint8_t* a, int64_t lda, const uint8_t* panel,
                         int64_t g, int64_t ks, const uint8_t* scales, int64_t hbytes, float* acc,
                         int32_t (*buf)[16][16]) {
   constexpr int C0 = 2 * S;
-  group_dots<Tiles, RT, S>(a, lda, panel, g, ks, buf);
+  amx::group_dots<Tiles, amx::DotS8, RT, S>(a, lda, panel, g, ks, buf);
   const __m512 slo = q4_vnni::load_scales<Mx>(scales);
   const __m512 shi = q4_vnni::load_scales<Mx>(scales + hbytes);
   const int64_t rows = std::min<int64_t>(kMr * RT, m - i0);
@@ -197,8 +159,8 @@ inline void block_in_registers(int64_t m, int64_t j0, int64_t n, const uint8_t* 
                         const uint8_t* panel) __attribute__((always_inline)) {
     const uint8_t* ag = a + gi * g;
     int c0 = 0;
-    if (gi % 2 == 0) group_dots<Tiles, 1, 0>(ag, lda, panel, g, ks, buf);
-    else group_dots<Tiles, 1, 1>(ag, lda, panel, g, ks, buf), c0 = 2;
+    if (gi % 2 == 0) amx::group_dots<Tiles, amx::DotS8, 1, 0>(ag, lda, panel, g, ks, buf);
+    else amx::group_dots<Tiles, amx::DotS8, 1, 1>(ag, lda, panel, g, ks, buf), c0 = 2;
     const __m512 slo = q4_vnni::load_scales<Mx>(grp + cbytes);
     const __m512 shi = q4_vnni::load_scales<Mx>(grp + cbytes + hbytes);
 #pragma GCC unroll 8
@@ -261,18 +223,7 @@ void run_tiles(int64_t m, int64_t n, int64_t k, const W4Layout& w, const uint8_t
         group_tiles<Tiles, decltype(rt)::value, decltype(set)::value, Mx>(
             i0, m, ag + i0 * lda, lda, panel, g, ks, sc, hbytes, acc, buf);
       };
-      using One = std::integral_constant<int, 1>;
-      using Two = std::integral_constant<int, 2>;
-      using Set0 = std::integral_constant<int, 0>;
-      if (m <= kMr) {  // one row tile: the groups alternate tile sets
-        if (gi % 2 == 0) tiles(One{}, Set0{}, 0);
-        else tiles(One{}, One{}, 0);
-        return;
-      }
-      for (int64_t i0 = 0; i0 < m; i0 += 2 * kMr) {
-        if (m - i0 > kMr) tiles(Two{}, Set0{}, i0);
-        else tiles(One{}, Set0{}, i0);
-      }
+      amx::group_row_tiles(m, gi, tiles);
     });
     for (int64_t hf = 0; hf < 2; ++hf) {
       const int64_t c0 = j0 + 16 * hf;
