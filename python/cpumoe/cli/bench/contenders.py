@@ -1,5 +1,6 @@
-"""The contenders of ``cpumoe bench``: cpumoe's int8 and bf16 ops and vLLM's CPU kernels on one
-layer, each checked against the reference before it is timed."""
+"""The contenders of ``cpumoe bench``: cpumoe's ops, vLLM's CPU kernels and kt-kernel's (in a
+worker process of its own venv, kt_cpu.py) on one layer, each checked against the reference
+before it is timed."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Callable, List, Optional, Tuple
 import numpy as np
 
 from .. import problem
-from . import vllm_cpu
+from . import kt_cpu, vllm_cpu
 
 
 INT8_CONTENDERS = ("cpumoe-int8", "vllm-int8")
@@ -43,22 +44,31 @@ QUANT_CONTENDERS = {**_format_contenders(),
                  **{k.name: k.quantized_as for k in vllm_cpu.KERNELS.values()
                     if hasattr(k, "quantized_as")}}
 CONTENDERS = ("cpumoe-int8", "cpumoe-bf16", "vllm-int8", "vllm-bf16", "vllm-bf16-sgl",
-              *QUANT_CONTENDERS)
+              *QUANT_CONTENDERS, *kt_cpu.CONTENDERS)
 ALL_CONTENDERS = ("cpumoe-int8", "cpumoe-bf16", "vllm-int8", "vllm-bf16")
 CHECK_TOKENS = 3
 
 
 class Contender:
-    """One kernel on one layer: ``fn(x, topk_weights, topk_ids, out)``."""
+    """One kernel on one layer: ``fn(x, topk_weights, topk_ids, out)``.
+
+    A contender that runs in another process (kt-kernel's) also has ``prepare(x, routes)``,
+    called once per timed point with its x and numpy routings, and ``timed(n)``, which makes
+    call n (routing n mod their count) and answers the seconds it measured itself; ``pause``:
+    seconds to idle after its turn in a round; ``close()`` ends it."""
 
     def __init__(self, name: str, label: str, path: Optional[str], kernel: str,
-                 weight_bytes: int, fn: Callable, ref: str):
+                 weight_bytes: float, fn: Callable, ref: str):
         self.name, self.label, self.path, self.kernel = name, label, path, kernel
         # bytes read per weight element (1 int8, 2 bf16; 4-bit: 0.5 plus the group scales)
         self.weight_bytes = weight_bytes
         self.fn = fn
         self.ref = ref  # "int8" or "bf16": the reference it is checked against
         self.check: Optional[Tuple[bool, float]] = None
+        self.prepare: Optional[Callable] = None
+        self.timed: Optional[Callable[[int], float]] = None
+        self.pause = 0.0
+        self.close: Optional[Callable[[], None]] = None
 
 
 def cpumoe_int8(layer, packed) -> Contender:
@@ -174,11 +184,42 @@ def _run_checks(layer, conts: List[Contender], ref, x, ids, wts) -> None:
         c.check = problem.check_one(lib, out, ref)
 
 
-def build_contenders(layer, names: List[str], paths: List[str], out
+def _kt_or_skip(kt, name: str, layer, arrays, ref, ref_name: str, check_in, conts, skipped
+                ) -> None:
+    """Starts kt contender ``name`` on ``arrays`` and checks it against ``ref``; appends it to
+    ``conts``, or the reason to ``skipped`` (no venv, a problem kt does not compute, a worker
+    that fails, or a failed check: a kt kernel that does not match is left out of the timing)."""
+    if kt is None or kt.error:
+        skipped.append((name, kt.error if kt is not None else "kt-kernel is not set up"))
+        return
+    c = None
+    try:
+        c = kt_cpu.contender(kt, name, layer, arrays, ref_name)
+        _run_checks(layer, [c], ref, *check_in)
+    except (kt_cpu.Unsupported, kt_cpu.KtError) as e:
+        skipped.append((name, str(e)))
+        if c is not None:
+            c.close()
+        return
+    except Exception as e:  # noqa: BLE001 (a peer's trouble must not end the bench)
+        skipped.append((name, f"{type(e).__name__}: {e}"))
+        if c is not None:
+            c.close()
+        return
+    ok, rel = c.check
+    if not ok:
+        skipped.append((name, f"{c.kernel} fails the check against the {ref_name} reference "
+                              f"(max|err|/scale {rel:.1e}, T={CHECK_TOKENS}): not timed"))
+        c.close()
+        return
+    conts.append(c)
+
+
+def build_contenders(layer, names: List[str], paths: List[str], out, kt=None
                      ) -> Tuple[List[Contender], List[Tuple[str, str]]]:
     """Makes the layer's weights, packs them for each contender, checks each against the
     reference on CHECK_TOKENS tokens, and drops the unpacked weights. Returns the contenders and
-    the (name, reason) of those skipped."""
+    the (name, reason) of those skipped. ``kt``: the kt_cpu.Session of the kt contenders."""
     import cpumoe
     from ... import quantize as Q
     lib = layer.lib
@@ -199,28 +240,40 @@ def build_contenders(layer, names: List[str], paths: List[str], out
             skipped.append((name, str(e)))
             return None
 
+    def kt_or_skip(name, arrays, ref, ref_name):
+        _kt_or_skip(kt, name, layer, arrays, ref, ref_name, (x, ids, wts), conts, skipped)
+
     # Each reference is computed before the packing: its temporaries (several GB for a Mixtral
     # expert) then do not add to the packed copies.
     t0 = time.perf_counter()
-    if any(n in INT8_CONTENDERS for n in names):
-        ref = cpumoe.reference.ref_fused_moe_int8(
+    ref8 = None
+    if any(n in INT8_CONTENDERS or n == "kt-int8" for n in names):
+        ref8 = cpumoe.reference.ref_fused_moe_int8(
             x, *(_subset(a, used) for a in (w13, w2, s13, s2)), wts, local_ids, layer.activation,
             b13=_subset(b13, used), b2=_subset(b2, used))
+        int8 = []
         if "cpumoe-int8" in names:
-            conts += [cpumoe_int8(layer, layer.packed(p)) for p in paths]
+            int8 += [cpumoe_int8(layer, layer.packed(p)) for p in paths]
         if "vllm-int8" in names:
             c = vllm_or_skip("vllm-int8", (w13, w2, s13, s2, b13, b2))
-            conts += [c] if c is not None else []
-        _run_checks(layer, conts, ref, x, ids, wts)
-    w4_names = [n for n in names if n in QUANT_CONTENDERS]
-    for fmt, g in dict.fromkeys(QUANT_CONTENDERS[n] for n in w4_names):
-        group = [n for n in w4_names if QUANT_CONTENDERS[n] == (fmt, g)]
+            int8 += [c] if c is not None else []
+        _run_checks(layer, int8, ref8, x, ids, wts)
+        conts += int8
+    quant = {**QUANT_CONTENDERS, **kt_cpu.QUANT}
+    w4_names = [n for n in names if n in quant]
+    for fmt, g in dict.fromkeys(quant[n] for n in w4_names):
+        group = [n for n in w4_names if quant[n] == (fmt, g)]
         if g not in Q.group_sizes(fmt, layer.H, layer.I, preferred=(g,)):
             skipped += [(n, f"group {g} does not divide H = {layer.H} and I = {layer.I}")
                         for n in group]
             continue
         q = _w4_weights(layer, fmt, g, w13, w2, s13, s2, b13, b2)
         for name in group:
+            if name.startswith("kt-"):
+                ref, ref_name = _w4_reference(name, x, q, used, wts, local_ids, layer.activation)
+                kt_or_skip(name, {"w13": q.w13, "w2": q.w2, "s13": q.s13, "s2": q.s2}, ref,
+                           ref_name)
+                continue
             if name.startswith("vllm-"):
                 c = vllm_or_skip(name, (q.w13, q.s13, q.w2, q.s2, b13, b2))
                 if c is None:
@@ -232,12 +285,15 @@ def build_contenders(layer, names: List[str], paths: List[str], out
             conts.append(c)
         del q
     bf16_names = [n for n in names if n in BF16_CONTENDERS]
-    if bf16_names:
+    kt_bf16 = [n for n in ("kt-int8", "kt-bf16") if n in names]  # kt-int8: kt quantizes bf16
+    if bf16_names or kt_bf16:
         w13b, w2b = _dequant_bf16(lib, w13, s13), _dequant_bf16(lib, w2, s2)
         layer.tensors = w13 = w2 = None  # the int8 copy is packed already
-        ref = cpumoe.reference.ref_fused_moe_bf16(
-            x, _subset(w13b, used), _subset(w2b, used), wts, local_ids, layer.activation,
-            b13=_subset(b13, used), b2=_subset(b2, used))
+        ref = None
+        if bf16_names or "kt-bf16" in kt_bf16:
+            ref = cpumoe.reference.ref_fused_moe_bf16(
+                x, _subset(w13b, used), _subset(w2b, used), wts, local_ids, layer.activation,
+                b13=_subset(b13, used), b2=_subset(b2, used))
         bf16 = []
         for name in bf16_names:
             if name == "cpumoe-bf16":
@@ -250,6 +306,9 @@ def build_contenders(layer, names: List[str], paths: List[str], out
                 bf16 += [c] if c is not None else []
         _run_checks(layer, bf16, ref, x, ids, wts)
         conts += bf16
+        for name in kt_bf16:
+            kt_or_skip(name, {"w13": w13b, "w2": w2b}, ref8 if name == "kt-int8" else ref,
+                       "int8" if name == "kt-int8" else "bf16")
         del w13b, w2b
     layer.tensors = None
     gc.collect()

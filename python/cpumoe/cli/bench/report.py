@@ -7,6 +7,7 @@ import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 from .. import problem
+from . import kt_cpu
 from .contenders import QUANT_CONTENDERS
 
 
@@ -16,14 +17,16 @@ _CPUMOE_Q = [n for n in QUANT_CONTENDERS if n.startswith("cpumoe-") and not n.en
 _CPUMOE_G32 = [n for n in QUANT_CONTENDERS if n.startswith("cpumoe-") and n.endswith("-g32")]
 
 #: Speed-ups printed (a over b: median time of b / median time of a) when both ran: each
-#: quantized format against W8A8, and against vLLM's kernel of the same format and group.
+#: quantized format against W8A8, and against vLLM's and kt-kernel's kernels of the same format
+#: and group (cpumoe-<x> / kt-<x> = kt's time / cpumoe's).
 RATIOS = (("cpumoe-int8", "vllm-int8"), ("cpumoe-int8", "cpumoe-bf16"),
           ("cpumoe-bf16", "vllm-bf16"), ("cpumoe-int8", "vllm-bf16"),
           ("cpumoe-bf16", "vllm-bf16-sgl"), *((n, "cpumoe-int8") for n in _CPUMOE_Q),
           *((n, "cpumoe-bf16") for n in _CPUMOE_Q
             if QUANT_CONTENDERS[n][0] not in problem.FOUR_BIT),
           *((n, "vllm-" + n[len("cpumoe-"):]) for n in QUANT_CONTENDERS
-            if n.startswith("cpumoe-") and "vllm-" + n[len("cpumoe-"):] in QUANT_CONTENDERS))
+            if n.startswith("cpumoe-") and "vllm-" + n[len("cpumoe-"):] in QUANT_CONTENDERS),
+          *(("cpumoe-" + n[len("kt-"):], n) for n in kt_cpu.CONTENDERS))
 
 def _medians(rows) -> Dict[Tuple[str, str, int], Dict[str, float]]:
     """(preset, weights, T) -> contender name -> median ms (cpumoe-int8: its first, best path)."""

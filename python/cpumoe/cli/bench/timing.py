@@ -110,6 +110,11 @@ def l3_bytes() -> Optional[int]:
 
 
 def caller(c: Contender, x, routes, out_t) -> Callable[[int], float]:
+    """Call n of contender ``c`` (routing n mod their count), answering its seconds: timed here,
+    or where the contender runs (``c.timed``: another process, which times the call itself)."""
+    if c.timed is not None:
+        return c.timed
+
     def call(n: int) -> float:
         ids, wts = routes[n % len(routes)]
         t = time.perf_counter()
@@ -120,12 +125,20 @@ def caller(c: Contender, x, routes, out_t) -> Callable[[int], float]:
 
 def measure(calls: Dict[str, Callable[[int], float]], probe: Optional[ReadProbe], warmup: int,
             iters: Optional[int], seconds: float, rounds: int, warm: bool,
-            min_calls: int = MIN_CALLS, max_calls: int = MAX_CALLS
+            min_calls: int = MIN_CALLS, max_calls: int = MAX_CALLS,
+            pauses: Optional[Dict[str, float]] = None
             ) -> Tuple[Dict[str, List[float]], List[float]]:
     """Times the contenders alternating: ``rounds`` rounds, each running every contender's share
     of its calls (rotated order; in warm mode after one untimed call that brings its experts
-    back into the caches) and one probe read. ``calls[k](n)`` makes call n, returns seconds."""
+    back into the caches) and one probe read. ``calls[k](n)`` makes call n, returns seconds.
+    ``pauses[k]``: seconds to idle after contender k's turn (its threads spin a while after a
+    call and would take a core from the next one)."""
     count = dict.fromkeys(calls, 0)
+    pauses = pauses or {}
+
+    def pause(k: str) -> None:
+        if pauses.get(k, 0) > 0:
+            time.sleep(pauses[k])
 
     def run(k: str) -> float:
         t = calls[k](count[k])
@@ -142,6 +155,8 @@ def measure(calls: Dict[str, Callable[[int], float]], probe: Optional[ReadProbe]
         else:
             est = run(k) if est is None else est
             total[k] = int(min(max_calls, max(min_calls, round(seconds / max(est, 1e-6)))))
+        if count[k]:
+            pause(k)
     n_rounds = max(1, min([rounds] + list(total.values())))
     order = list(calls)
     times: Dict[str, List[float]] = {k: [] for k in calls}
@@ -155,6 +170,8 @@ def measure(calls: Dict[str, Callable[[int], float]], probe: Optional[ReadProbe]
             if warm and n:
                 run(k)
             times[k] += [run(k) for _ in range(n)]
+            if n:
+                pause(k)
     return times, probe_times
 
 
@@ -199,9 +216,12 @@ def time_point(layer, conts: List[Contender], mode: str, T: int, x, routings,
     used = routings if mode == "cold" else routings[:1]
     routes = [(lib.tensor(i), lib.tensor(w)) for i, w in used]
     experts = float(np.mean([len(np.unique(i)) for i, _ in used]))
+    for c in conts:
+        if c.prepare is not None:
+            c.prepare(x, used)
     calls = {c.label: caller(c, x, routes, lib.tensor(np.zeros((T, layer.H), np.float32),
                                                       layer.dtype)) for c in conts}
     times, ptimes = measure(calls, probe, warmup, iters, seconds, rounds, mode == "warm",
-                            min_calls, max_calls)
+                            min_calls, max_calls, {c.label: c.pause for c in conts if c.pause})
     pgbs = probe.gbs(ptimes) if probe is not None and ptimes else None
     return [row(layer, mode, T, c, times[c.label], experts, pgbs) for c in conts], ptimes
