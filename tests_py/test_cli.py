@@ -155,7 +155,7 @@ def test_bench_4bit_contenders(backend, capsys, tmp_path):
     # 128; each checked against its own reference, timed, and compared with the int8 op.
     js = tmp_path / "w4.json"
     names = ["cpumoe-int8", "cpumoe-int4", "cpumoe-int4-g32", "cpumoe-mxfp4", "vllm-int4",
-             "vllm-int4-g32", "vllm-mxfp4"]
+             "vllm-int4-g32", "vllm-mxfp4", "cpumoe-fp8", "vllm-fp8"]
     argv = ["bench", "--experts", "4", "--topk", "2", "--hidden", "256", "--inter", "128",
             "--threads", "1", "--backend", backend.name, "--tokens", "1,3", "--iters", "1",
             "--warmup", "0", "--probe-mib", "8", "--contenders", ",".join(names),
@@ -173,13 +173,16 @@ def test_bench_4bit_contenders(backend, capsys, tmp_path):
     rows = {(r["T"], r["contender"]): r for r in doc["results"]}
     for (T, n), r in rows.items():
         assert r["check_ok"] and r["pct_probe"] > 0
-        if n != "cpumoe-int8":  # 4-bit weights: fewer bytes per call than int8's
-            assert r["weight_bytes"] < rows[(T, "cpumoe-int8")]["weight_bytes"]
+        int8_bytes = rows[(T, "cpumoe-int8")]["weight_bytes"]
+        if n.endswith("fp8"):  # a byte per weight, as int8, and a scale per 128 x 128 block
+            assert int8_bytes <= r["weight_bytes"] < 1.01 * int8_bytes
+        elif n != "cpumoe-int8":  # 4-bit weights: fewer bytes per call than int8's
+            assert r["weight_bytes"] < int8_bytes
     pairs = {(r["a"], r["b"]) for r in doc["ratios"]}
     assert ("cpumoe-int4", "cpumoe-int8") in pairs and ("cpumoe-mxfp4", "cpumoe-int8") in pairs
     if _vllm_runs(backend):
         assert {("cpumoe-int4", "vllm-int4"), ("cpumoe-int4-g32", "vllm-int4-g32"),
-                ("cpumoe-mxfp4", "vllm-mxfp4")} <= pairs
+                ("cpumoe-mxfp4", "vllm-mxfp4"), ("cpumoe-fp8", "vllm-fp8")} <= pairs
         assert "vLLM's int4 g128 reference" in out and "bf16 of mxfp4 reference" in out
 
 def test_bench_targets_and_presets(backend, capsys):

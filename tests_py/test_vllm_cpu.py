@@ -179,6 +179,45 @@ def test_mxfp4_computes_the_bf16_layer_of_its_weights(activation, bias):
         vllm_cpu.Mxfp4(b13, s13, b2, s2, x_dtype=torch.float16)
 
 
+def _fp8_problem(seed, bias=False):
+    """_problem's layer as FP8 codes and 128 x 128 block scales (cpumoe.quantize)."""
+    p = _problem(seed, bias)
+    w13, w2 = p["w13b"].float().numpy(), p["w2b"].float().numpy()
+    p["fp8"] = cpumoe.quantize.quantize_experts("fp8", lambda e: w13[e], lambda e: w2[e],
+                                                group_size=128, num_experts=E)
+    return p
+
+
+def test_fp8_matches_cpumoes_fp8_reference():
+    p = _fp8_problem(6)
+    q = p["fp8"]
+    k = vllm_cpu.Fp8(q.w13, q.s13, q.w2, q.s2)
+    got = _run(k, p)
+    ref, name = vllm_cpu.Fp8.reference(p["x"], q, p["wts"], p["ids"], "silu")
+    assert name == "fp8 g128"
+    # vLLM rounds each dequantized weight (code x block scale) to bf16 before its bf16 GEMM:
+    # about 0.5% of the output scale from cpumoe's exact per-block sums (a code or scale in the
+    # wrong place would be off by O(1)).
+    assert_moe_close(get_backend(), got, ref, atol_of_scale=1.5e-2, rtol=0)
+    # The codes as torch float8_e4m3fn give the same packed weights.
+    k2 = vllm_cpu.Fp8(torch.from_numpy(q.w13).view(torch.float8_e4m3fn), q.s13,
+                      torch.from_numpy(q.w2).view(torch.float8_e4m3fn), q.s2)
+    assert torch.equal(k2.w13, k.w13) and torch.equal(k2.w2, k.w2)
+
+
+def test_fp8_refuses_what_it_does_not_compute():
+    p = _fp8_problem(7, bias=True)
+    q = p["fp8"]
+    with pytest.raises(vllm_cpu.Unsupported, match="silu only"):
+        vllm_cpu.Fp8(q.w13, q.s13, q.w2, q.s2, activation="swigluoai")
+    with pytest.raises(vllm_cpu.Unsupported, match="biases"):
+        vllm_cpu.Fp8(q.w13, q.s13, q.w2, q.s2, p["b13"], p["b2"])
+    with pytest.raises(vllm_cpu.Unsupported, match="must be bf16"):
+        vllm_cpu.Fp8(q.w13, q.s13, q.w2, q.s2, x_dtype=torch.float16)
+    with pytest.raises(ValueError, match="128 x 128 blocks"):  # w2's scales in w13's place
+        vllm_cpu.Fp8(q.w13, q.s2, q.w2, q.s13)
+
+
 def test_int4_takes_fp16_activations():
     p = _w4_problem(5, "int4", 32)
     p["x"] = p["x"].to(torch.float16)

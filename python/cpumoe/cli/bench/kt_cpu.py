@@ -74,6 +74,15 @@ class KtError(RuntimeError):
 
 
 # ---------------------------------------------------------------------------- the venv
+def off_x86() -> Optional[str]:
+    """Why kt-kernel cannot run on this machine (its wheels are x86-64 only), or None."""
+    import platform
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64"):
+        return None
+    return f"kt-kernel ships x86-64 builds only (this machine is {machine or 'unknown'})"
+
+
 def venv_dir() -> str:
     if os.environ.get("CPUMOE_KT_VENV"):
         return os.path.abspath(os.path.expanduser(os.environ["CPUMOE_KT_VENV"]))
@@ -249,8 +258,10 @@ class Session:
         self.threads = threads  # kt's pool size (None: the layer's threads)
         self.venv = venv_dir()
         self.info: Optional[Dict[str, Any]] = venv_info(self.venv)
-        self.error: Optional[str] = None
-        if self.info is None and mode == "create":
+        self.error: Optional[str] = off_x86()
+        if self.error is not None:
+            self.info = None
+        elif self.info is None and mode == "create":
             try:
                 self.info = create_venv(self.venv, say)
             except (KtError, OSError) as e:
