@@ -11,6 +11,7 @@
 //     static constexpr int64_t kBGroupBytes;  // bytes of one B block per k group
 //     static constexpr int kSmallRows, kSmallBlocks;  // the tile for m <= kSmallRows
 //     static constexpr int kRows, kBlocks;            // the tile for larger m
+//     static constexpr bool kDecodePrefetch;  // optional (default false): see run()
 //     static Acc zero();
 //     template <int S> static AVec load_a(const uint8_t* p);  // sub-step S of the group at p
 //     template <int S> static BVec load_b(const uint8_t* p);
@@ -34,6 +35,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace cpumoe {
 namespace {
@@ -137,6 +139,13 @@ inline void blocks_dispatch(int64_t nb, int64_t i0, int64_t j0, int64_t n, const
 #undef CPUMOE_TILE_BLOCKS
 }
 
+/// Ops::kDecodePrefetch, false when the Ops does not declare it.
+template <class Ops, class = void>
+struct DecodePrefetch : std::false_type {};
+template <class Ops>
+struct DecodePrefetch<Ops, std::void_t<decltype(Ops::kDecodePrefetch)>>
+    : std::bool_constant<Ops::kDecodePrefetch> {};
+
 /// C[0, m) x [0, n) over packed A (row i at a + i * lda) and packed B (block j at b + j *
 /// bstride), @p groups k groups each.
 template <class Ops, class Store>
@@ -160,8 +169,10 @@ void run(int64_t m, int64_t n, const uint8_t* a, int64_t lda, const uint8_t* b, 
       const uint8_t* ai = a + i0 * lda;
       // The next column step's weights are prefetched (to L2) while this step runs from cache:
       // during the second row tile (the first one streams this step's weights in), or, with one
-      // row tile of 2+ rows, during it. Single-row decode streams at memory speed already.
-      const bool pf_here = tiles > 1 ? t == 1 : m > 1;
+      // row tile of 2+ rows, during it. Single-row decode streams at memory speed on the AVX-512
+      // kernels; the AVX2 ones (16-byte loads, short streams of one column step) read 25-30%
+      // faster with the next step prefetched (Zen 5, T = 1): kDecodePrefetch.
+      const bool pf_here = tiles > 1 ? t == 1 : (m > 1 || DecodePrefetch<Ops>::value);
       const uint8_t* pf = pf_here && next_nb > 0 ? bj + nb * bstride : nullptr;
       const int64_t pf_blocks = pf != nullptr ? next_nb : 0;
 #define CPUMOE_TILE_ROWS(R) \

@@ -42,6 +42,7 @@ struct Ops {
   static constexpr int kSteps = 2;
   static constexpr int64_t kAGroupBytes = 8, kBGroupBytes = 32;
   static constexpr int kSmallRows = 2, kSmallBlocks = 4, kRows = 6, kBlocks = 2;
+  static constexpr bool kDecodePrefetch = true;  // gemm_tile.h run(): measured at T = 1
   static Acc zero() { return _mm256_setzero_ps(); }
   template <int S>
   static __m256 load_a(const uint8_t* p) {
