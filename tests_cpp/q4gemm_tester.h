@@ -74,8 +74,10 @@ class Q4GemmTester {
         } else {
           float v = ds(rng);
           if (extreme_) {
-            const int pick = int(rng() % 6);
-            v = pick == 0 ? 1e-30f : pick == 1 ? 1e30f : v;
+            // int4 scales may be negative or zero (GGUF's Q4_0 stores both).
+            const int pick = int(rng() % 8);
+            v = pick == 0 ? 1e-30f : pick == 1 ? 1e30f : pick == 2 ? -v : pick == 3 ? 0.0f
+                : pick == 4 ? -1e30f : v;
           }
           std::memcpy(s, &v, 4);
         }

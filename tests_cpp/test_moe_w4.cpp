@@ -219,6 +219,26 @@ TEST(MoeW4, Mxfp4NanScalePropagates) {
   }
 }
 
+// int4 group scales of any sign, zero too (GGUF's Q4_0 stores d < 0 for half of its blocks): the
+// oracle's bits on every path.
+TEST(MoeW4, NegativeAndZeroInt4ScalesAreValues) {
+  W4Data w = make_w4({9, 4, 2, 64, 64}, W4Format::int4, 32, DType::f32, Activation::silu, true,
+                     37);
+  for (size_t i = 0; i < w.ref.s13.size() / 4; ++i) {
+    float v;
+    std::memcpy(&v, w.ref.s13.data() + 4 * i, 4);
+    v = i % 3 == 0 ? -v : i % 7 == 0 ? 0.0f : v;
+    std::memcpy(w.ref.s13.data() + 4 * i, &v, 4);
+  }
+  for (size_t i = 0; i < w.ref.s2.size() / 4; i += 2) {
+    float v;
+    std::memcpy(&v, w.ref.s2.data() + 4 * i, 4);
+    v = -v;
+    std::memcpy(w.ref.s2.data() + 4 * i, &v, 4);
+  }
+  check_all_w4_paths(w);
+}
+
 // The packed layer holds 4 bits per weight plus the group scales (about half of W8A8's bytes).
 TEST(MoeW4, PackedBytesAndAccessors) {
   const W4Data w = make_w4({1, 3, 1, 256, 128}, W4Format::int4, 128, DType::f32,
@@ -383,7 +403,7 @@ TEST(MoeW4, BadWeightsAreArgumentErrors) {
     mw.group_size = 64;  // divides H = 128, not I = 96
     expect_bad(mw, "w2: intermediate size");
   }
-  for (float bad : {0.0f, -1.0f, std::nanf(""), INFINITY}) {
+  for (float bad : {std::nanf(""), INFINITY, -INFINITY}) {  // 0 and negative ones are values
     W4Data w = base;
     std::memcpy(w.ref.s13.data() + 4 * 5, &bad, 4);
     expect_bad(w.weights(), "s13");

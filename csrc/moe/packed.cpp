@@ -243,8 +243,8 @@ const MoeWeightsW4& checked(const MoeWeightsW4& w) {
                std::to_string(x) + " is " + std::to_string(int(p[x])) + ")");
     }
   }
-  moe_detail::check_scales(static_cast<const float*>(w.s13), n13 / g, "s13");
-  moe_detail::check_scales(static_cast<const float*>(w.s2), n2 / g, "s2");
+  moe_detail::check_finite_scales(static_cast<const float*>(w.s13), n13 / g, "s13");
+  moe_detail::check_finite_scales(static_cast<const float*>(w.s2), n2 / g, "s2");
   return w;
 }
 

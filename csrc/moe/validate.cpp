@@ -44,6 +44,15 @@ void check_scales(const float* s, int64_t n, const char* name) {
   }
 }
 
+void check_finite_scales(const float* s, int64_t n, const char* name) {
+  if (s == nullptr) fail(std::string(name) + ": missing");
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(s[i]))
+      fail(std::string(name) + ": every scale must be finite (element " + std::to_string(i) +
+           " is " + std::to_string(s[i]) + ")");
+  }
+}
+
 void validate(const MoeCall& c, int64_t E, int64_t H) {
   if (c.num_tokens < 0) fail("x: number of tokens must be >= 0");
   if (c.topk < 1) fail("topk_ids: k (columns of topk_ids) must be >= 1, got " + std::to_string(c.topk));

@@ -33,6 +33,9 @@ inline int64_t checked_add(int64_t a, int64_t b, const char* what) {
 
 // Every one of s[0..n) finite and > 0; `name` names the argument.
 void check_scales(const float* s, int64_t n, const char* name);
+// Every one of s[0..n) finite (any sign, zero too: int4 group scales, which GGUF's Q4_0 stores
+// negative for half of its blocks); `name` names the argument.
+void check_finite_scales(const float* s, int64_t n, const char* name);
 
 // Checks a call on weights of E experts and hidden size H: shapes, strides, null pointers,
 // overlaps of out with the inputs, expert ids and the expert map. The ids and the map are caller

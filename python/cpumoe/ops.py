@@ -286,7 +286,7 @@ def prepack_int4(w13: Any, w2: Any, s13: Any, s2: Any, b13: Any = None, b2: Any 
       w13: int8 [E, 2I, H] holding int4 values in [-8, 7] (unpacked, one per element): gate rows
         [0, I), up rows [I, 2I) (swigluoai: even / odd rows).
       w2: int8 [E, H, I], values in [-8, 7].
-      s13, s2: group scales [E, 2I, H / g] / [E, H, I / g], finite and > 0: weight
+      s13, s2: group scales [E, 2I, H / g] / [E, H, I / g], finite (any sign): weight
         ``w[n, k] = value[n, k] * s[n, k // g]``.
       b13, b2: optional biases [E, 2I] / [E, H], any float dtype (kept as float32).
       group_size: g, a multiple of 32 dividing H and I, at most 65536.

@@ -33,7 +33,7 @@ namespace cpumoe {
 /// of each (w13 for [E, 2I, H], w2 for [E, H, I]; N, K those of one matrix):
 ///   - int8:  int8 [E, N, K]; fp32 scales [E, N], one per output channel.
 ///   - int4:  int8 [E, N, K] holding values in [-8, 7]; fp32 scales [E, N, K / g], one per group
-///            of k, finite and > 0.
+///            of k, finite (negative and zero too: GGUF's Q4_0 has both).
 ///   - mxfp4: gpt-oss's layout: uint8 [E, N, K / 32, 16], two E2M1 codes per byte, the low nibble
 ///            first (k even); uint8 E8M0 scales [E, N, K / 32] (255 is NaN: its group's outputs
 ///            are NaN).
