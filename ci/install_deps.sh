@@ -21,8 +21,8 @@ PIP_PKGS=("torch==2.13.0" "numpy>=1.22" "ml_dtypes>=0.3" "pybind11>=2.12"
 PIP_MODS=(numpy ml_dtypes pybind11 scikit_build_core torch tqdm matplotlib)
 if ((TEST)); then
   APT_PKGS+=(g++-aarch64-linux-gnu qemu-user googletest libsimde-dev)
-  PIP_PKGS+=("pytest>=7" "safetensors>=0.4" "atheris>=2.3")
-  PIP_MODS+=(pytest safetensors atheris)
+  PIP_PKGS+=("pytest>=7" "safetensors>=0.4" "atheris>=2.3" "gguf==0.19.0")
+  PIP_MODS+=(pytest safetensors atheris gguf)  # gguf: cpumoe.load_experts' tests (cpumoe[gguf])
 fi
 
 missing=()

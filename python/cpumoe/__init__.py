@@ -20,8 +20,10 @@ from . import reference
 from . import ops
 from .ops import *  # noqa: F401,F403  (the public ops: ops.__all__, one prepack per format)
 from .quantize import quantize_per_channel, quantize_per_token
+from .checkpoint_gguf import load_experts  # a loader: after ops / quantize (gguf imported lazily)
 
-__all__ = sorted([*ops.__all__, "quantize_per_channel", "quantize_per_token", "reference"])
+__all__ = sorted([*ops.__all__, "load_experts", "quantize_per_channel", "quantize_per_token",
+                  "reference"])
 
 # Engine integration, imported on first use (cpumoe.torch_ops imports torch; `import cpumoe`
 # never does): torch_ops (torch.ops.cpumoe.*), experts (Int8Experts), checkpoint (loading),

@@ -1,0 +1,351 @@
+"""Loading a MoE layer's experts from a GGUF file (llama.cpp's format) as stored: no
+re-quantization.
+
+A GGUF MoE layer ``L`` holds its routed experts as three stacked tensors (names from the ``gguf``
+package's ``gguf.constants.TENSOR_NAMES``; shapes as numpy / the ``gguf`` reader give them, ggml's
+dims reversed): ``blk.{L}.ffn_gate_exps.weight`` [E, I, H], ``blk.{L}.ffn_up_exps.weight``
+[E, I, H], ``blk.{L}.ffn_down_exps.weight`` [E, H, I], and optionally (gpt-oss) the biases
+``blk.{L}.ffn_{gate,up,down}_exps.bias`` [E, I] / [E, I] / [E, H]. Only the GGUF types that are
+exactly a cpumoe weight format are read:
+
+========= ============ ============================================================================
+GGUF      cpumoe       mapping (a block of 32 k is one group)
+========= ============ ============================================================================
+``Q4_0``  ``int4``     values q - 8 in [-8, 7], scale float(d) (fp16 d, any sign: llama.cpp's
+                       quantizer makes d < 0 whenever a block's largest-magnitude weight is
+                       positive, and cpumoe's int4 takes negative and zero scales), group_size 32.
+``MXFP4`` ``mxfp4``    the same E8M0 byte and E2M1 codes (GGUF's doubled E2M1 times its halved
+                       E8M0 is the same product); nibbles reordered (GGUF: element j low, j + 16
+                       high; cpumoe / gpt-oss: 2j low, 2j + 1 high). E8M0 255 (NaN in cpumoe,
+                       2^127 in ggml) is refused.
+``BF16``  ``bf16``     the bits.
+========= ============ ============================================================================
+
+Every other type (F32, F16, Q8_0, Q4_1, Q5_*, K-quants, IQ types, ...) and a gate / up / down mix
+of types in different formats raise :class:`GgufUnsupported` (an
+:class:`cpumoe.checkpoint.UnsupportedCheckpoint`) naming the tensor and its type. A fused
+``ffn_gate_up_exps`` tensor is refused too.
+
+w13 is laid out for the activation of the file's architecture (``general.architecture``):
+``gpt-oss`` -> ``"swigluoai"`` (gate and up interleaved by row: even rows gate, odd rows up),
+anything else -> ``"silu"`` (gate rows then up rows; the op's other non-interleaved activations,
+e.g. gelu, read the same layout). :func:`read_gguf_experts` returns the layer unpacked with that
+``activation``; :func:`load_experts` packs it.
+
+The ``gguf`` package (``pip install gguf``, the reader llama.cpp ships) is imported on first use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from .checkpoint import LoadedExperts, UnsupportedCheckpoint, expert_ids_of
+
+__all__ = ["GGUF_FORMATS", "GgufExperts", "GgufUnsupported", "gguf_activation",
+           "load_experts", "read_gguf_experts"]
+
+PathLike = Union[str, os.PathLike]
+
+#: GGUF tensor type -> the cpumoe weight format it is exactly.
+GGUF_FORMATS = {"Q4_0": "int4", "MXFP4": "mxfp4", "BF16": "bf16"}
+
+#: What a GGUF type would need from cpumoe, for the errors.
+_NEEDS = {
+    "F32": "no float32 expert format (only bf16)",
+    "F16": "no float16 expert format (only bf16)",
+    "F64": "no float64 expert format",
+    "Q8_0": "needs 8-bit group scales",
+    "Q4_1": "needs group zero points (Q4_1 is asymmetric)",
+    "Q5_0": "needs 5-bit values",
+    "Q5_1": "needs 5-bit values with group zero points",
+    "Q8_1": "needs 8-bit group scales",
+}
+_FLOAT_BIAS = ("F32", "F16", "BF16")
+#: general.architecture -> (activation, w13 interleaved)
+_ARCH_ACTIVATION = {"gpt-oss": "swigluoai"}
+_DEFAULT_ACTIVATION = "silu"
+_LOADERS = ("gguf",)
+
+
+class GgufUnsupported(UnsupportedCheckpoint):
+    """The GGUF file (or the layer asked for) holds experts cpumoe cannot run as stored."""
+
+
+@dataclasses.dataclass
+class GgufExperts(LoadedExperts):
+    """One MoE layer read from a GGUF file in its cpumoe format's prepack input form (see
+    :class:`cpumoe.checkpoint.LoadedExperts`), with the file's ``architecture`` and the GGUF
+    types of gate, up and down (``gguf_types``)."""
+
+    architecture: str
+    gguf_types: Tuple[str, str, str]
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError as e:
+        raise ImportError("cpumoe.load_experts: reading GGUF files needs the gguf package: "
+                          "pip install 'gguf>=0.17' (or pip install 'cpumoe[gguf]')") from e
+    return gguf
+
+
+def gguf_activation(architecture: str) -> str:
+    """The activation (and so the w13 layout) cpumoe uses for a GGUF ``general.architecture``:
+    "swigluoai" for gpt-oss (gate / up interleaved by row), "silu" (halves) otherwise."""
+    return _ARCH_ACTIVATION.get(architecture, _DEFAULT_ACTIVATION)
+
+
+def _why_not(qtype: str) -> str:
+    if qtype in _NEEDS:
+        return _NEEDS[qtype]
+    if qtype.endswith("_K"):
+        return "needs K-quant super-blocks (sub-block scales)"
+    if qtype.startswith("IQ") or qtype.startswith("TQ"):
+        return "needs codebook / ternary values"
+    return "no cpumoe weight format holds it exactly"
+
+
+def _open(path: PathLike):
+    gguf = _gguf()
+    try:
+        return gguf.GGUFReader(os.fspath(path), "r")
+    except OSError:
+        raise
+    except Exception as e:  # truncated or malformed: the reader raises ValueError, KeyError, ...
+        raise GgufUnsupported(f"{os.fspath(path)}: not a readable GGUF file "
+                              f"({type(e).__name__}: {e})") from e
+
+
+def _field(reader, key: str) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return None
+    try:
+        return f.contents()
+    except Exception:  # an odd field type: treated as absent
+        return None
+
+
+def _np_shape(t) -> Tuple[int, ...]:
+    return tuple(int(d) for d in reversed(t.shape.tolist()))
+
+
+def _type_name(t) -> str:
+    return t.tensor_type.name
+
+
+def _float32_of(t) -> np.ndarray:
+    """A float tensor (F32 / F16 / BF16) as float32 with its numpy shape."""
+    q = _type_name(t)
+    if q == "BF16":
+        u = np.ascontiguousarray(t.data).view("<u2").reshape(_np_shape(t))
+        return (u.astype(np.uint32) << 16).view(np.float32)
+    return np.asarray(t.data, dtype=np.float32).reshape(_np_shape(t))
+
+
+def _q4_0_expert(name: str, e: int, raw: np.ndarray, n: int, k: int):
+    """Q4_0 bytes [n, k / 32 * 18] of one expert -> (int8 values [n, k], fp32 scales
+    [n, k / 32]), exactly; raises for a non-finite scale."""
+    b = np.ascontiguousarray(raw).reshape(n, k // 32, 18)
+    d = b[..., :2].copy().view("<f2")[..., 0].astype(np.float32)  # [n, G]
+    qs = b[..., 2:]
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.int8)  # [n, G, 32]: j, j + 16
+    if not np.isfinite(d).all():
+        r, g = (int(i[0]) for i in np.nonzero(~np.isfinite(d)))
+        raise GgufUnsupported(f"{name}: Q4_0 block scale {d[r, g]} (expert {e}, row {r}, block "
+                              f"{g}) is not finite; cpumoe's int4 needs finite scales")
+    v = (q - np.int8(8)).astype(np.int8)
+    s = d.astype(np.float32)  # as stored: negative (llama.cpp's quantizer) and zero d are values
+    return v.reshape(n, k), s
+
+
+def _mxfp4_expert(name: str, e: int, raw: np.ndarray, n: int, k: int):
+    """GGUF MXFP4 bytes [n, k / 32 * 17] of one expert -> (cpumoe blocks uint8 [n, k / 32, 16],
+    E8M0 uint8 [n, k / 32]): the same codes and scale bytes, nibbles reordered."""
+    b = np.ascontiguousarray(raw).reshape(n, k // 32, 17)
+    scales = b[..., 0].copy()
+    if (scales == 255).any():
+        r, g = (int(i[0]) for i in np.nonzero(scales == 255))
+        raise GgufUnsupported(f"{name}: MXFP4 block (expert {e}, row {r}, block {g}) has E8M0 "
+                              f"scale 255 (2^127 in ggml, NaN in cpumoe's mxfp4)")
+    qs = b[..., 1:]
+    codes = np.concatenate([qs & 15, qs >> 4], axis=-1)  # [n, G, 32] in element order
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+    return blocks, scales
+
+
+def _bf16_expert(name: str, e: int, raw: np.ndarray, n: int, k: int):
+    return np.ascontiguousarray(raw).view("<u2").reshape(n, k), None
+
+
+_CONVERT = {"Q4_0": _q4_0_expert, "MXFP4": _mxfp4_expert, "BF16": _bf16_expert}
+
+
+def read_gguf_experts(path: PathLike, layer: int, *,
+                      experts: Optional[Sequence[int]] = None) -> GgufExperts:
+    """Reads MoE layer ``layer`` of GGUF file ``path`` (see the module doc) one expert at a
+    time; ``experts``: the global ids to read (default all). ``.prepack()`` packs the result,
+    ``.activation`` is the activation its w13 layout is for."""
+    gguf = _gguf()
+    if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+        raise TypeError(f"layer: must be an int, got {type(layer).__name__}")
+    layer = int(layer)
+    reader = _open(path)
+    arch = _field(reader, gguf.Keys.General.ARCHITECTURE)
+    arch = arch if isinstance(arch, str) else ""
+    n_blocks = _field(reader, gguf.Keys.LLM.BLOCK_COUNT.format(arch=arch)) if arch else None
+    if layer < 0 or (isinstance(n_blocks, int) and layer >= n_blocks):
+        raise ValueError(f"layer: {layer} is out of range: {os.fspath(path)} has "
+                         f"{n_blocks if isinstance(n_blocks, int) else 'an unknown number of'} "
+                         f"blocks (architecture {arch!r})")
+    tensors = {t.name: t for t in reader.tensors}
+    names = gguf.TENSOR_NAMES
+    MT = gguf.MODEL_TENSOR
+
+    def tname(kind, suffix="weight"):
+        return f"{names[kind].format(bid=layer)}.{suffix}"
+
+    gate_n, up_n, down_n = (tname(k) for k in (MT.FFN_GATE_EXP, MT.FFN_UP_EXP, MT.FFN_DOWN_EXP))
+    fused_kind = getattr(MT, "FFN_GATE_UP_EXP", None)
+    if fused_kind is not None and fused_kind in names and tname(fused_kind) in tensors:
+        raise GgufUnsupported(f"{tname(fused_kind)}: fused gate_up experts are not read yet "
+                              f"(cpumoe reads separate ffn_gate_exps / ffn_up_exps)")
+    present = [n for n in (gate_n, up_n, down_n) if n in tensors]
+    if not present:
+        split = _field(reader, gguf.Keys.Split.LLM_KV_SPLIT_COUNT)
+        hint = (f" (a split GGUF of {split} files: split files are not read yet)"
+                if isinstance(split, int) and split > 1 else "")
+        raise GgufUnsupported(f"{os.fspath(path)}: layer {layer} has no MoE experts "
+                              f"({gate_n} not found){hint}")
+    for n in (gate_n, up_n, down_n):
+        if n not in tensors:
+            raise GgufUnsupported(f"{os.fspath(path)}: missing {n} (layer {layer} has "
+                                  f"{', '.join(present)})")
+    tg, tu, td = tensors[gate_n], tensors[up_n], tensors[down_n]
+    types = tuple(_type_name(t) for t in (tg, tu, td))
+    for t, q in zip((tg, tu, td), types):
+        if q not in GGUF_FORMATS:
+            raise GgufUnsupported(f"{t.name} is {q}: cpumoe does not run {q} experts yet "
+                                  f"({_why_not(q)}); it reads "
+                                  f"{', '.join(f'{k} (as {v})' for k, v in GGUF_FORMATS.items())}")
+    fmts = [GGUF_FORMATS[q] for q in types]
+    if len(set(fmts)) != 1:
+        raise GgufUnsupported(
+            f"layer {layer}: gate / up / down are {' / '.join(types)}, i.e. cpumoe formats "
+            f"{' / '.join(fmts)}: a packed layer holds one format (no re-quantization)")
+    fmt = fmts[0]
+    sg, su, sd = (_np_shape(t) for t in (tg, tu, td))
+    if len(sg) != 3 or sg != su or len(sd) != 3 or sd != (sg[0], sg[2], sg[1]):
+        raise GgufUnsupported(f"layer {layer}: shapes {gate_n} {list(sg)}, {up_n} {list(su)}, "
+                              f"{down_n} {list(sd)}: expected [E, I, H], [E, I, H], [E, H, I]")
+    n_global, I, H = sg
+    if n_global < 1 or I < 1 or H < 1:
+        raise GgufUnsupported(f"{gate_n}: empty shape {list(sg)}")
+    ids = expert_ids_of(experts, n_global)
+    E = len(ids)
+
+    bias_names = [tname(k, "bias") for k in (MT.FFN_GATE_EXP, MT.FFN_UP_EXP, MT.FFN_DOWN_EXP)]
+    biases = []
+    for bn, want in zip(bias_names, ((n_global, I), (n_global, I), (n_global, H))):
+        if bn not in tensors:
+            biases.append(None)
+            continue
+        t = tensors[bn]
+        if _type_name(t) not in _FLOAT_BIAS:
+            raise GgufUnsupported(f"{bn} is {_type_name(t)}: biases must be F32, F16 or BF16")
+        if _np_shape(t) != want:
+            raise GgufUnsupported(f"{bn}: shape {list(_np_shape(t))}, expected {list(want)}")
+        biases.append(t)
+    if (biases[0] is None) != (biases[1] is None):
+        have, miss = (bias_names[0], bias_names[1]) if biases[1] is None else (bias_names[1],
+                                                                              bias_names[0])
+        raise GgufUnsupported(f"{have} present but {miss} missing: gate and up biases go "
+                              f"together")
+
+    activation = gguf_activation(arch)
+    interleaved = activation == "swigluoai"
+    if fmt == "int4":
+        w13 = np.empty((E, 2 * I, H), np.int8)
+        w2 = np.empty((E, H, I), np.int8)
+        s13 = np.empty((E, 2 * I, H // 32), np.float32)
+        s2 = np.empty((E, H, I // 32), np.float32)
+    elif fmt == "mxfp4":
+        w13 = np.empty((E, 2 * I, H // 32, 16), np.uint8)
+        w2 = np.empty((E, H, I // 32, 16), np.uint8)
+        s13 = np.empty((E, 2 * I, H // 32), np.uint8)
+        s2 = np.empty((E, H, I // 32), np.uint8)
+    else:
+        w13 = np.empty((E, 2 * I, H), np.uint16)
+        w2 = np.empty((E, H, I), np.uint16)
+        s13 = s2 = None
+    rg, ru = ((slice(0, None, 2), slice(1, None, 2)) if interleaved
+              else (slice(0, I), slice(I, 2 * I)))
+    try:
+        for j, e in enumerate(ids):
+            for t, q, rows, wdst, sdst, n, k in ((tg, types[0], rg, w13, s13, I, H),
+                                                 (tu, types[1], ru, w13, s13, I, H),
+                                                 (td, types[2], slice(None), w2, s2, H, I)):
+                v, s = _CONVERT[q](t.name, e, t.data[e], n, k)
+                wdst[j, rows] = v
+                if sdst is not None:
+                    sdst[j, rows] = s
+        b13 = b2 = None
+        if biases[0] is not None:
+            b13 = np.empty((E, 2 * I), np.float32)
+            b13[:, rg] = _float32_of(biases[0])[ids]
+            b13[:, ru] = _float32_of(biases[1])[ids]
+        if biases[2] is not None:
+            b2 = np.ascontiguousarray(_float32_of(biases[2])[ids])
+    except GgufUnsupported:
+        raise
+    except (ValueError, IndexError, TypeError) as err:  # data not as its header says
+        raise GgufUnsupported(f"{os.fspath(path)}: layer {layer}: the tensor data cannot be "
+                              f"read ({type(err).__name__}: {err})") from err
+    if fmt == "bf16":
+        try:
+            import ml_dtypes
+        except ImportError as err:
+            raise ImportError("cpumoe.load_experts: BF16 experts need ml_dtypes as numpy's "
+                              "bfloat16: pip install ml_dtypes") from err
+        w13, w2 = w13.view(ml_dtypes.bfloat16), w2.view(ml_dtypes.bfloat16)
+    return GgufExperts(fmt, 32 if fmt in ("int4", "mxfp4") else 0, w13, w2, s13, s2, b13, b2,
+                       ids, n_global, activation, layer, arch, types)
+
+
+def _detect(path: PathLike) -> str:
+    p = os.fspath(path)
+    if not os.path.exists(p):
+        raise FileNotFoundError(f"{p}: no such file")
+    if os.path.isfile(p):
+        with open(p, "rb") as f:
+            if f.read(4) == b"GGUF":
+                return "gguf"
+    raise UnsupportedCheckpoint(f"{p}: cannot tell its format: load_experts reads "
+                                f"{', '.join(_LOADERS)} files (a GGUF file starts with b'GGUF')")
+
+
+def load_experts(path: PathLike, layer: int, *, format: Optional[str] = None,
+                 isa: Optional[str] = None, num_threads: Optional[int] = None):
+    """The packed layer (for :func:`cpumoe.fused_moe`) of MoE layer ``layer``'s experts in file
+    ``path``, in the cpumoe format its stored type is (``packed.weight_format``): GGUF Q4_0 ->
+    int4, MXFP4 -> mxfp4, BF16 -> bf16 (see :mod:`cpumoe.checkpoint_gguf`); anything else is an
+    :class:`cpumoe.checkpoint.UnsupportedCheckpoint`. Run it with the activation of
+    :func:`cpumoe.checkpoint_gguf.gguf_activation` (``general.architecture`` gpt-oss ->
+    "swigluoai", else "silu"), also the ``.activation`` of
+    :func:`cpumoe.checkpoint_gguf.read_gguf_experts`'s unpacked layer.
+
+    Args:
+      format: None (detect from the file) or "gguf".
+      isa, num_threads: as in the prepack functions.
+    """
+    if format is None:
+        format = _detect(path)
+    if format not in _LOADERS:
+        raise ValueError(f"format: one of {', '.join(map(repr, _LOADERS))} or None (detect); "
+                         f"got {format!r}")
+    return read_gguf_experts(path, layer).prepack(isa=isa, num_threads=num_threads)
