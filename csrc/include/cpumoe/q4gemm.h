@@ -47,7 +47,9 @@ static_assert(weight_format_info(WeightFormat::int4).family == KernelFamily::q4g
               "a W4Format is a q4gemm row of the format table");
 
 /// The format-table enumerator of @p f.
-[[gnu::always_inline]] constexpr WeightFormat weight_format_of(W4Format f) { return WeightFormat(int32_t(f)); }
+[[gnu::always_inline]] constexpr WeightFormat weight_format_of(W4Format f) {
+  return WeightFormat(int32_t(f));
+}
 /// The W4Format of @p f into @p out; false when @p f is not a q4gemm format.
 constexpr bool w4_format_of(WeightFormat f, W4Format* out) {
   if (weight_format_info(f).format != f || weight_format_info(f).family != KernelFamily::q4gemm)

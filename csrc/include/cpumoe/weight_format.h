@@ -132,7 +132,8 @@ constexpr const char* weight_format_name(WeightFormat f) { return weight_format_
 /// W4Layout::scale_bytes) shares no table object with the rest of the library (the IsaObjects
 /// test of tests_cpp).
 template <std::size_t... I>
-[[gnu::always_inline]] constexpr int weight_format_scale_bytes(WeightFormat f, std::index_sequence<I...>) {
+[[gnu::always_inline]] constexpr int weight_format_scale_bytes(WeightFormat f,
+                                                             std::index_sequence<I...>) {
   int out = 0;
   ((int(f) == int(I) ? void(out = kWeightFormatTable[I].scale_bytes) : void()), ...);
   return out;

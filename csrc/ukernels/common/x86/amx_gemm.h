@@ -93,7 +93,9 @@ class TileScope {
 /// The tile product of a grouped kernel (q4gemm int8, f8gemm bf16): C += A . B on the tiles.
 struct DotS8 {
   using Acc = int32_t;
-  template <class Tiles, int C, int A, int B> static void dot() { Tiles::template dpbssd<C, A, B>(); }
+  template <class Tiles, int C, int A, int B> static void dot() {
+    Tiles::template dpbssd<C, A, B>();
+  }
 };
 struct DotBf16 {
   using Acc = float;

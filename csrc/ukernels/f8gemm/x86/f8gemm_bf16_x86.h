@@ -105,7 +105,8 @@ inline void expand(const uint8_t* blk, const Layout& c, uint8_t* panel) {
     const uint8_t* grp = blk + g * c.gstride;
     const int64_t pairs = c.group_kp<P>(g) / 2, q0 = g * c.gk / 2;
     for (int64_t q = 0; q < pairs; ++q) {
-      _mm_prefetch(reinterpret_cast<const char*>(grp + q * kPairBytes + kPrefetchExpand), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(grp + q * kPairBytes + kPrefetchExpand),
+                   _MM_HINT_T0);
       const __m512i b0 = decode16x2(grp + q * kPairBytes);
       const __m512i b1 = decode16x2(grp + q * kPairBytes + 32);
       _mm512_store_si512(panel + (q0 + q) * kPairBytes, b0);
