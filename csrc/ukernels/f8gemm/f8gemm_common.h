@@ -49,6 +49,10 @@ struct F8Packing : RowLhsPacking<Kr, LhsBytes, LhsRows> {
     const int64_t gk = group_k(k, w);
     return std::min(gk, k - g * gk);
   }
+  /// Padded k of group @p g (group_len rounded up to kr).
+  static int64_t group_kp(int64_t g, int64_t k, const F8Layout& w) {
+    return round_up(group_len(g, k, w), Kr);
+  }
   /// Bytes of a group's codes and the padding after them, for a group of @p gp padded k.
   static int64_t codes_bytes(int64_t gp) { return round_up(Nr * gp, 4); }
   /// Bytes from one group of a block to the next.

@@ -203,7 +203,7 @@ void tile(const Call& cl, const bfloat16_t* a, const uint8_t* b, float* dst, int
   float tot[kAcc][4];  // the totals, in memory: touched once per group, by group_sums
   std::memset(tot, 0, sizeof tot);
   for (int64_t g = 0; g < cl.groups; ++g) {
-    const int64_t gp = Packing::padded_k(Packing::group_len(g, cl.k, *cl.w));
+    const int64_t gp = Packing::group_kp(g, cl.k, *cl.w);
     const uint8_t* grp = b + g * cl.gstride;
     group_sums<NP, NB, false>(a + 2 * g * cl.gk, 2 * cl.kp, grp, cl.block_bytes, gp / kBf16pKr,
                               nullptr, nullptr, &tot[0][0], grp + Packing::codes_bytes(gp));
@@ -254,7 +254,7 @@ void run_decoded(const Call& cl, int64_t m, int64_t n, const bfloat16_t* a, cons
     const uint8_t* bj = b + jb * cl.block_bytes;
     std::memset(tot, 0, size_t(tiles * kTileFloats) * sizeof(float));
     for (int64_t g = 0; g < cl.groups; ++g) {
-      const int64_t gp = Packing::padded_k(Packing::group_len(g, cl.k, *cl.w));
+      const int64_t gp = Packing::group_kp(g, cl.k, *cl.w);
       const uint8_t* grp = bj + g * cl.gstride;
       for (int64_t x0 = 0; x0 < gp; x0 += kChunk) {
         const int64_t kc = std::min(kChunk, gp - x0);

@@ -133,7 +133,7 @@ void tile(const Call& cl, const float* a, const uint8_t* b, float* dst, int64_t 
   float tot[MR][8 * NB];  // the totals, in memory: touched once per group, by group_sums
   std::memset(tot, 0, sizeof tot);
   for (int64_t g = 0; g < cl.groups; ++g) {
-    const int64_t gp = Packing::padded_k(Packing::group_len(g, cl.k, *cl.w));
+    const int64_t gp = Packing::group_kp(g, cl.k, *cl.w);
     const uint8_t* grp = b + g * cl.gstride;
     group_sums<MR, NB>(a + g * cl.gk, cl.kp, grp, cl.block_bytes, gp, &tot[0][0],
                        grp + Packing::codes_bytes(gp));

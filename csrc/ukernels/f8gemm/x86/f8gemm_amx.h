@@ -113,7 +113,8 @@ template <class Tiles>
 void run_f32(int64_t m, int64_t n, int64_t k, const F8Layout& w, const void* lhs, const void* rhs,
              float* dst, int64_t ld, const F8GemmEpilogue& ep) {
   if (m <= 0 || n <= 0) return;
-  const f8_bf16::Layout l = f8_bf16::Layout::of<Packing>(k, w);
+  const F8Call l = f8_call<Packing>(k, w);
+  const int64_t lda = 2 * l.kp;  // bf16 A rows
   const auto* a = static_cast<const uint8_t*>(lhs);
   const auto* b = static_cast<const uint8_t*>(rhs);
   const int64_t pbytes = panel_bytes(max_group_kp(k, w));
@@ -124,20 +125,21 @@ void run_f32(int64_t m, int64_t n, int64_t k, const F8Layout& w, const void* lhs
   const StoreF32Acc store{dst, ld, ep.bias, ep.stream_dst};
   alignas(64) float buf[4][16][16];  // the accumulators on their way to the fp32 epilogue
   for (int64_t j0 = 0; j0 < n; j0 += kNr) {
-    const uint8_t* blk = b + (j0 / kNr) * l.bstride;
+    const uint8_t* blk = b + (j0 / kNr) * l.block_bytes;
     std::memset(acc, 0, size_t(m) * kNr * sizeof(float));
-    expand_group(blk, l.group_kp<Packing>(0), panels[0], l.bstride);
+    expand_group(blk, Packing::group_kp(0, k, w), panels[0], l.block_bytes);
     for (int64_t g = 0; g < l.groups; ++g) {
       const uint8_t* grp = blk + g * l.gstride;
       if (g + 1 < l.groups)
-        expand_group(grp + l.gstride, l.group_kp<Packing>(g + 1), panels[(g + 1) % 2], l.bstride);
+        expand_group(grp + l.gstride, Packing::group_kp(g + 1, k, w), panels[(g + 1) % 2],
+                     l.block_bytes);
       const uint8_t* panel = panels[g % 2];
-      const int64_t gp = l.group_kp<Packing>(g);
+      const int64_t gp = Packing::group_kp(g, k, w);
       const uint8_t* ag = a + 2 * g * l.gk;
       const uint8_t* sc = f8_bf16::group_scales<Packing>(blk, l, g);
       const auto tiles = [&](auto rt, auto set, int64_t i0) {
         group_tiles<Tiles, decltype(rt)::value, decltype(set)::value>(
-            i0, m, ag + i0 * l.lda, l.lda, panel, gp, sc, acc, buf);
+            i0, m, ag + i0 * lda, lda, panel, gp, sc, acc, buf);
       };
       amx::group_row_tiles(m, g, tiles);
     }

@@ -76,34 +76,14 @@ inline __m512i decode16x2(const uint8_t* p) {
   return _mm512_ternarylogic_epi32(y, x, _mm512_set1_epi16(short(0x8000)), 0xF8);
 }
 
-/// The per-block numbers of a call over packing P: A's row stride in bytes (bf16 rows of kp),
-/// B's block stride, the depth's groups.
-struct Layout {
-  int64_t kp, lda, bstride, k, gk, groups, gstride;
-  template <class P>
-  static Layout of(int64_t k, const F8Layout& w) {
-    const int64_t kp = P::padded_k(k);
-    return Layout{kp,
-                  2 * kp,
-                  int64_t(P::block_bytes(k, w)),
-                  k,
-                  P::group_k(k, w),
-                  f8_groups(k, w),
-                  P::group_stride(k, w)};
-  }
-  /// Padded k of group @p g (a multiple of kr, so of 2).
-  template <class P>
-  int64_t group_kp(int64_t g) const { return P::padded_k(std::min(gk, k - g * gk)); }
-};
-
 /// Decodes the block at @p blk (all groups, padded to kr with zero codes) into @p panel (64-byte
 /// aligned, panel_bytes(kp)): the layout above. Every byte of the panel up to kp is written.
 template <class P>
-inline void expand(const uint8_t* blk, const Layout& c, uint8_t* panel) {
+inline void expand(const uint8_t* blk, const F8Call& c, uint8_t* panel) {
   uint8_t* h1 = panel + half_bytes(c.kp);
   for (int64_t g = 0; g < c.groups; ++g) {
     const uint8_t* grp = blk + g * c.gstride;
-    const int64_t pairs = c.group_kp<P>(g) / 2, q0 = g * c.gk / 2;
+    const int64_t pairs = P::group_kp(g, c.k, *c.w) / 2, q0 = g * c.gk / 2;
     for (int64_t q = 0; q < pairs; ++q) {
       _mm_prefetch(reinterpret_cast<const char*>(grp + q * kPairBytes + kPrefetchExpand),
                    _MM_HINT_T0);
@@ -117,8 +97,8 @@ inline void expand(const uint8_t* blk, const Layout& c, uint8_t* panel) {
 
 /// The 32 scales of group @p g of the block at @p blk (F8Packing: after the group's codes).
 template <class P>
-inline const uint8_t* group_scales(const uint8_t* blk, const Layout& c, int64_t g) {
-  return blk + g * c.gstride + P::codes_bytes(c.group_kp<P>(g));
+inline const uint8_t* group_scales(const uint8_t* blk, const F8Call& c, int64_t g) {
+  return blk + g * c.gstride + P::codes_bytes(P::group_kp(g, c.k, *c.w));
 }
 
 }  // namespace f8_bf16

@@ -61,7 +61,7 @@ constexpr int kPanelRows = 12;
 
 /// What a tile reads besides its position.
 struct Call {
-  f8_bf16::Layout l;
+  F8Call l;  // the layout numbers (f8gemm_common.h); A rows are 2 kp bytes
   const uint8_t* a;  // packed A, row 0 of the call
   const uint8_t* b;  // packed B, block 0 of the call
   int64_t n;
@@ -102,14 +102,15 @@ inline void store_tile(const Call& c, const float (&acc)[MR][NB][2][16], int64_t
 /// registers and used by every row.
 template <int MR, int NB>
 void direct_tile(const Call& c, int64_t i0, int64_t jb) {
-  const f8_bf16::Layout& l = c.l;
-  const uint8_t* a = c.a + i0 * l.lda;
-  const uint8_t* bp = c.b + jb * l.bstride;
+  const F8Call& l = c.l;
+  const int64_t lda = 2 * l.kp;
+  const uint8_t* a = c.a + i0 * lda;
+  const uint8_t* bp = c.b + jb * l.block_bytes;
   alignas(64) float acc[MR][NB][2][16] = {};
   for (int64_t g = 0; g < l.groups; ++g) {
     const uint8_t* grp = bp + g * l.gstride;
     const uint8_t* ag = a + 2 * g * l.gk;
-    const int64_t pairs = l.group_kp<Packing>(g) / 2;
+    const int64_t pairs = Packing::group_kp(g, l.k, *l.w) / 2;
     __m512 s[MR][NB][2];
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r)
@@ -120,15 +121,15 @@ void direct_tile(const Call& c, int64_t i0, int64_t jb) {
       // block NB on (the next column step's), so a new step does not start from memory.
       const int64_t ahead = g * l.gstride + q * kPairBytes + f8_bf16::kPrefetch;
       const int64_t pf = ahead - g * l.gstride - q * kPairBytes +
-                         (ahead >= l.bstride ? (NB - 1) * l.bstride : 0);
+                         (ahead >= l.block_bytes ? (NB - 1) * l.block_bytes : 0);
 #pragma GCC unroll 4
       for (int b = 0; b < NB; ++b) {
-        const uint8_t* codes = grp + b * l.bstride + q * kPairBytes;
+        const uint8_t* codes = grp + b * l.block_bytes + q * kPairBytes;
         _mm_prefetch(reinterpret_cast<const char*>(codes + pf), _MM_HINT_T0);
         const __m512i w0 = f8_bf16::decode16x2(codes), w1 = f8_bf16::decode16x2(codes + 32);
 #pragma GCC unroll 8
         for (int r = 0; r < MR; ++r) {
-          const __m512i av = bcast_pair(ag, l.lda, r, q);
+          const __m512i av = bcast_pair(ag, lda, r, q);
           s[r][b][0] = dot(s[r][b][0], av, w0);
           s[r][b][1] = dot(s[r][b][1], av, w1);
         }
@@ -136,7 +137,7 @@ void direct_tile(const Call& c, int64_t i0, int64_t jb) {
     }
 #pragma GCC unroll 4
     for (int b = 0; b < NB; ++b) {
-      const uint8_t* sp = f8_bf16::group_scales<Packing>(bp + b * l.bstride, l, g);
+      const uint8_t* sp = f8_bf16::group_scales<Packing>(bp + b * l.block_bytes, l, g);
       const __m512 s0 = _mm512_loadu_ps(sp), s1 = _mm512_loadu_ps(sp + 64);
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
@@ -156,14 +157,15 @@ void direct_tile(const Call& c, int64_t i0, int64_t jb) {
 template <int MR>
 void panel_tile(const Call& c, const uint8_t* panel, int64_t i0, int64_t jb, const uint8_t* next,
                 uint8_t* next_panel, int64_t eg0, int64_t eg1) {
-  const f8_bf16::Layout& l = c.l;
-  const uint8_t* a = c.a + i0 * l.lda;
-  const uint8_t* bp = c.b + jb * l.bstride;
+  const F8Call& l = c.l;
+  const int64_t lda = 2 * l.kp;
+  const uint8_t* a = c.a + i0 * lda;
+  const uint8_t* bp = c.b + jb * l.block_bytes;
   const int64_t half = f8_bf16::half_bytes(l.kp);
   alignas(64) float acc[MR][1][2][16] = {};
   for (int64_t g = 0; g < l.groups; ++g) {
     const uint8_t* ag = a + 2 * g * l.gk;
-    const int64_t pairs = l.group_kp<Packing>(g) / 2, q0 = g * l.gk / 2;
+    const int64_t pairs = Packing::group_kp(g, l.k, *l.w) / 2, q0 = g * l.gk / 2;
     const uint8_t* p0 = panel + q0 * kPairBytes;
     __m512 s[MR][2];
 #pragma GCC unroll 16
@@ -185,7 +187,7 @@ void panel_tile(const Call& c, const uint8_t* panel, int64_t i0, int64_t jb, con
         const __m512i w1 = _mm512_load_si512(p0 + half + q * kPairBytes);
 #pragma GCC unroll 16
         for (int r = 0; r < MR; ++r) {
-          const __m512i av = bcast_pair(ag, l.lda, r, q);
+          const __m512i av = bcast_pair(ag, lda, r, q);
           s[r][0] = dot(s[r][0], av, w0);
           s[r][1] = dot(s[r][1], av, w1);
         }
@@ -233,7 +235,7 @@ size_t scratch_bytes(int64_t m, int64_t n, int64_t k, const F8Layout&) {
 void run_f32(int64_t m, int64_t n, int64_t k, const F8Layout& w, const void* lhs, const void* rhs,
              float* dst, int64_t ld, const F8GemmEpilogue& ep) {
   if (m <= 0 || n <= 0) return;
-  const Call c{f8_bf16::Layout::of<Packing>(k, w), static_cast<const uint8_t*>(lhs),
+  const Call c{f8_call<Packing>(k, w), static_cast<const uint8_t*>(lhs),
                static_cast<const uint8_t*>(rhs), n, dst, ld, ep};
   const int64_t blocks = (n + f8_bf16::kNr - 1) / f8_bf16::kNr;
   if (m <= kDirectRows) {
@@ -251,7 +253,7 @@ void run_f32(int64_t m, int64_t n, int64_t k, const F8Layout& w, const void* lhs
     for (int64_t jb = 0; jb < blocks; ++jb) {
       const uint8_t* panel = panels[jb & 1];
       uint8_t* next_panel = panels[(jb + 1) & 1];
-      const uint8_t* next = jb + 1 < blocks ? c.b + (jb + 1) * c.l.bstride : nullptr;
+      const uint8_t* next = jb + 1 < blocks ? c.b + (jb + 1) * c.l.block_bytes : nullptr;
       for (int64_t t = 0, i0 = 0; t < tiles; ++t) {
         // Rows split evenly over the fewest tiles (17 rows: 9 + 8, not 12 + 5); the next block's
         // groups split over the tiles too (none after the last block).
