@@ -257,16 +257,14 @@ class Session:
         self.max_tokens = max_tokens
         self.threads = threads  # kt's pool size (None: the layer's threads)
         self.venv = venv_dir()
-        self.info: Optional[Dict[str, Any]] = venv_info(self.venv)
         self.error: Optional[str] = off_x86()
-        if self.error is not None:
-            self.info = None
-        elif self.info is None and mode == "create":
+        self.info: Optional[Dict[str, Any]] = None if self.error else venv_info(self.venv)
+        if self.error is None and self.info is None and mode == "create":
             try:
                 self.info = create_venv(self.venv, say)
             except (KtError, OSError) as e:
                 self.error = str(e)
-        elif self.info is None:
+        elif self.error is None and self.info is None:
             self.error = (f"kt-kernel's venv is not at {self.venv} (make it once with "
                           f"--kt-venv create; $CPUMOE_KT_VENV moves it)")
         self.argv = [venv_python(self.venv), "-I", WORKER]

@@ -450,9 +450,8 @@ class Fp8:
             raise ValueError(f"w2 / s13 / s2: shapes {got} are not {want} (128 x 128 blocks)")
 
         def codes(w):  # uint8 bits (numpy or torch) or float8_e4m3fn, as prepack_fp8 takes
-            t = torch.as_tensor(np.ascontiguousarray(np.asarray(w))) \
-                if not isinstance(w, torch.Tensor) else w.contiguous()
-            return t if t.dtype == torch.float8_e4m3fn else t.view(torch.float8_e4m3fn)
+            t = w if isinstance(w, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(w))
+            return t.contiguous().view(torch.float8_e4m3fn)  # float8 -> float8: the same
         self.w13 = torch.ops._C.convert_weight_packed(codes(w13))
         self.w2 = torch.ops._C.convert_weight_packed(codes(w2))
         self.s13, self.s2 = (torch.as_tensor(np.asarray(s, np.float32)).contiguous()
