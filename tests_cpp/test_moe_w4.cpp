@@ -1,5 +1,6 @@
 // The W4A8 op (PackedMoeW4 + fused_moe_int8) against the naive oracle (cpumoe_ref::fused_moe_w4),
-// for every q4gemm kernel this CPU runs, int4 at several group sizes and mxfp4: bit for bit with
+// for every q4gemm kernel this CPU runs, int4 and int4_affine at several group sizes and mxfp4
+// (int4_affine: the kernels' int4 sums plus the pipeline's group offsets): bit for bit with
 // the library's activation forms, the same bytes on every kernel and thread count; NaN scales;
 // argument errors.
 #include <gtest/gtest.h>
@@ -87,6 +88,15 @@ W4Data make_w4(MoeShape s, W4Format f, int64_t g, DType dtype, const cpumoe::Act
       blk.resize(codes.size() / 2);
       for (size_t x = 0; x < blk.size(); ++x)
         blk[x] = uint8_t(codes[2 * x] | (codes[2 * x + 1] << 4));
+    } else if (f == W4Format::int4_affine) {  // mins near -8 scales: values about centred
+      sc.resize(size_t(groups) * 8);
+      std::uniform_real_distribution<float> shift(-9.5f, -6.5f);
+      for (int64_t x = 0; x < groups; ++x) {
+        const float scale = unit(rng) * float(want);
+        const float pair[2] = {scale, scale * shift(rng)};
+        std::memcpy(sc.data() + 8 * x, pair, 8);
+      }
+      vals.assign(codes.begin(), codes.end());  // the codes themselves, as uint8 input
     } else {
       sc.resize(size_t(groups) * 4);
       for (int64_t x = 0; x < groups; ++x) {
@@ -148,8 +158,9 @@ struct Fmt {
   W4Format f;
   int64_t g;
 };
-constexpr Fmt kFormats[] = {{W4Format::int4, 32}, {W4Format::int4, 64}, {W4Format::int4, 128},
-                            {W4Format::mxfp4, 32}};
+constexpr Fmt kFormats[] = {{W4Format::int4, 32},        {W4Format::int4, 64},
+                            {W4Format::int4, 128},       {W4Format::mxfp4, 32},
+                            {W4Format::int4_affine, 32}, {W4Format::int4_affine, 128}};
 
 // T in {0, 1, 3, 9, 33}, E in {1, 4, 8}, k in {1, 2, 4}, every activation and dtype in turn,
 // bias off and on; (H, I) multiples of the group.
@@ -178,7 +189,8 @@ TEST(MoeW4, GridMatchesOracle) {
 // Prefill-sized calls: GEMM1 fused with the activation and GEMM2's packing (several row chunks
 // per expert), with GEMM2 too, and phase by phase give the oracle's bits.
 TEST(MoeW4, FusedAndPhasedGiveTheOraclesBits) {
-  for (const Fmt& fm : {Fmt{W4Format::int4, 128}, Fmt{W4Format::mxfp4, 32}}) {
+  for (const Fmt& fm : {Fmt{W4Format::int4, 128}, Fmt{W4Format::mxfp4, 32},
+                        Fmt{W4Format::int4_affine, 64}}) {
     const W4Data w = make_w4({700, 3, 2, 128, 256}, fm.f, fm.g, DType::bf16, Activation::swigluoai,
                              true, 23);
     const std::vector<float> exact =
@@ -261,6 +273,20 @@ TEST(MoeW4, PackedBytesAndAccessors) {
     EXPECT_LE(pk.packed_bytes(), weights / 2 + weights / 128 * 4 + bias + pad);
     EXPECT_GE(pm.packed_bytes(), weights / 2 + weights / 32);
     EXPECT_LE(pm.packed_bytes(), weights / 2 + weights / 32 + pad);
+    // int4_affine: int4's bytes plus an fp32 offset per group (panels of 64 columns: 256 and
+    // 256 columns here, no padding), and the accessors of its offsets.
+    const W4Data a = make_w4({1, 3, 1, 256, 128}, W4Format::int4_affine, 128, DType::f32,
+                             Activation::silu, true, 5);
+    const cpumoe::PackedMoeW4 pa(a.weights(), kern, 2);
+    EXPECT_EQ(pa.format(), W4Format::int4_affine);
+    EXPECT_EQ(pa.weight_format(), cpumoe::WeightFormat::int4_affine);
+    EXPECT_EQ(pa.layout().format, W4Format::int4);
+    EXPECT_EQ(pa.packed_bytes(), pk.packed_bytes() + weights / 128 * 4);
+    EXPECT_EQ(pk.o13(0), nullptr);
+    ASSERT_NE(pa.o13(0), nullptr);
+    // Expert 1's w2 column 70, group 0: min + 8 scale of its pair.
+    const float* pair = reinterpret_cast<const float*>(a.ref.s2.data()) + 2 * (256 + 70);
+    EXPECT_EQ(pa.o2(1)[1 * cpumoe::kGroupOffsetPanel + 70 - 64], pair[1] + 8.0f * pair[0]);
   }
 }
 
@@ -425,6 +451,26 @@ TEST(MoeW4, BadWeightsAreArgumentErrors) {
     cpumoe::MoeWeightsW4 mw = m.weights();
     mw.group_size = 64;
     expect_bad(mw, "group_size: mxfp4");
+  }
+  {  // int4_affine: codes in [0, 15]; scales and mins finite, and min + 8 scale too
+    const W4Data a = make_w4({1, 2, 1, 64, 64}, W4Format::int4_affine, 32, DType::f32,
+                             Activation::silu, false, 12);
+    W4Data w = a;
+    w.v13[5] = 16;
+    expect_bad(w.weights(), "w13: int4_affine codes must be in [0, 15] (element 5 is 16)");
+    w = a;
+    w.v2[9] = -1;  // the byte 255
+    expect_bad(w.weights(), "w2: int4_affine codes must be in [0, 15] (element 9 is 255)");
+    for (int at : {0, 1}) {  // the scale, then the min, of pair 3
+      w = a;
+      const float bad = std::nanf("");
+      std::memcpy(w.ref.s2.data() + 8 * 3 + 4 * at, &bad, 4);
+      expect_bad(w.weights(), "s2: every scale must be finite");
+    }
+    w = a;
+    const float pair[2] = {3e38f, 1e38f};  // 8 * 3e38 + 1e38 overflows
+    std::memcpy(w.ref.s13.data() + 8 * 4, pair, 8);
+    expect_bad(w.weights(), "s13: min + 8 * scale overflows fp32 at group 4");
   }
 }
 

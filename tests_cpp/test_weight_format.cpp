@@ -24,14 +24,14 @@ using cpumoe::WeightFormat;
 using cpumoe::WeightFormatInfo;
 
 TEST(WeightFormat, TableIsInEnumOrder) {
-  ASSERT_EQ(cpumoe::kNumWeightFormats, 5);
+  ASSERT_EQ(cpumoe::kNumWeightFormats, 6);
   std::set<std::string> names;
   for (int i = 0; i < cpumoe::kNumWeightFormats; ++i) {
     const WeightFormatInfo& info = kWeightFormatTable[i];
     EXPECT_EQ(int(info.format), i) << info.name;
     EXPECT_EQ(&cpumoe::weight_format_info(info.format), &info);
     EXPECT_TRUE(names.insert(info.name).second) << "duplicate name " << info.name;
-    EXPECT_FALSE(info.zero_point) << info.name;  // no format has one yet
+    EXPECT_EQ(info.zero_point, info.format == WeightFormat::int4_affine) << info.name;
     const bool activations_ok = std::string(info.activations) == "int8" ||
                                 std::string(info.activations) == "bf16";
     EXPECT_TRUE(activations_ok) << info.name;
@@ -42,9 +42,9 @@ TEST(WeightFormat, TableIsInEnumOrder) {
     EXPECT_STRNE(cpumoe::scale_kind_name(info.scale), "?") << info.name;
     EXPECT_STRNE(cpumoe::group_rule_name(info.group), "?") << info.name;
   }
-  EXPECT_EQ(cpumoe::weight_format_names(), "int8, int4, mxfp4, bf16, fp8");
+  EXPECT_EQ(cpumoe::weight_format_names(), "int8, int4, mxfp4, bf16, fp8, int4_affine");
   EXPECT_EQ(cpumoe::weight_format_names(KernelFamily::f8gemm), "fp8");
-  EXPECT_EQ(cpumoe::weight_format_names(KernelFamily::q4gemm), "int4, mxfp4");
+  EXPECT_EQ(cpumoe::weight_format_names(KernelFamily::q4gemm), "int4, mxfp4, int4_affine");
 }
 
 TEST(WeightFormat, NamesRoundTripThroughTheParser) {
@@ -61,8 +61,9 @@ TEST(WeightFormat, NamesRoundTripThroughTheParser) {
   }
 }
 
-// Every q4gemm row is a W4Format with a decode table that reads its value code; every other row
-// is not a W4Format.
+// Every q4gemm row is a W4Format whose kernel format has a decode table that reads its value
+// code (int4_affine's codes c run as the int4 nibble c ^ 8, value c - 8); every other row is not
+// a W4Format.
 TEST(WeightFormat, Q4GemmRowsHaveDecodeTables) {
   // 2 * E2M1 of codes 0-7 (bit 3 the sign).
   const int kE2m1x2[8] = {0, 1, 2, 3, 4, 6, 8, 12};
@@ -76,24 +77,30 @@ TEST(WeightFormat, Q4GemmRowsHaveDecodeTables) {
     EXPECT_EQ(cpumoe::weight_format_of(f), info.format);
     EXPECT_STREQ(cpumoe::w4_format_name(f), info.name);
     EXPECT_EQ(info.bits, 4) << info.name;
-    const int8_t* table = cpumoe::w4_decode_table(f);
+    const int8_t* table = cpumoe::w4_decode_table(cpumoe::w4_kernel_format(f));
     ASSERT_NE(table, nullptr) << info.name;
+    const bool uint = std::string(info.value_code) == "uint";
+    EXPECT_EQ(uint, info.zero_point) << info.name;  // unsigned codes need their min
+    EXPECT_EQ(cpumoe::w4_decode_table(f) == nullptr, uint) << info.name;  // never a kernel's
     for (int c = 0; c < 16; ++c) {
       int want = 0;
       if (std::string(info.value_code) == "int") want = c < 8 ? c : c - 16;
       else if (std::string(info.value_code) == "e2m1") want = (c & 8 ? -1 : 1) * kE2m1x2[c & 7];
+      else if (uint) want = c - 8;
       else ADD_FAILURE() << info.name << ": value code " << info.value_code << " not checked here";
-      EXPECT_EQ(int(table[c]), want) << info.name << " code " << c;
+      EXPECT_EQ(int(table[uint ? c ^ 8 : c]), want) << info.name << " code " << c;
     }
     EXPECT_NE(info.group, cpumoe::GroupRule::none) << info.name;
     EXPECT_EQ(info.group_size % cpumoe::kW4GroupMultiple, 0) << info.name;
     const cpumoe::W4Layout layout{f, info.group_size};
     EXPECT_EQ(layout.scale_bytes(), info.scale_bytes);
     EXPECT_EQ(cpumoe::weight_format_scale_bytes(info.format), info.scale_bytes);
-    EXPECT_EQ(info.scale_bytes,
-              info.scale == cpumoe::ScaleKind::e8m0_per_block ? 1 : 4) << info.name;
+    const int want_bytes = info.scale == cpumoe::ScaleKind::e8m0_per_block             ? 1
+                           : info.scale == cpumoe::ScaleKind::fp32_scale_min_per_group ? 8
+                                                                                       : 4;
+    EXPECT_EQ(info.scale_bytes, want_bytes) << info.name;
   }
-  EXPECT_EQ(q4_rows, 2);
+  EXPECT_EQ(q4_rows, 3);
   EXPECT_EQ(cpumoe::weight_format_scale_bytes(WeightFormat(7)), 0);
   W4Format f;
   EXPECT_FALSE(cpumoe::w4_format_of(WeightFormat(7), &f));
@@ -143,11 +150,13 @@ struct SmallW4 {
   explicit SmallW4(const WeightFormatInfo& row) : info(row), g(row.group_size) {
     EXPECT_TRUE(cpumoe::w4_format_of(row.format, &f));
     const bool packed_codes = std::string(row.value_code) == "e2m1";  // two codes a byte
+    const int bias = std::string(row.value_code) == "uint" ? 0 : 8;    // codes or int4 values
     const int64_t per13 = 2 * I * H, per2 = H * I;
     w13.resize(size_t(packed_codes ? per13 / 2 : per13));
     w2.resize(size_t(packed_codes ? per2 / 2 : per2));
-    for (size_t x = 0; x < w13.size(); ++x) w13[x] = uint8_t(packed_codes ? x * 37 : x % 16 - 8);
-    for (size_t x = 0; x < w2.size(); ++x) w2[x] = uint8_t(packed_codes ? x * 53 : x % 15 - 7);
+    for (size_t x = 0; x < w13.size(); ++x)
+      w13[x] = uint8_t(packed_codes ? x * 37 : x % 16 - bias);
+    for (size_t x = 0; x < w2.size(); ++x) w2[x] = uint8_t(packed_codes ? x * 53 : x % 15 - bias + 1);
     const size_t tail = 64;
     s13.assign(size_t(2 * I * (H / g) * row.scale_bytes) + tail, 0xEE);
     s2.assign(size_t(H * (I / g) * row.scale_bytes) + tail, 0xEE);
@@ -158,6 +167,9 @@ struct SmallW4 {
     for (int64_t x = 0; x < count; ++x) {
       if (info.scale_bytes == 1) {
         (*s)[size_t(x)] = uint8_t(120 + x % 10);  // E8M0
+      } else if (info.scale_bytes == 8) {  // (scale, min)
+        const float v[2] = {0.01f * float(1 + x % 7), -0.02f * float(x % 5)};
+        std::memcpy(s->data() + x * 8, v, 8);
       } else {
         const float v = 0.01f * float(1 + x % 7);
         std::memcpy(s->data() + x * 4, &v, 4);

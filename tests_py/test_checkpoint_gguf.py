@@ -1,7 +1,7 @@
 """Loading GGUF MoE experts as stored (cpumoe.load_experts, cpumoe.checkpoint_gguf): tiny GGUF
 files written by the real gguf package (llama.cpp's), each supported type checked against
 gguf.quants.dequantize bit for bit and run through the op against the reference; every other
-type, and malformed files, refused clearly."""
+type, and malformed files, refused clearly; the experts' activation of each architecture."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from gguf.quants import dequantize, quantize  # noqa: E402
 import cpumoe  # noqa: E402
 from cpumoe import reference as R  # noqa: E402
 from cpumoe.checkpoint import UnsupportedCheckpoint  # noqa: E402
+from cpumoe.checkpoint_gguf import GGUF_ACTIVATIONS, GgufUnsupported  # noqa: E402
 from cpumoe.checkpoint_gguf import gguf_activation, read_gguf_experts  # noqa: E402
 from conftest import Backend, assert_moe_close, random_topk_ids, random_topk_weights  # noqa: E402
 
@@ -66,6 +67,63 @@ def _raw_mxfp4(rng, E, N, K, lo=100, hi=140):
     e = rng.integers(lo, hi, (E, N, G, 1), dtype=np.uint8)
     qs = rng.integers(0, 256, (E, N, G, 16), dtype=np.uint8)
     return np.concatenate([e, qs], axis=-1).reshape(E, N, G * 17)
+
+
+def _f16_bytes(v):
+    return np.ascontiguousarray(v.astype("<f2")).view(np.uint8)
+
+
+def _raw_q4_1(rng, E, N, K):
+    """Hand-made Q4_1 blocks: fp16 d of either sign (some 0), fp16 m of either sign, random
+    nibbles (element j low in byte j, j + 16 high)."""
+    G = K // 32
+    d = (rng.standard_normal((E, N, G)) * 0.02).astype(np.float16)
+    d[rng.random((E, N, G)) < 0.05] = 0
+    m = (rng.standard_normal((E, N, G)) * 0.1).astype(np.float16)
+    q = rng.integers(0, 16, (E, N, G, 32), dtype=np.uint8)
+    qs = (q[..., :16] | (q[..., 16:] << 4)).astype(np.uint8)
+    blocks = np.concatenate([_f16_bytes(d[..., None]), _f16_bytes(m[..., None]), qs], axis=-1)
+    return blocks.reshape(E, N, G * 20)
+
+
+def _pack_q4_k_scales(sc, m):
+    """The 12 scale bytes of Q4_K super-blocks from their 6-bit sc, m [..., 8] (llama.cpp's
+    layout: bytes 0-3 sc 0-3 and the top 2 bits of sc 4-7; 4-7 the same for m; 8-11 the low 4
+    bits of sc 4-7, of m 4-7 above)."""
+    b0 = (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6)
+    b4 = (m[..., :4] & 63) | ((m[..., 4:] >> 4) << 6)
+    b8 = (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)
+    return np.concatenate([b0, b4, b8], axis=-1).astype(np.uint8)
+
+
+def _raw_q4_k(rng, E, N, K, d=None, dmin=None):
+    """Hand-made Q4_K super-blocks (gguf's numpy has no Q4_K quantizer): fp16 d and dmin of
+    either sign (some 0) unless given ([E, N, K / 256]), every 6-bit sc and m value at each of
+    the 8 sub-block positions (when E N K / 256 >= 64), random nibbles."""
+    S = K // 256
+    shape = (E, N, S)
+    if d is None:
+        d = (rng.standard_normal(shape) * 0.002).astype(np.float16)
+        d[rng.random(shape) < 0.05] = 0
+    if dmin is None:
+        dmin = (rng.standard_normal(shape) * 0.002).astype(np.float16)
+        dmin[rng.random(shape) < 0.05] = 0
+    n = E * N * S
+    sc, m = (np.stack([rng.permutation(np.arange(n) % 64) for _ in range(8)], axis=-1)
+             .astype(np.uint8).reshape(*shape, 8) for _ in range(2))
+    q = rng.integers(0, 16, (*shape, 4, 2, 32), dtype=np.uint8)  # runs r: sub-blocks 2r, 2r + 1
+    qs = (q[..., 0, :] | (q[..., 1, :] << 4)).astype(np.uint8).reshape(*shape, 128)
+    blocks = np.concatenate([_f16_bytes(np.asarray(d, np.float16)[..., None]),
+                             _f16_bytes(np.asarray(dmin, np.float16)[..., None]),
+                             _pack_q4_k_scales(sc, m), qs], axis=-1)  # [E, N, S, 144]
+    return blocks.reshape(E, N, S * 144)
+
+
+def _bits_equal(a, b):
+    """Equal float32 arrays bit for bit (signed zeros told apart)."""
+    a, b = np.asarray(a), np.asarray(b)
+    return (a.dtype == b.dtype == np.float32 and a.shape == b.shape
+            and np.array_equal(a.view(np.uint32), b.view(np.uint32)))
 
 
 def _layer(kind, rng, E, H, I):
@@ -181,6 +239,253 @@ def test_gpt_oss_mxfp4_with_biases(tmp_path):
         assert_moe_close(Backend("numpy"), out, ref)
 
 
+# ---------------------------------------------------------------------------- int4_affine
+# Q4_1 and Q4_K load as int4_affine (group_size 32) as stored. Exactness: cpumoe's dequantization
+# of the loaded layer (float32 scale * q + min) is gguf.quants.dequantize's bit for bit (no
+# rounding apart): Q4_1 is d * q + m on both sides; for Q4_K the scale float(d) * sc and
+# float(dmin) * m are exact in float32 (11 significant bits times 6), scale * q is exact (17
+# bits times 4), and gguf's d * sc * q - dmin * m rounds once, in the same addition as
+# scale * q + (-(dmin * m)).
+AFFINE_KINDS = {"Q4_1": ("Q4_1",) * 3, "Q4_K": ("Q4_K",) * 3, "mixed": ("Q4_K", "Q4_1", "Q4_K")}
+
+
+def _affine_one(kind, rng, j, shape):
+    """Raw blocks of tensor j (0 gate, 1 up, 2 down) of type ``kind``: Q4_1 from gguf's own
+    quantizer (hand-made for up), Q4_K hand-made."""
+    if kind == "Q4_K":
+        return _raw_q4_k(rng, *shape)
+    return quantize(_floats(rng, *shape), Q.Q4_1) if j != 1 else _raw_q4_1(rng, *shape)
+
+
+def _affine_layer(kinds, rng, E, H, I):
+    """(gate, up, down) raw blocks of GGML types ``kinds``."""
+    return [_affine_one(k, rng, j, s)
+            for j, (k, s) in enumerate(zip(kinds, ((E, I, H), (E, I, H), (E, H, I))))]
+
+
+def _expected_pairs(raw, kind):
+    """The (scale, min) pairs [E, N, K / 32, 2] decoded here independently of the loader, with
+    gguf's own Q4_K scale unpacking (gguf.quants.Q4_K.get_scale_min)."""
+    E, N, _ = raw.shape
+    if kind == "Q4_1":
+        b = raw.reshape(E, N, -1, 20)
+        d = b[..., 0:2].copy().view("<f2")[..., 0].astype(np.float32)
+        m = b[..., 2:4].copy().view("<f2")[..., 0].astype(np.float32)
+        return np.stack([d, m], axis=-1)
+    b = raw.reshape(-1, 144)
+    d = b[:, 0:2].copy().view("<f2")[:, 0].astype(np.float32)[:, None]
+    dmin = b[:, 2:4].copy().view("<f2")[:, 0].astype(np.float32)[:, None]
+    sc, m = gguf.quants.Q4_K.get_scale_min(b[:, 4:16].copy())
+    pairs = np.stack([d * sc.astype(np.float32), -(dmin * m.astype(np.float32))], axis=-1)
+    return pairs.reshape(E, N, -1, 2)
+
+
+def _affine_file(path, kinds, seed, E, H, I, L):
+    """(raw blocks, the file) of layer L with gate / up / down of GGUF types kinds."""
+    raw = _affine_layer(kinds, np.random.default_rng(seed), E, H, I)
+    return raw, _write(path, {f"{n.format(L)}.weight": (r, Q[k])
+                              for n, r, k in zip((GATE, UP, DOWN), raw, kinds)})
+
+
+@pytest.mark.parametrize("case", list(AFFINE_KINDS))
+def test_q4_1_and_q4_k_load_exactly_as_int4_affine(tmp_path, case):
+    """Q4_1 (gguf's own quantizer and hand-made blocks), Q4_K (hand-made super-blocks, every
+    6-bit sc / m value), and the two mixed in one layer: int4_affine g32 as stored, cpumoe's
+    dequantization == gguf.quants.dequantize bit for bit."""
+    kinds = AFFINE_KINDS[case]
+    E, H, I, L = 3, 256, 256, 1
+    raw, path = _affine_file(tmp_path / "a.gguf", kinds, 21, E, H, I, L)
+    lw = read_gguf_experts(path, L)
+    assert lw.weight_format == "int4_affine" and lw.group_size == 32 and lw.activation == "silu"
+    assert lw.gguf_types == kinds and (lw.num_experts, lw.hidden, lw.intermediate) == (E, H, I)
+    assert lw.w13.dtype == lw.w2.dtype == np.uint8 and lw.w13.max() <= 15 and lw.w2.max() <= 15
+    assert lw.s13.shape == (E, 2 * I, H // 32, 2) and lw.s2.shape == (E, H, I // 32, 2)
+    assert lw.s13.dtype == lw.s2.dtype == np.float32
+    scales, mins = lw.s13[..., 0], lw.s13[..., 1]
+    assert (scales < 0).any() and (scales == 0).any() and (mins < 0).any() and (mins > 0).any()
+    assert _bits_equal(lw.s13[:, :I], _expected_pairs(raw[0], kinds[0]))
+    assert _bits_equal(lw.s13[:, I:], _expected_pairs(raw[1], kinds[1]))
+    assert _bits_equal(lw.s2, _expected_pairs(raw[2], kinds[2]))
+    gate, up, down = (dequantize(r, Q[k]) for r, k in zip(raw, kinds))  # float32
+    w13, w2 = lw.dequantized()
+    assert _bits_equal(w13[:, :I], gate) and _bits_equal(w13[:, I:], up)  # halves
+    assert _bits_equal(w2, down)
+    assert np.array_equal(cpumoe.quantize.dequantize_weights("int4_affine", lw.w2, lw.s2, 32),
+                          w2)
+    part = read_gguf_experts(path, L, experts=[2, 0])
+    assert np.array_equal(part.w13[0], lw.w13[2]) and np.array_equal(part.s2[1], lw.s2[0])
+    # swigluoai named by the caller: gate / up interleaved by row.
+    lo = read_gguf_experts(path, L, activation="swigluoai")
+    assert lo.activation == "swigluoai"
+    assert np.array_equal(lo.w13[:, 0::2], lw.w13[:, :I]) and np.array_equal(
+        lo.s13[:, 1::2], lw.s13[:, I:])
+
+
+def test_q4_k_extreme_super_block_scales_are_exact(tmp_path):
+    """Q4_K d / dmin at fp16's extremes (+-65504, +-the smallest subnormal 2^-24, +-0, 2^-14,
+    negatives) with every sc / m: the pairs are float(d) * sc and -(float(dmin) * m) exactly (as
+    float64 products) and the weights gguf's bit for bit, signed zeros included."""
+    rng = np.random.default_rng(9)
+    E, H, I = 1, 256, 512
+    special = np.array([65504, -65504, 2.0**-24, -(2.0**-24), 0.0, -0.0, 2.0**-14, -3.5e-3],
+                       np.float16)
+    raw = []
+    for n, k in ((I, H), (I, H), (H, I)):
+        S = k // 256
+        d = special[rng.integers(0, len(special), (E, n, S))]
+        dmin = special[rng.integers(0, len(special), (E, n, S))]
+        raw.append(_raw_q4_k(rng, E, n, k, d=d, dmin=dmin))
+    path = _write(tmp_path / "k.gguf", {f"{n.format(0)}.weight": (r, Q.Q4_K)
+                                        for n, r in zip((GATE, UP, DOWN), raw)})
+    lw = read_gguf_experts(path, 0)
+    b = raw[2].reshape(E, H, -1, 144)
+    d64 = b[..., 0:2].copy().view("<f2")[..., 0].astype(np.float64)
+    dmin64 = b[..., 2:4].copy().view("<f2")[..., 0].astype(np.float64)
+    sc, m = gguf.quants.Q4_K.get_scale_min(b.reshape(-1, 144)[:, 4:16].copy())
+    for j in range(8):  # every 6-bit value at every position, through gguf's own unpacking
+        assert set(sc[:, j].tolist()) == set(m[:, j].tolist()) == set(range(64))
+    sc, m = sc.reshape(E, H, -1, 8), m.reshape(E, H, -1, 8)
+    s2 = lw.s2.reshape(E, H, -1, 8, 2).astype(np.float64)
+    assert np.array_equal(s2[..., 0], d64[..., None] * sc) and np.array_equal(
+        s2[..., 1], -(dmin64[..., None] * m))
+    w13, w2 = lw.dequantized()
+    assert _bits_equal(w13[:, :I], dequantize(raw[0], Q.Q4_K))
+    assert _bits_equal(w13[:, I:], dequantize(raw[1], Q.Q4_K))
+    assert _bits_equal(w2, dequantize(raw[2], Q.Q4_K))
+    assert (np.signbit(w2) & (w2 == 0)).any()  # -0.0 weights, as gguf's
+
+
+@pytest.mark.parametrize("case", ["Q4_1", "Q4_K"])
+def test_q4_1_and_q4_k_run_like_the_reference(tmp_path, case):
+    """The fused op on the loaded int4_affine layer against cpumoe.reference on the same weights
+    (needs the int4_affine kernels of the native extension)."""
+    kinds = AFFINE_KINDS[case]
+    E, H, I, L = 4, 256, 256, 0
+    _, path = _affine_file(tmp_path / "r.gguf", kinds, 13, E, H, I, L)
+    lw = read_gguf_experts(path, L)
+    x, tw, ids = _routing(9, E, 2, H, seed=4)
+    ref = R.ref_fused_moe_experts(x, lw, tw, ids, activation="silu")
+    paths = cpumoe.available_paths("int4_affine")
+    assert paths and paths[-1] == "portable"
+    for isa in paths:
+        packed = cpumoe.load_experts(path, L, isa=isa, num_threads=1)
+        assert packed.weight_format == "int4_affine" and packed.num_experts == E
+        out = cpumoe.fused_moe(x, packed, tw, ids, activation="silu")
+        assert_moe_close(Backend("numpy"), out, ref)
+
+
+def test_q4_k_gate_up_with_q6_k_down_is_refused(tmp_path):
+    """llama.cpp's Q4_K_M files often store ffn_down_exps as Q6_K: that layer is refused, the
+    message saying down is Q6_K (not read as something else)."""
+    rng = np.random.default_rng(14)
+    E, H, I = 2, 256, 256
+    t = {f"{n.format(0)}.weight": (_raw_q4_k(rng, E, I, H), Q.Q4_K) for n in (GATE, UP)}
+    down = f"{DOWN.format(0)}.weight"
+    t[down] = (rng.integers(0, 256, (E, H, I // 256 * 210), dtype=np.uint8), Q.Q6_K)
+    path = _write(tmp_path / "km.gguf", t)
+    msg = (f"{down} is Q6_K: cpumoe does not run Q6_K experts yet \\(needs 6-bit values.*"
+           f"gate / up / down are Q4_K / Q4_K / Q6_K")
+    with pytest.raises(GgufUnsupported, match=msg):
+        read_gguf_experts(path, 0)
+    with pytest.raises(UnsupportedCheckpoint, match=msg):
+        cpumoe.load_experts(path, 0)
+
+
+def test_q4_0_with_q4_k_is_refused(tmp_path):
+    rng = np.random.default_rng(15)
+    E, H, I = 2, 256, 256
+    t = {f"{n.format(0)}.weight": (quantize(_floats(rng, E, I, H), Q.Q4_0), Q.Q4_0)
+         for n in (GATE, UP)}
+    t[f"{DOWN.format(0)}.weight"] = (_raw_q4_k(rng, E, H, I), Q.Q4_K)
+    with pytest.raises(UnsupportedCheckpoint, match="Q4_0 / Q4_0 / Q4_K, i.e. cpumoe formats "
+                                                    "int4 / int4 / int4_affine.*one format"):
+        cpumoe.load_experts(_write(tmp_path / "m.gguf", t), 0)
+
+
+@pytest.mark.parametrize("which,kind,field,value,what", [
+    (UP, "Q4_1", 0, np.nan, "Q4_1 block scale d nan"),
+    (DOWN, "Q4_1", 2, np.inf, "Q4_1 block min m inf"),
+    (GATE, "Q4_K", 0, np.nan, "Q4_K super-block scale d nan"),
+    (DOWN, "Q4_K", 2, -np.inf, "Q4_K super-block min scale dmin -inf")])
+def test_non_finite_affine_scales_are_refused(tmp_path, which, kind, field, value, what):
+    rng = np.random.default_rng(16)
+    E, H, I = 2, 256, 256
+    t = {f"{n.format(0)}.weight": (_affine_one(kind, rng, 1, s), Q[kind])
+         for n, s in zip((GATE, UP, DOWN), ((E, I, H), (E, I, H), (E, H, I)))}
+    name = f"{which.format(0)}.weight"
+    raw = t[name][0]
+    bsize = 20 if kind == "Q4_1" else 144
+    b = raw.reshape(E, raw.shape[1], -1, bsize)
+    row, blk = 5, (3 if kind == "Q4_1" else 0)
+    b[1, row, blk, field:field + 2] = _f16_bytes(np.array([value], np.float16))
+    where = "block" if kind == "Q4_1" else "super-block"
+    with pytest.raises(GgufUnsupported, match=f"{name}: {what} \\(expert 1, row {row}, {where} "
+                                              f"{blk}\\) is not finite"):
+        cpumoe.load_experts(_write(tmp_path / "n.gguf", t), 0)
+
+
+# ---------------------------------------------------------------------------- activations
+def test_expert_activation_of_architectures():
+    """The table: each architecture one of gguf's with routed expert tensors, each activation one
+    of the op's; Mixtral / Qwen / DeepSeek / OLMoE / Granite / DBRX silu, grok gelu (the tanh
+    form, as ggml_gelu and Grok's JAX code), gpt-oss swigluoai; anything else refused."""
+    arch_of = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
+    for arch, act in GGUF_ACTIVATIONS.items():
+        assert arch in arch_of, arch
+        assert gguf.MODEL_TENSOR.FFN_DOWN_EXP in gguf.MODEL_TENSORS[arch_of[arch]], arch
+        assert cpumoe.ops.parse_activation(act)[0] in cpumoe.ACTIVATIONS
+        assert gguf_activation(arch) == act
+    for arch in ("llama", "qwen2moe", "qwen3moe", "deepseek2", "dbrx", "olmoe", "granitemoe"):
+        assert gguf_activation(arch) == "silu"
+    assert gguf_activation("grok") == "gelu_tanh"
+    assert gguf_activation("gpt-oss") == "swigluoai"
+    for arch in ("smallthinker", "nemotron_h_moe", "no-such-arch", ""):
+        with pytest.raises(GgufUnsupported, match=f"expert activation of architecture "
+                                                  f"'{arch}' is not known.*activation="):
+            gguf_activation(arch)
+
+
+def test_unknown_architecture_needs_the_activation(tmp_path):
+    rng = np.random.default_rng(17)
+    path = _write(tmp_path / "u.gguf", _q4_layer(rng), arch="mystery-moe")
+    with pytest.raises(GgufUnsupported, match="expert activation of architecture 'mystery-moe' "
+                                              "is not known"):
+        read_gguf_experts(path, 0)
+    with pytest.raises(UnsupportedCheckpoint, match="'mystery-moe' is not known"):
+        cpumoe.load_experts(path, 0)
+    lw = read_gguf_experts(path, 0, activation="gelu")
+    assert lw.activation == "gelu" and lw.architecture == "mystery-moe"
+    assert cpumoe.load_experts(path, 0, activation="silu").weight_format == "int4"
+    oss = read_gguf_experts(path, 0, activation="swigluoai(limit=7,alpha=1.702)")
+    assert np.array_equal(oss.w13[:, 0::2], lw.w13[:, :32])  # interleaved
+    with pytest.raises(ValueError, match="activation: 'relu' is not an activation of cpumoe"):
+        read_gguf_experts(path, 0, activation="relu")
+    with pytest.raises(ValueError, match="activation: 'silu_clamp'"):  # its limit is required
+        read_gguf_experts(path, 0, activation="silu_clamp")
+    with pytest.raises(TypeError, match="activation: must be a str"):
+        read_gguf_experts(path, 0, activation=1)
+
+
+def test_grok_experts_run_with_gelu_tanh(tmp_path):
+    E, H, I, L = 4, 64, 64, 0
+    rng = np.random.default_rng(18)
+    raw = _layer("Q4_0", rng, E, H, I)
+    path = _write(tmp_path / "grok.gguf", {f"{n.format(L)}.weight": (r, Q.Q4_0)
+                                           for n, r in zip((GATE, UP, DOWN), raw)},
+                  arch="grok", block_count=1)
+    lw = read_gguf_experts(path, L)
+    assert lw.activation == "gelu_tanh" and lw.architecture == "grok"
+    w13 = lw.dequantized()[0]
+    assert np.array_equal(w13[:, :I], dequantize(raw[0], Q.Q4_0))  # halves
+    x, tw, ids = _routing(7, E, 2, H, seed=5)
+    ref = R.ref_fused_moe_experts(x, lw, tw, ids, lw.activation)
+    assert not np.allclose(ref, R.ref_fused_moe_experts(x, lw, tw, ids, "silu"), rtol=0.1,
+                           atol=0)
+    packed = cpumoe.load_experts(path, L)
+    assert_moe_close(Backend("numpy"), cpumoe.fused_moe(x, packed, tw, ids,
+                                                        activation=lw.activation), ref)
+
+
 # ---------------------------------------------------------------------------- refusals
 def _q4_layer(rng, E=2, H=64, I=32, L=0):
     raw = _layer("Q4_0", rng, E, H, I)
@@ -188,17 +493,20 @@ def _q4_layer(rng, E=2, H=64, I=32, L=0):
 
 
 @pytest.mark.parametrize("which,qtype,why", [
-    (DOWN, "Q8_0", "8-bit group scales"), (GATE, "Q4_K", "K-quant"), (UP, "F16", "float16"),
-    (GATE, "F32", "float32"), (DOWN, "Q4_1", "zero points"), (UP, "Q5_0", "5-bit")])
+    (DOWN, "Q8_0", "8-bit group scales"), (GATE, "Q6_K", "6-bit values \\(a K-quant"),
+    (UP, "F16", "float16"), (GATE, "F32", "float32"), (DOWN, "Q5_1", "zero points"),
+    (UP, "Q5_0", "5-bit"), (UP, "Q5_K", "5-bit values \\(a K-quant"),
+    (DOWN, "Q2_K", "2-bit values")])
 def test_unsupported_types_are_refused(tmp_path, which, qtype, why):
     rng = np.random.default_rng(1)
     E, H, I = 2, 256, 256  # K-quants need rows of 256
     t = _q4_layer(rng, E, H, I)
     shape = (E, H, I) if which == DOWN else (E, I, H)
     name = f"{which.format(0)}.weight"
-    if qtype == "Q4_K":
-        t[name] = (rng.integers(0, 256, (*shape[:2], shape[2] // 256 * 144), dtype=np.uint8),
-                   Q.Q4_K)
+    if qtype.endswith("_K"):  # gguf's numpy has no K-quant quantizer: any bytes
+        blk, nbytes = gguf.GGML_QUANT_SIZES[Q[qtype]]
+        t[name] = (rng.integers(0, 256, (*shape[:2], shape[2] // blk * nbytes), dtype=np.uint8),
+                   Q[qtype])
     elif qtype in ("F16", "F32"):
         t[name] = (_floats(rng, *shape).astype(np.float16 if qtype == "F16" else np.float32),
                    None)

@@ -41,8 +41,9 @@ def w4_weights(fmt, E, H, I, g=32, seed=0):
         q13, e13 = R.quantize_mxfp4(w13)
         q2, e2 = R.quantize_mxfp4(w2)
         return (q13, e13, q2, e2), (b13, b2)
-    v13, s13 = R.quantize_int4(w13, g)
-    v2, s2 = R.quantize_int4(w2, g)
+    quant = R.quantize_int4_affine if fmt == "int4_affine" else R.quantize_int4
+    v13, s13 = quant(w13, g)
+    v2, s2 = quant(w2, g)
     return (v13, v2, s13, s2), (b13, b2)
 
 
@@ -63,7 +64,9 @@ class W4Problem:
         w = [self.B.asarray(a, copy=False) for a in self.weights]
         if self.fmt == "mxfp4":
             return cpumoe.prepack_mxfp4(*w, *self.biases, **kw)
-        return cpumoe.prepack_int4(*w, *self.biases, group_size=self.g, **kw)
+        prepack = (cpumoe.prepack_int4_affine if self.fmt == "int4_affine"
+                   else cpumoe.prepack_int4)
+        return prepack(*w, *self.biases, group_size=self.g, **kw)
 
     def run(self, packed=None, **kw):
         return cpumoe.fused_moe_int8(self.x, packed or self.prepack(), self.tw, self.ids,
@@ -74,12 +77,14 @@ class W4Problem:
         if self.fmt == "mxfp4":
             return R.ref_fused_moe_mxfp4(self.x, *self.weights, self.tw, self.ids,
                                          activation=self.activation, b13=b13, b2=b2)
-        return R.ref_fused_moe_int4(self.x, *self.weights, self.tw, self.ids,
-                                    activation=self.activation, b13=b13, b2=b2,
-                                    group_size=self.g)
+        ref = (R.ref_fused_moe_int4_affine if self.fmt == "int4_affine"
+               else R.ref_fused_moe_int4)
+        return ref(self.x, *self.weights, self.tw, self.ids, activation=self.activation,
+                   b13=b13, b2=b2, group_size=self.g)
 
 
-FORMATS = (("int4", 32), ("int4", 64), ("int4", 128), ("mxfp4", 32))
+FORMATS = (("int4", 32), ("int4", 64), ("int4", 128), ("mxfp4", 32), ("int4_affine", 32),
+           ("int4_affine", 128))
 SHAPES = ((1, 8, 2, 256, 128), (7, 16, 4, 128, 256), (64, 8, 4, 256, 256), (33, 8, 1, 128, 128))
 CASES = [pytest.param(dict(fmt=f, g=g, T=s[0], E=s[1], k=s[2], H=s[3], I=s[4], dtype=dt,
                            activation=act, bias=bias),
@@ -100,7 +105,7 @@ def test_matches_reference_on_every_path(backend, case):
     out = p.run(packed)
     assert backend.dtype_name(out) == case["dtype"]
     assert_moe_close(backend, out, p.reference())
-    for path in cpumoe.available_paths("int4")[1:]:
+    for path in cpumoe.available_paths(case["fmt"])[1:]:
         other = p.run(p.prepack(isa=path))
         assert np.array_equal(backend.bits(other), backend.bits(out)), f"path {path} differs"
 
@@ -201,6 +206,49 @@ def test_int4_bad_inputs_are_clear_errors():
     bad(TypeError, "^w2: dtype must be int8", v13, v2.astype(np.int16), s13, s2)
     bad(ValueError, "^w13: shape", v13[0], v2, s13, s2)
     bad(ValueError, "^w2: ", v13, v2[:, :, :32], s13, s2)
+
+
+def test_int4_affine_bad_inputs_are_clear_errors():
+    (c13, c2, p13, p2), _ = w4_weights("int4_affine", 2, 128, 64, 32)
+
+    def bad(exc, match, *a, **kw):
+        with pytest.raises(exc, match=match):
+            cpumoe.prepack_int4_affine(*a, **kw)
+
+    c = c13.copy()
+    c[0, 1, 2] = 16
+    bad(ValueError, r"^w13: int4_affine codes must be in \[0, 15\] \(element 130 is 16\)", c,
+        c2, p13, p2)
+    bad(TypeError, "^w13: dtype must be uint8", c13.view(np.int8), c2, p13, p2)
+    bad(ValueError, r"^s13: .*shape", c13, c2, p13[..., 0], p2)  # scales without their mins
+    bad(ValueError, r"^s2: .*shape", c13, c2, p13, p2[:, :, :1])
+    p = p2.copy()
+    p[1, 2, 1, 1] = np.nan  # a min
+    bad(ValueError, "^s2: every scale must be finite", c13, c2, p13, p)
+    p = p13.copy()
+    p[0, 0, 0] = (3e38, 1e38)  # min + 8 * scale overflows
+    bad(ValueError, "^s13: min \\+ 8 \\* scale overflows fp32 at group 0", c13, c2, p, p2)
+    bad(ValueError, "^group_size: 128 must divide I = 64", c13, c2, p13, p2, group_size=128)
+    with pytest.raises(ValueError, match="int4_affine codes"):
+        R.ref_fused_moe_int4_affine(np.ones((1, 128), np.float32), c13 | 16, c2, p13, p2,
+                                    np.ones((1, 1), np.float32), np.zeros((1, 1), np.int32))
+
+
+def test_int4_affine_quantizer_is_min_max():
+    """quantize_int4_affine: min and (max - min) / 15 per group; values on the grid round-trip;
+    the packed op of the dequantized weights is the same as of the codes (same layer)."""
+    rng = np.random.default_rng(3)
+    codes = rng.integers(0, 16, (3, 64), dtype=np.uint8)
+    codes[:, ::32] = 0
+    codes[:, 1::32] = 15
+    w = codes.astype(np.float32) * np.float32(0.5) - np.float32(3.0)
+    q, sm = R.quantize_int4_affine(w, 32)
+    assert q.dtype == np.uint8 and sm.shape == (3, 2, 2)
+    assert np.array_equal(q, codes) and (sm[..., 0] == 0.5).all() and (sm[..., 1] == -3).all()
+    assert np.array_equal(R.dequantize_int4_affine(q, sm, 32), w)
+    flat = np.full((1, 32), 2.5, np.float32)  # a constant group: scale 1, every code 0
+    q, sm = R.quantize_int4_affine(flat, 32)
+    assert (q == 0).all() and sm.tolist() == [[[1.0, 2.5]]]
 
 
 def test_mxfp4_bad_inputs_are_clear_errors():

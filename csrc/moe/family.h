@@ -51,11 +51,21 @@ struct Family<QGemmUkernel> {
   static size_t kernel_scratch(const QGemmUkernel&, const Packed*, int64_t, int64_t, int64_t) {
     return 0;
   }
-  // One task's GEMM with its epilogue; row_scale at the task's first row, col_scale and bias
-  // (nullable) at the expert's column 0; scratch: the thread's kernel_scratch bytes.
+  // Group sums per GEMM input row of depth `depth` the epilogue needs (int4_affine), 0 for none.
+  // (Templates: the derived families of other layers inherit them.)
+  template <class AnyPacked>
+  static int64_t groups(const AnyPacked*, int64_t) {
+    return 0;
+  }
+  // Row q's group sums (groups(pk, depth) of them) into out.
+  template <class AnyPacked>
+  static void sums(const RowOps&, const AnyPacked&, const Elem*, int64_t, float*) {}
+  // One task's GEMM with its epilogue; row_scale and sums (the rows' group sums, when groups
+  // says there are) at the task's first row, col_scale and bias (nullable) at the expert's
+  // column 0; scratch: the thread's kernel_scratch bytes.
   // stream: dst is large and read only later (QGemmEpilogue::stream_dst).
   static void run(const QGemmUkernel& kern, const Packed&, const Task& tk, int64_t depth,
-                  const void* lhs, const void* rhs, float* dst, int64_t dst_stride,
+                  const float*, const void* lhs, const void* rhs, float* dst, int64_t dst_stride,
                   const float* row_scale, const float* col_scale, const float* bias, void*,
                   bool stream = false) {
     const QGemmEpilogue ep{row_scale, col_scale + tk.n0, bias ? bias + tk.n0 : nullptr, stream};
@@ -85,20 +95,28 @@ struct Family<BGemmUkernel> {
   static size_t kernel_scratch(const BGemmUkernel&, const Packed*, int64_t, int64_t, int64_t) {
     return 0;
   }
+  template <class AnyPacked>
+  static int64_t groups(const AnyPacked*, int64_t) {
+    return 0;
+  }
+  template <class AnyPacked>
+  static void sums(const RowOps&, const AnyPacked&, const Elem*, int64_t, float*) {}
   static void run(const BGemmUkernel& kern, const Packed&, const Task& tk, int64_t depth,
-                  const void* lhs, const void* rhs, float* dst, int64_t dst_stride, const float*,
+                  const float*, const void* lhs, const void* rhs, float* dst, int64_t dst_stride,
+                  const float*,
                   const float*, const float* bias, void*, bool = false) {
     kern.run_f32(tk.m, tk.n, depth, lhs, rhs, dst, dst_stride, bias ? bias + tk.n0 : nullptr);
   }
 };
 
 // W4A8: the int8 family's input rows, activation and requantization; the weight scales live in
-// the packed blocks, so the epilogue has the row scale and the bias only.
+// the packed blocks, so the epilogue has the row scale and the bias only, and for int4_affine
+// the group offsets (the "column scales" here), added after the kernel from the input rows.
 template <>
 struct Family<Q4GemmUkernel> : Family<QGemmUkernel> {
   using Packed = PackedMoeW4;
-  static const float* scale13(const Packed&, int64_t) { return nullptr; }
-  static const float* scale2(const Packed&, int64_t) { return nullptr; }
+  static const float* scale13(const Packed& pk, int64_t e) { return pk.o13(e); }
+  static const float* scale2(const Packed& pk, int64_t e) { return pk.o2(e); }
   static size_t rhs_offset(const Q4GemmUkernel& kern, const Packed& pk, int64_t n0,
                            int64_t depth) {
     return kern.rhs_packed_offset(n0, depth, pk.layout());
@@ -121,16 +139,29 @@ struct Family<Q4GemmUkernel> : Family<QGemmUkernel> {
       const int64_t step = info.group_size;  // exact: one size; multiple: each multiple
       const int64_t last = info.group == GroupRule::exact ? step : info.group_max;
       for (int64_t g = step; g <= std::min({H, I, last}); g += step)
-        if (H % g == 0 && I % g == 0) most = std::max(most, at(W4Layout{f, g}));
+        if (H % g == 0 && I % g == 0)
+          most = std::max(most, at(W4Layout{w4_kernel_format(f), g}));
     }
     return align_up(most);
   }
+  // int4_affine: the group sums of every input row (for its offsets); pk == nullptr: the most
+  // any layer of these sizes has (groups of kW4GroupMultiple).
+  static int64_t groups(const Packed* pk, int64_t depth) {
+    if (pk == nullptr) return depth / kW4GroupMultiple;
+    return pk->format() == W4Format::int4_affine ? depth / pk->group_size() : 0;
+  }
+  static void sums(const RowOps& ro, const Packed& pk, const Elem* q, int64_t depth, float* out) {
+    ro.group_sums(q, depth, pk.group_size(), out);
+  }
   static void run(const Q4GemmUkernel& kern, const Packed& pk, const Task& tk, int64_t depth,
-                  const void* lhs, const void* rhs, float* dst, int64_t dst_stride,
-                  const float* row_scale, const float*, const float* bias, void* scratch,
-                  bool stream = false) {
+                  const float* sums, const void* lhs, const void* rhs, float* dst,
+                  int64_t dst_stride, const float* row_scale, const float* offsets,
+                  const float* bias, void* scratch, bool stream = false) {
     const Q4GemmEpilogue ep{row_scale, bias ? bias + tk.n0 : nullptr, stream, scratch};
     kern.run_f32(tk.m, tk.n, depth, pk.layout(), lhs, rhs, dst, dst_stride, ep);
+    if (offsets != nullptr)
+      pk.config().rowops->add_group_offsets(tk.m, tk.n0, tk.n, depth / pk.group_size(), sums,
+                                            offsets, row_scale, dst, dst_stride);
   }
 };
 
@@ -161,7 +192,8 @@ struct Family<F8GemmUkernel> : Family<BGemmUkernel> {
     return align_up(most);
   }
   static void run(const F8GemmUkernel& kern, const Packed& pk, const Task& tk, int64_t depth,
-                  const void* lhs, const void* rhs, float* dst, int64_t dst_stride, const float*,
+                  const float*, const void* lhs, const void* rhs, float* dst, int64_t dst_stride,
+                  const float*,
                   const float*, const float* bias, void* scratch, bool stream = false) {
     const F8GemmEpilogue ep{bias ? bias + tk.n0 : nullptr, stream, scratch};
     kern.run_f32(tk.m, tk.n, depth, pk.layout(), lhs, rhs, dst, dst_stride, ep);

@@ -48,6 +48,8 @@ size_t scratch_bound(const MoeConfig<Kernel>& cfg, const typename Family<Kernel>
       *cfg.gemm, pk, max_call_rows(cfg.tiles, cfg.gemm->mr, tc, topk), hidden, intermediate);
   ChunkSizes s = worst_case(cfg, elem, num_experts, hidden, intermediate, tc, topk,
                             resolve_threads(num_threads), kscratch);
+  s.groups1 = Family<Kernel>::groups(pk, hidden);
+  s.groups2 = Family<Kernel>::groups(pk, intermediate);
   size_t bound = plan(s).total;
   if (cfg.tiles.fuse_gemm1 && cfg.tiles.fuse_gemm2) {
     // A call with fewer slots may lay y out apart (at most kFusedGemm2MaxY bytes) after the

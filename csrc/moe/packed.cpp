@@ -209,6 +209,7 @@ const MoeWeightsW4& checked(const MoeWeightsW4& w) {
   if (!w4_format_of(weight_format_of(w.format), &known))
     fail("format: must be one of " + weight_format_names(KernelFamily::q4gemm));
   const bool mx = w.format == W4Format::mxfp4;
+  const bool affine = w.format == W4Format::int4_affine;
   const int64_t g = w.group_size;
   const std::string group_problem = weight_format_group_problem(weight_format_of(w.format), g);
   if (!group_problem.empty()) fail(group_problem);
@@ -227,6 +228,10 @@ const MoeWeightsW4& checked(const MoeWeightsW4& w) {
   if (mx) return w;  // every code and every E8M0 byte is a value (255: NaN)
   if (w.w13 == nullptr) fail("w13: missing");
   if (w.w2 == nullptr) fail("w2: missing");
+  // int4: int8 values in [-8, 7]; int4_affine: uint8 codes in [0, 15].
+  const int bias = affine ? 0 : 8;
+  const char* what = affine ? ": int4_affine codes must be in [0, 15]"
+                            : ": int4 values must be in [-8, 7]";
   for (auto [p, n, name] : {std::tuple{static_cast<const int8_t*>(w.w13), n13, "w13"},
                             std::tuple{static_cast<const int8_t*>(w.w2), n2, "w2"}}) {
     // Scanned in chunks without an early exit (so the loop vectorizes: a layer is ~10^9
@@ -235,26 +240,42 @@ const MoeWeightsW4& checked(const MoeWeightsW4& w) {
     for (int64_t x0 = 0; x0 < n; x0 += kChunk) {
       const int64_t x1 = std::min(n, x0 + kChunk);
       uint8_t bad = 0;
-      for (int64_t x = x0; x < x1; ++x) bad |= uint8_t(uint8_t(p[x] + 8) > 15);
+      for (int64_t x = x0; x < x1; ++x) bad |= uint8_t(uint8_t(p[x] + bias) > 15);
       if (bad == 0) continue;
       for (int64_t x = x0; x < x1; ++x)
-        if (p[x] < -8 || p[x] > 7)
-          fail(std::string(name) + ": int4 values must be in [-8, 7] (element " +
-               std::to_string(x) + " is " + std::to_string(int(p[x])) + ")");
+        if (uint8_t(p[x] + bias) > 15)
+          fail(std::string(name) + what + " (element " + std::to_string(x) + " is " +
+               std::to_string(affine ? int(uint8_t(p[x])) : int(p[x])) + ")");
     }
   }
-  moe_detail::check_finite_scales(static_cast<const float*>(w.s13), n13 / g, "s13");
-  moe_detail::check_finite_scales(static_cast<const float*>(w.s2), n2 / g, "s2");
+  // int4_affine: every scale and min finite, and so every offset min + 8 * scale.
+  const int64_t per = affine ? 2 : 1;
+  moe_detail::check_finite_scales(static_cast<const float*>(w.s13), n13 / g * per, "s13");
+  moe_detail::check_finite_scales(static_cast<const float*>(w.s2), n2 / g * per, "s2");
+  if (affine) {
+    for (auto [p, n, name] : {std::tuple{static_cast<const float*>(w.s13), n13 / g, "s13"},
+                              std::tuple{static_cast<const float*>(w.s2), n2 / g, "s2"}}) {
+      for (int64_t x = 0; x < n; ++x)
+        if (!std::isfinite(w4_group_offset(p[2 * x], p[2 * x + 1])))
+          fail(std::string(name) + ": min + 8 * scale overflows fp32 at group " +
+               std::to_string(x) + " (scale " + std::to_string(p[2 * x]) + ", min " +
+               std::to_string(p[2 * x + 1]) + ")");
+    }
+  }
   return w;
 }
 
 // One expert's w13 and w2 turned into codes (one per byte) and packed with their group scales.
+// int4_affine: codes c become the int4 values c - 8 (the nibble c ^ 8) and the (scale, min)
+// pairs give the kernel its scales; the mins are PackedMoeW4's offsets.
 struct W4Packer final : RhsPacker {
   const Q4GemmUkernel* k;
   const MoeWeightsW4& w;
-  W4Layout layout;
+  W4Layout layout;  // the kernel's (int4 for int4_affine)
   W4Packer(const Q4GemmUkernel* kern, const MoeWeightsW4& weights)
-      : k(kern), w(weights), layout{weights.format, weights.group_size} {}
+      : k(kern), w(weights), layout{w4_kernel_format(weights.format), weights.group_size} {}
+  bool affine() const { return w.format == W4Format::int4_affine; }
+  bool unpacks() const { return w.format != W4Format::int4; }  // codes rewritten in scratch
   void check() const override {
     if (w.w13 == nullptr) fail("w13: missing");
     if (w.w2 == nullptr) fail("w2: missing");
@@ -263,12 +284,15 @@ struct W4Packer final : RhsPacker {
     return k->rhs_packed_size(2 * w.intermediate, w.hidden, layout);
   }
   size_t w2_bytes() const override { return k->rhs_packed_size(w.hidden, w.intermediate, layout); }
-  // Scratch of one pack_one call: mxfp4's unpacked codes (one matrix, a few MB), then the
-  // kernel's pack_rhs scratch, each 64-byte aligned.
+  // Scratch of one pack_one call: mxfp4's unpacked or int4_affine's shifted codes (one matrix,
+  // a few MB), int4_affine's scales apart from their mins, then the kernel's pack_rhs scratch,
+  // each 64-byte aligned.
   size_t one_scratch_bytes(int64_t n, int64_t depth) const {
-    const size_t codes =
-        layout.format == W4Format::mxfp4 ? moe_detail::align_up(size_t(n) * size_t(depth)) : 0;
-    return codes + moe_detail::align_up(k->pack_scratch_bytes(n, depth, layout));
+    using moe_detail::align_up;
+    const size_t count = size_t(n) * size_t(depth);
+    const size_t codes = unpacks() ? align_up(count) : 0;
+    const size_t scales = affine() ? align_up(count / size_t(layout.group) * sizeof(float)) : 0;
+    return codes + scales + align_up(k->pack_scratch_bytes(n, depth, layout));
   }
   size_t scratch_bytes() const override {
     return std::max(one_scratch_bytes(2 * w.intermediate, w.hidden),
@@ -280,21 +304,33 @@ struct W4Packer final : RhsPacker {
   void pack_one(const void* src, const void* scales, int64_t e, int64_t n, int64_t depth,
                 void* dst, void* scratch) const {
     const size_t count = size_t(n) * size_t(depth);
+    const int64_t groups = depth / layout.group;
     auto* ws = static_cast<uint8_t*>(scratch);
     const uint8_t* c = static_cast<const uint8_t*>(src) + size_t(e) * count;
-    if (layout.format == W4Format::mxfp4) {
+    const size_t in_scale_bytes = size_t(weight_format_scale_bytes(weight_format_of(w.format)));
+    const auto* sc = static_cast<const uint8_t*>(scales) +
+                     size_t(e) * size_t(n) * size_t(groups) * in_scale_bytes;
+    if (unpacks()) {
       uint8_t* codes = ws;
       ws += moe_detail::align_up(count);
-      const uint8_t* b = static_cast<const uint8_t*>(src) + size_t(e) * count / 2;
-      for (size_t x = 0; x < count / 2; ++x) {  // low nibble: the even k
-        codes[2 * x] = b[x] & 15;
-        codes[2 * x + 1] = b[x] >> 4;
+      if (w.format == W4Format::mxfp4) {
+        const uint8_t* b = static_cast<const uint8_t*>(src) + size_t(e) * count / 2;
+        for (size_t x = 0; x < count / 2; ++x) {  // low nibble: the even k
+          codes[2 * x] = b[x] & 15;
+          codes[2 * x + 1] = b[x] >> 4;
+        }
+      } else {
+        for (size_t x = 0; x < count; ++x) codes[x] = c[x] ^ 8;  // c - 8 as a nibble
       }
       c = codes;
     }
-    const int64_t groups = depth / layout.group;
-    const auto* sc = static_cast<const uint8_t*>(scales) +
-                     size_t(e) * size_t(n) * size_t(groups) * size_t(layout.scale_bytes());
+    if (affine()) {  // the scales of the (scale, min) pairs
+      auto* only = reinterpret_cast<float*>(ws);
+      ws += moe_detail::align_up(size_t(n) * size_t(groups) * sizeof(float));
+      const auto* pairs = reinterpret_cast<const float*>(sc);
+      for (int64_t x = 0; x < n * groups; ++x) only[x] = pairs[2 * x];
+      sc = reinterpret_cast<const uint8_t*>(only);
+    }
     k->pack_rhs(n, depth, layout, c, depth, sc, groups, dst, ws);
   }
   void pack(int64_t e, void* d13, void* d2, void* scratch) const override {
@@ -302,6 +338,24 @@ struct W4Packer final : RhsPacker {
     pack_one(w.w2, w.s2, e, w.hidden, w.intermediate, d2, scratch);
   }
 };
+
+// int4_affine's offsets of one [n, depth] matrix of expert e (pairs [E, n, depth / g, 2]) in
+// PackedMoeW4's panel layout: panel p (columns [64 p, 64 p + 64)) holds depth / g rows of 64
+// offsets, zero past column n.
+void fill_offsets(const float* pairs, int64_t e, int64_t n, int64_t depth, int64_t g,
+                  float* out) {
+  const int64_t groups = depth / g;
+  const float* src = pairs + size_t(e) * size_t(n) * size_t(groups) * 2;
+  for (int64_t j0 = 0; j0 < n; j0 += kGroupOffsetPanel) {
+    float* panel = out + j0 * groups;
+    for (int64_t gi = 0; gi < groups; ++gi)
+      for (int64_t jj = 0; jj < kGroupOffsetPanel; ++jj) {
+        const int64_t j = j0 + jj;
+        const float* sm = src + (j * groups + gi) * 2;
+        panel[gi * kGroupOffsetPanel + jj] = j < n ? w4_group_offset(sm[0], sm[1]) : 0.0f;
+      }
+  }
+}
 
 }  // namespace
 
@@ -312,7 +366,22 @@ PackedMoeW4::PackedMoeW4(const MoeWeightsW4& w, const MoeConfig<Q4GemmUkernel>& 
                          int num_threads)
     : PackedExperts(checked(w).num_experts, w.hidden, w.intermediate, config,
                     W4Packer(config.gemm, w), w.b13, w.b13_dtype, w.b2, w.b2_dtype, num_threads),
-      layout_{w.format, w.group_size} {}
+      layout_{w4_kernel_format(w.format), w.group_size}, format_(w.format) {
+  if (format_ != W4Format::int4_affine) return;
+  const int64_t E = w.num_experts, H = w.hidden, I = w.intermediate, g = w.group_size;
+  o13_stride_ = group_offset_floats(2 * I, H, g);
+  o2_stride_ = group_offset_floats(H, I, g);
+  const size_t total = size_t(E) * (o13_stride_ + o2_stride_);
+  offsets_.reset(new float[total]);
+  extra_bytes_ += total * sizeof(float);
+  moe_detail::parallel_rows(E, 3 * I * H / g, moe_detail::resolve_threads(num_threads),
+                            [&](int64_t e, int) {
+    fill_offsets(static_cast<const float*>(w.s13), e, 2 * I, H, g,
+                 offsets_.get() + size_t(e) * o13_stride_);
+    fill_offsets(static_cast<const float*>(w.s2), e, H, I, g,
+                 offsets_.get() + size_t(E) * o13_stride_ + size_t(e) * o2_stride_);
+  });
+}
 
 PackedMoeBf16::PackedMoeBf16(const MoeWeightsBf16& w, const BGemmUkernel* kernel, int num_threads)
     : PackedMoeBf16(w, bf16_config(kernel), num_threads) {}

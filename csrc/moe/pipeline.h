@@ -46,7 +46,10 @@ class Pipeline {
         threads(th), t0(t_begin), tc(t_count), E(p.num_experts()), H(p.hidden()),
         I(p.intermediate()), k(call.topk),
         sizes(chunk_sizes(sizeof(Elem), E, H, I, tc, k, threads,
-                          F::kernel_scratch(kern, &p, max_call_rows(tp, kern.mr, tc, k), H, I))) {}
+                          F::kernel_scratch(kern, &p, max_call_rows(tp, kern.mr, tc, k), H, I))) {
+    sizes.groups1 = F::groups(&p, H);
+    sizes.groups2 = F::groups(&p, I);
+  }
 
   // The phases in order; the one bench-hook phase marker stands here.
   void run() {
@@ -152,14 +155,22 @@ class Pipeline {
       rows[p] = x_in_place ? reinterpret_cast<const Elem*>(x_row(t)) : xq + t * H;
       F::gather_scale(row_scale + p, xs + t);
     }
+    if (sizes.groups1 > 0) {
+      float* sums1 = at<float>(pl.sums1);
+      parallel_rows(r.P, H, threads, [&](int64_t p, int) {
+        F::sums(ro, pk, rows[p], H, sums1 + p * sizes.groups1);
+      });
+    }
     pack_rows(H, pl.lhs1, pl.off1);
   }
 
   // One GEMM over the tasks at tasks_at: dst [P, n] from the packed rows of depth `depth`.
+  // sums: the input rows' group sums ([P, groups]; groups 0: none).
   template <class WeightsOf, class ScaleOf, class BiasOf>
   void gemm(int64_t n, int64_t depth, size_t lhs_at, size_t off_at, size_t tasks_at,
-            int64_t n_tasks, const float* row_scale, float* dst, const WeightsOf& weights,
-            const ScaleOf& scale, const BiasOf& bias, bool stream = false) const {
+            int64_t n_tasks, const float* row_scale, const float* sums, int64_t groups,
+            float* dst, const WeightsOf& weights, const ScaleOf& scale, const BiasOf& bias,
+            bool stream = false) const {
     const uint8_t* lhs = at<uint8_t>(lhs_at);
     const size_t* off = at<size_t>(off_at);
     Task* tasks = at<Task>(tasks_at);
@@ -170,8 +181,8 @@ class Pipeline {
       const uint8_t* lp = lhs + off[tk.e] + kern.lhs_packed_offset(tk.m0, depth);
       const uint8_t* rp =
           static_cast<const uint8_t*>(weights(tk.e)) + F::rhs_offset(kern, pk, tk.n0, depth);
-      F::run(kern, pk, tk, depth, lp, rp, dst + row0 * n + tk.n0, n, row_scale + row0, scale(tk.e),
-             bias(tk.e), kernel_scratch(tid), stream);
+      F::run(kern, pk, tk, depth, sums + row0 * groups, lp, rp, dst + row0 * n + tk.n0, n,
+             row_scale + row0, scale(tk.e), bias(tk.e), kernel_scratch(tid), stream);
       // The task's work for the bench hooks: multiply-adds over the kernel's padded tiles.
       return round_up(tk.m, kern.mr) * round_up(tk.n, kern.nr) * round_up(depth, kern.kr);
     });
@@ -184,7 +195,7 @@ class Pipeline {
       return;
     }
     gemm(2 * I, H, pl.lhs1, pl.off1, pl.tasks1, sizes.tasks1, at<float>(pl.row_scale),
-         at<float>(pl.h), [&](int64_t e) { return pk.w13(e); },
+         at<float>(pl.sums1), sizes.groups1, at<float>(pl.h), [&](int64_t e) { return pk.w13(e); },
          [&](int64_t e) { return F::scale13(pk, e); }, [&](int64_t e) { return pk.b13(e); });
   }
 
@@ -206,27 +217,31 @@ class Pipeline {
     float* sa = at<float>(pl.sa);
     float* tmp = at<float>(pl.tmp);
     const Elem** rows = at<const Elem*>(pl.rows);  // pack1 is done with them
+    const float* sums1 = at<float>(pl.sums1);
+    float* sums2 = at<float>(pl.sums2);
     const int64_t rows_per = rows_per_task(tp, kern.mr);
     const bool thread_h = int64_t(threads) * rows_per <= r.P;
     parallel_for(n_tasks, threads, [&](int64_t i, int tid) -> int64_t {
       const Task& tk = tasks[i];
       const int64_t row0 = r.first[tk.e] + tk.m0;
       float* ht = thread_h ? h + int64_t(tid) * rows_per * 2 * I : h + row0 * 2 * I;
-      F::run(kern, pk, tk, H, lhs1 + off1[tk.e] + kern.lhs_packed_offset(tk.m0, H), pk.w13(tk.e),
-             ht, 2 * I, row_scale + row0, F::scale13(pk, tk.e), pk.b13(tk.e),
-             kernel_scratch(tid));
+      F::run(kern, pk, tk, H, sums1 + row0 * sizes.groups1,
+             lhs1 + off1[tk.e] + kern.lhs_packed_offset(tk.m0, H), pk.w13(tk.e), ht, 2 * I,
+             row_scale + row0, F::scale13(pk, tk.e), pk.b13(tk.e), kernel_scratch(tid));
       for (int64_t p = 0; p < tk.m; ++p) {
         F::activate(ro, c.activation, ht + p * 2 * I, I, c.dtype, tmp + int64_t(tid) * I,
                     qa + (row0 + p) * I, sa + row0 + p);
         rows[row0 + p] = qa + (row0 + p) * I;
+        if (sizes.groups2 > 0)
+          F::sums(ro, pk, qa + (row0 + p) * I, I, sums2 + (row0 + p) * sizes.groups2);
       }
       uint8_t* lp2 = lhs2 + off2[tk.e] + kern.lhs_packed_offset(tk.m0, I);
       kern.pack_lhs(tk.m, I, rows + row0, lp2);
       int64_t work = round_up(tk.m, kern.mr) * round_up(2 * I, kern.nr) * round_up(H, kern.kr);
       if (fused2) {  // GEMM2 of these rows, all H columns (a task of phase 6 spanning them all)
         const Task t2{tk.e, tk.m0, tk.m, 0, H};
-        F::run(kern, pk, t2, I, lp2, pk.w2(tk.e), y + row0 * H, H, sa + row0,
-               F::scale2(pk, tk.e), pk.b2(tk.e), kernel_scratch(tid));
+        F::run(kern, pk, t2, I, sums2 + row0 * sizes.groups2, lp2, pk.w2(tk.e), y + row0 * H, H,
+               sa + row0, F::scale2(pk, tk.e), pk.b2(tk.e), kernel_scratch(tid));
         work += round_up(tk.m, kern.mr) * round_up(H, kern.nr) * round_up(I, kern.kr);
       }
       return work;
@@ -240,11 +255,13 @@ class Pipeline {
     Elem* qa = at<Elem>(pl.qa);
     float* sa = at<float>(pl.sa);
     float* tmp = at<float>(pl.tmp);
+    float* sums2 = at<float>(pl.sums2);
     // work: the activation's polynomials cost several elements' worth per output.
     parallel_rows(r.P, 8 * I, threads, [&](int64_t p, int tid) {
       CPUMOE_BENCH_STEP(bench_hooks::activation);
       F::activate(ro, c.activation, h + p * 2 * I, I, c.dtype, tmp + int64_t(tid) * I,
                   qa + p * I, sa + p);
+      if (sizes.groups2 > 0) F::sums(ro, pk, qa + p * I, I, sums2 + p * sizes.groups2);
     });
   }
 
@@ -264,7 +281,8 @@ class Pipeline {
     // L2, its lines go past the caches rather than evicting the weights (the hint).
     // (Measured, AMX, one thread, Qwen3 T=2048: 240 -> 197 ms median of 3; T=512: neutral.)
     const bool stream = size_t(r.P) * size_t(H) * sizeof(float) >= kStreamBytes;
-    gemm(H, I, pl.lhs2, pl.off2, pl.tasks2, sizes.tasks2, at<float>(pl.sa), at<float>(pl.y),
+    gemm(H, I, pl.lhs2, pl.off2, pl.tasks2, sizes.tasks2, at<float>(pl.sa), at<float>(pl.sums2),
+         sizes.groups2, at<float>(pl.y),
          [&](int64_t e) { return pk.w2(e); }, [&](int64_t e) { return F::scale2(pk, e); },
          [&](int64_t e) { return pk.b2(e); }, stream);
   }

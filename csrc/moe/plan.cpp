@@ -55,6 +55,8 @@ ChunkPlan plan(const ChunkSizes& s) {
   p.lhs2 = take(int64_t(s.lhs2), 1);
   p.tasks2 = take(s.tasks2, sizeof(Task));
   p.accs = take(mul(s.threads, s.H), 4);
+  p.sums1 = take(mul(s.P, s.groups1), 4);
+  p.sums2 = take(mul(s.P, s.groups2), 4);
   // After y: GEMM2 writes y while its kernels use this.
   p.kscratch = take(mul(s.threads, int64_t(s.kscratch)), 1);
   p.total = at;

@@ -31,6 +31,9 @@ struct ChunkSizes {
                        // (GEMM2 runs inside phase 4's tasks: fuse_gemm2); 0: y reuses them
   size_t kscratch = 0;  // per thread: the GEMM kernel's scratch for one call (a 64-byte multiple,
                         // Family::kernel_scratch); the kernels never allocate
+  // Affine weights (int4_affine): group sums per GEMM1 / GEMM2 input row (Family::groups), 0
+  // for the other formats.
+  int64_t groups1 = 0, groups2 = 0;
 };
 
 // Largest y (bytes) laid out apart for fuse_gemm2: decode and small batches, where the barrier
@@ -46,6 +49,7 @@ struct ChunkPlan {
   size_t xq, xs, rows, row_scale, off1, lhs1, tasks1, h, qa, tmp;  // phases 1-5
   size_t y;  // phases 6-7, over the above (or after them: y_apart)
   size_t sa, off2, lhs2, tasks2, accs;                              // written in 5 / 6, read after
+  size_t sums1, sums2;  // [P, groups1] / [P, groups2] fp32: written in 3 / 5, read in 4 / 6
   size_t kscratch;  // thread tid's kernel scratch at kscratch + tid * ChunkSizes::kscratch (4-6)
   size_t total;
 };

@@ -8,29 +8,50 @@ dims reversed): ``blk.{L}.ffn_gate_exps.weight`` [E, I, H], ``blk.{L}.ffn_up_exp
 ``blk.{L}.ffn_{gate,up,down}_exps.bias`` [E, I] / [E, I] / [E, H]. Only the GGUF types that are
 exactly a cpumoe weight format are read:
 
-========= ============ ============================================================================
-GGUF      cpumoe       mapping (a block of 32 k is one group)
-========= ============ ============================================================================
-``Q4_0``  ``int4``     values q - 8 in [-8, 7], scale float(d) (fp16 d, any sign: llama.cpp's
-                       quantizer makes d < 0 whenever a block's largest-magnitude weight is
-                       positive, and cpumoe's int4 takes negative and zero scales), group_size 32.
-``MXFP4`` ``mxfp4``    the same E8M0 byte and E2M1 codes (GGUF's doubled E2M1 times its halved
-                       E8M0 is the same product); nibbles reordered (GGUF: element j low, j + 16
-                       high; cpumoe / gpt-oss: 2j low, 2j + 1 high). E8M0 255 (NaN in cpumoe,
-                       2^127 in ggml) is refused.
-``BF16``  ``bf16``     the bits.
-========= ============ ============================================================================
+========= =============== =========================================================================
+GGUF      cpumoe          mapping (a block of 32 k is one group)
+========= =============== =========================================================================
+``Q4_0``  ``int4``        values q - 8 in [-8, 7], scale float(d) (fp16 d, any sign: llama.cpp's
+                          quantizer makes d < 0 whenever a block's largest-magnitude weight is
+                          positive, and cpumoe's int4 takes negative and zero scales), group_size
+                          32.
+``MXFP4`` ``mxfp4``       the same E8M0 byte and E2M1 codes (GGUF's doubled E2M1 times its halved
+                          E8M0 is the same product); nibbles reordered (GGUF: element j low,
+                          j + 16 high; cpumoe / gpt-oss: 2j low, 2j + 1 high). E8M0 255 (NaN in
+                          cpumoe, 2^127 in ggml) is refused.
+``BF16``  ``bf16``        the bits.
+``Q4_1``  ``int4_affine`` the codes q in [0, 15] (element j of a block in the low nibble of byte j,
+                          j + 16 in the high one) and per block (scale, min) = (float(d),
+                          float(m)) (``w = d * q + m``), group_size 32.
+``Q4_K``  ``int4_affine`` per sub-block s of 32 k (8 to a super-block of 256) the codes q (the 128
+                          bytes in 4 runs of 32: sub-block 2r in the low nibbles of run r, 2r + 1
+                          in the high ones) and (scale, min) = (float(d) * sc_s,
+                          -(float(dmin) * m_s)), sc_s / m_s the 6-bit values of the 12 packed
+                          bytes (``w = d * sc * q - dmin * m``), group_size 32.
+========= =============== =========================================================================
 
-Every other type (F32, F16, Q8_0, Q4_1, Q5_*, K-quants, IQ types, ...) and a gate / up / down mix
-of types in different formats raise :class:`GgufUnsupported` (an
-:class:`cpumoe.checkpoint.UnsupportedCheckpoint`) naming the tensor and its type. A fused
-``ffn_gate_up_exps`` tensor is refused too.
+Exactness: the weights cpumoe's dequantization (``scale * q + min`` in float32) gives for the
+loaded Q4_1 / Q4_K layer are ``gguf.quants.dequantize``'s bit for bit: fp16 d (11 significant
+bits) times q (4 bits), and float(d) * sc (6 bits) times q, are exact in float32, so both sides
+round once, in the same addition (``x - y`` is ``x + (-y)`` in IEEE arithmetic, signed zeros
+included).
 
-w13 is laid out for the activation of the file's architecture (``general.architecture``):
-``gpt-oss`` -> ``"swigluoai"`` (gate and up interleaved by row: even rows gate, odd rows up),
-anything else -> ``"silu"`` (gate rows then up rows; the op's other non-interleaved activations,
-e.g. gelu, read the same layout). :func:`read_gguf_experts` returns the layer unpacked with that
-``activation``; :func:`load_experts` packs it.
+Every other type (F32, F16, Q8_0, Q5_*, K-quants but Q4_K, IQ types, ...) and a gate / up / down
+mix of types in different formats (Q4_0 with Q4_K, or Q4_K gate / up with the Q6_K down of
+llama.cpp's Q4_K_M files, ...) raise :class:`GgufUnsupported` (an
+:class:`cpumoe.checkpoint.UnsupportedCheckpoint`) naming the tensor and its type; Q4_1 and Q4_K
+mix (both int4_affine, group_size 32). A non-finite block scale (Q4_0 d, Q4_1 d / m, Q4_K d /
+dmin) is refused naming the tensor, expert, row and block. A fused ``ffn_gate_up_exps`` tensor
+is refused too.
+
+w13 is laid out for the activation of the file's architecture (``general.architecture``), from
+the table :data:`GGUF_ACTIVATIONS` of the MoE architectures llama.cpp's GGUF writer emits (as
+llama.cpp runs their experts): ``gpt-oss`` -> ``"swigluoai"`` (gate and up interleaved by row:
+even rows gate, odd rows up), ``grok`` -> ``"gelu_tanh"``, the others (Mixtral's ``llama``,
+``qwen2moe``, ``qwen3moe``, ``deepseek2``, ``dbrx``, ``olmoe``, ``granitemoe``, ...) ->
+``"silu"`` (gate rows then up rows). An architecture not in the table is refused unless the caller
+names the activation (``activation=``). :func:`read_gguf_experts` returns the layer unpacked with
+that ``activation``; :func:`load_experts` packs it.
 
 The ``gguf`` package (``pip install gguf``, the reader llama.cpp ships) is imported on first use.
 """
@@ -45,13 +66,14 @@ import numpy as np
 
 from .checkpoint import LoadedExperts, UnsupportedCheckpoint, expert_ids_of
 
-__all__ = ["GGUF_FORMATS", "GgufExperts", "GgufUnsupported", "gguf_activation",
-           "load_experts", "read_gguf_experts"]
+__all__ = ["GGUF_ACTIVATIONS", "GGUF_FORMATS", "GgufExperts", "GgufUnsupported",
+           "gguf_activation", "load_experts", "read_gguf_experts"]
 
 PathLike = Union[str, os.PathLike]
 
 #: GGUF tensor type -> the cpumoe weight format it is exactly.
-GGUF_FORMATS = {"Q4_0": "int4", "MXFP4": "mxfp4", "BF16": "bf16"}
+GGUF_FORMATS = {"Q4_0": "int4", "MXFP4": "mxfp4", "BF16": "bf16", "Q4_1": "int4_affine",
+                "Q4_K": "int4_affine"}
 
 #: What a GGUF type would need from cpumoe, for the errors.
 _NEEDS = {
@@ -59,15 +81,48 @@ _NEEDS = {
     "F16": "no float16 expert format (only bf16)",
     "F64": "no float64 expert format",
     "Q8_0": "needs 8-bit group scales",
-    "Q4_1": "needs group zero points (Q4_1 is asymmetric)",
     "Q5_0": "needs 5-bit values",
     "Q5_1": "needs 5-bit values with group zero points",
     "Q8_1": "needs 8-bit group scales",
+    "Q2_K": "needs 2-bit values (a K-quant; of the K-quants cpumoe reads Q4_K)",
+    "Q3_K": "needs 3-bit values (a K-quant; of the K-quants cpumoe reads Q4_K)",
+    "Q5_K": "needs 5-bit values (a K-quant; of the K-quants cpumoe reads Q4_K)",
+    "Q6_K": "needs 6-bit values (a K-quant; of the K-quants cpumoe reads Q4_K)",
+    "Q8_K": "needs 8-bit values (a K-quant; of the K-quants cpumoe reads Q4_K)",
 }
 _FLOAT_BIAS = ("F32", "F16", "BF16")
-#: general.architecture -> (activation, w13 interleaved)
-_ARCH_ACTIVATION = {"gpt-oss": "swigluoai"}
-_DEFAULT_ACTIVATION = "silu"
+#: GGUF ``general.architecture`` (gguf.constants.MODEL_ARCH_NAMES) -> the activation of its
+#: routed experts, as llama.cpp runs them (its build_moe_ffn calls): the MoE architectures of
+#: llama.cpp's GGUF writer whose experts cpumoe runs. An architecture not here is refused unless
+#: the caller names the activation (its experts' activation may be none of cpumoe's: e.g.
+#: smallthinker's relu, nemotron_h_moe's relu^2 without a gate; step35's per-layer clamps).
+GGUF_ACTIVATIONS = {
+    "llama": "silu",          # Mixtral (and every llama-architecture MoE)
+    "llama4": "silu",
+    "qwen2moe": "silu",
+    "qwen3moe": "silu",
+    "qwen3vlmoe": "silu",
+    "qwen3next": "silu",
+    "deepseek": "silu",
+    "deepseek2": "silu",      # DeepSeek-V2 / V3 / R1, Kimi K2
+    "dbrx": "silu",
+    "olmoe": "silu",
+    "granitemoe": "silu",
+    "granitehybrid": "silu",
+    "phimoe": "silu",
+    "jamba": "silu",
+    "arctic": "silu",
+    "minicpm": "silu",
+    "ernie4_5-moe": "silu",
+    "glm4moe": "silu",
+    "hunyuan-moe": "silu",
+    "bailingmoe": "silu",
+    "bailingmoe2": "silu",
+    "dots1": "silu",
+    "mistral3": "silu",
+    "grok": "gelu_tanh",      # Grok-1 / 2: GELU, tanh form (JAX's default; ggml_gelu's)
+    "gpt-oss": "swigluoai",   # gate / up interleaved by row
+}
 _LOADERS = ("gguf",)
 
 
@@ -95,16 +150,46 @@ def _gguf():
 
 
 def gguf_activation(architecture: str) -> str:
-    """The activation (and so the w13 layout) cpumoe uses for a GGUF ``general.architecture``:
-    "swigluoai" for gpt-oss (gate / up interleaved by row), "silu" (halves) otherwise."""
-    return _ARCH_ACTIVATION.get(architecture, _DEFAULT_ACTIVATION)
+    """The activation (and so the w13 layout) of the routed experts of GGUF
+    ``general.architecture`` ``architecture`` (:data:`GGUF_ACTIVATIONS`): "swigluoai" for gpt-oss
+    (gate / up interleaved by row), "gelu_tanh" for grok, "silu" for Mixtral (``llama``), Qwen,
+    DeepSeek, OLMoE, Granite, DBRX, ... (halves). :class:`GgufUnsupported` for an architecture
+    not in the table."""
+    act = GGUF_ACTIVATIONS.get(architecture)
+    if act is None:
+        raise GgufUnsupported(
+            f"the expert activation of architecture {architecture!r} is not known to cpumoe "
+            f"(known: {', '.join(sorted(GGUF_ACTIVATIONS))}); name it: "
+            f"read_gguf_experts(..., activation=...) / load_experts(..., activation=...), one of "
+            f"{', '.join(_activation_names())}")
+    return act
+
+
+def _activation_names() -> Tuple[str, ...]:
+    from .ops import ACTIVATIONS
+    return tuple(ACTIVATIONS)
+
+
+def _check_activation(activation: Any) -> str:
+    """An activation spec the caller gave (a name of cpumoe.ACTIVATIONS, with its parameters
+    where it takes them), checked by the op's own parser; returned as given."""
+    from .ops import parse_activation
+    if not isinstance(activation, str):
+        raise TypeError(f"activation: must be a str (one of {', '.join(_activation_names())}), "
+                        f"got {type(activation).__name__}")
+    try:
+        parse_activation(activation)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"activation: {activation!r} is not an activation of cpumoe (one of "
+                         f"{', '.join(_activation_names())}): {e}") from e
+    return activation
 
 
 def _why_not(qtype: str) -> str:
     if qtype in _NEEDS:
         return _NEEDS[qtype]
     if qtype.endswith("_K"):
-        return "needs K-quant super-blocks (sub-block scales)"
+        return "needs K-quant super-blocks (of the K-quants cpumoe reads Q4_K)"
     if qtype.startswith("IQ") or qtype.startswith("TQ"):
         return "needs codebook / ternary values"
     return "no cpumoe weight format holds it exactly"
@@ -183,18 +268,72 @@ def _bf16_expert(name: str, e: int, raw: np.ndarray, n: int, k: int):
     return np.ascontiguousarray(raw).view("<u2").reshape(n, k), None
 
 
-_CONVERT = {"Q4_0": _q4_0_expert, "MXFP4": _mxfp4_expert, "BF16": _bf16_expert}
+def _refuse_non_finite(name: str, qtype: str, e: int, what: str, v: np.ndarray,
+                       block: str = "block") -> None:
+    """GgufUnsupported naming the first non-finite value of ``v`` [n, blocks] (expert e)."""
+    if np.isfinite(v).all():
+        return
+    r, g = (int(i[0]) for i in np.nonzero(~np.isfinite(v)))
+    raise GgufUnsupported(f"{name}: {qtype} {what} {v[r, g]} (expert {e}, row {r}, {block} {g}) "
+                          f"is not finite; cpumoe's int4_affine needs finite scales and mins")
+
+
+def _q4_1_expert(name: str, e: int, raw: np.ndarray, n: int, k: int):
+    """Q4_1 bytes [n, k / 32 * 20] of one expert -> (uint8 codes [n, k], fp32 (scale, min) pairs
+    [n, k / 32, 2]) = (float(d), float(m)), exactly; raises for a non-finite d or m."""
+    b = np.ascontiguousarray(raw).reshape(n, k // 32, 20)
+    d = b[..., 0:2].copy().view("<f2")[..., 0].astype(np.float32)  # [n, G]
+    m = b[..., 2:4].copy().view("<f2")[..., 0].astype(np.float32)
+    _refuse_non_finite(name, "Q4_1", e, "block scale d", d)
+    _refuse_non_finite(name, "Q4_1", e, "block min m", m)
+    qs = b[..., 4:]
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1)  # [n, G, 32]: j, j + 16
+    return q.reshape(n, k).astype(np.uint8), np.stack([d, m], axis=-1)
+
+
+def _q4_k_expert(name: str, e: int, raw: np.ndarray, n: int, k: int):
+    """Q4_K bytes [n, k / 256 * 144] of one expert -> (uint8 codes [n, k], fp32 (scale, min)
+    pairs [n, k / 32, 2]) = (float(d) * sc, -(float(dmin) * m)) per sub-block of 32, both
+    products exact (11 significant bits times 6); raises for a non-finite d or dmin."""
+    S = k // 256
+    b = np.ascontiguousarray(raw).reshape(n, S, 144)
+    d = b[..., 0:2].copy().view("<f2")[..., 0].astype(np.float32)  # [n, S]
+    dmin = b[..., 2:4].copy().view("<f2")[..., 0].astype(np.float32)
+    _refuse_non_finite(name, "Q4_K", e, "super-block scale d", d, "super-block")
+    _refuse_non_finite(name, "Q4_K", e, "super-block min scale dmin", dmin, "super-block")
+    # The 12 scale bytes, as llama.cpp's get_scale_min_k4 (bytes 0-3: sc 0-3 in the low 6 bits,
+    # the top 2 bits of sc 4-7 above; 4-7: the same for m; 8-11: the low 4 bits of sc 4-7 and,
+    # above, of m 4-7).
+    sb = b[..., 4:16].reshape(n, S, 3, 4)
+    lo_s, lo_m, hi = sb[..., 0, :], sb[..., 1, :], sb[..., 2, :]
+    sc = np.concatenate([lo_s & 63, (hi & 15) | ((lo_s >> 2) & 48)], axis=-1)  # [n, S, 8]
+    mn = np.concatenate([lo_m & 63, (hi >> 4) | ((lo_m >> 2) & 48)], axis=-1)
+    scale = d[..., None] * sc.astype(np.float32)
+    mins = -(dmin[..., None] * mn.astype(np.float32))
+    qs = b[..., 16:].reshape(n, S, 4, 1, 32)  # 4 runs of 32 bytes: sub-blocks 2r (low), 2r + 1
+    q = np.concatenate([qs & 15, qs >> 4], axis=-2)  # [n, S, 4, 2, 32]
+    return (q.reshape(n, k).astype(np.uint8),
+            np.stack([scale, mins], axis=-1).reshape(n, S * 8, 2).astype(np.float32))
+
+
+_CONVERT = {"Q4_0": _q4_0_expert, "MXFP4": _mxfp4_expert, "BF16": _bf16_expert,
+            "Q4_1": _q4_1_expert, "Q4_K": _q4_k_expert}
 
 
 def read_gguf_experts(path: PathLike, layer: int, *,
-                      experts: Optional[Sequence[int]] = None) -> GgufExperts:
+                      experts: Optional[Sequence[int]] = None,
+                      activation: Optional[str] = None) -> GgufExperts:
     """Reads MoE layer ``layer`` of GGUF file ``path`` (see the module doc) one expert at a
     time; ``experts``: the global ids to read (default all). ``.prepack()`` packs the result,
-    ``.activation`` is the activation its w13 layout is for."""
+    ``.activation`` is the activation its w13 layout is for: ``activation`` (a spec of
+    :func:`cpumoe.parse_activation`: a name of :data:`cpumoe.ACTIVATIONS`, with parameters where
+    it takes them) when given, else :func:`gguf_activation` of the file's architecture."""
     gguf = _gguf()
     if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
         raise TypeError(f"layer: must be an int, got {type(layer).__name__}")
     layer = int(layer)
+    if activation is not None:
+        activation = _check_activation(activation)
     reader = _open(path)
     arch = _field(reader, gguf.Keys.General.ARCHITECTURE)
     arch = arch if isinstance(arch, str) else ""
@@ -232,7 +371,8 @@ def read_gguf_experts(path: PathLike, layer: int, *,
         if q not in GGUF_FORMATS:
             raise GgufUnsupported(f"{t.name} is {q}: cpumoe does not run {q} experts yet "
                                   f"({_why_not(q)}); it reads "
-                                  f"{', '.join(f'{k} (as {v})' for k, v in GGUF_FORMATS.items())}")
+                                  f"{', '.join(f'{k} (as {v})' for k, v in GGUF_FORMATS.items())}"
+                                  f" (layer {layer}: gate / up / down are {' / '.join(types)})")
     fmts = [GGUF_FORMATS[q] for q in types]
     if len(set(fmts)) != 1:
         raise GgufUnsupported(
@@ -267,13 +407,20 @@ def read_gguf_experts(path: PathLike, layer: int, *,
         raise GgufUnsupported(f"{have} present but {miss} missing: gate and up biases go "
                               f"together")
 
-    activation = gguf_activation(arch)
-    interleaved = activation == "swigluoai"
+    if activation is None:
+        activation = gguf_activation(arch)
+    from .ops import activation_interleaved
+    interleaved = activation_interleaved(activation)
     if fmt == "int4":
         w13 = np.empty((E, 2 * I, H), np.int8)
         w2 = np.empty((E, H, I), np.int8)
         s13 = np.empty((E, 2 * I, H // 32), np.float32)
         s2 = np.empty((E, H, I // 32), np.float32)
+    elif fmt == "int4_affine":
+        w13 = np.empty((E, 2 * I, H), np.uint8)
+        w2 = np.empty((E, H, I), np.uint8)
+        s13 = np.empty((E, 2 * I, H // 32, 2), np.float32)
+        s2 = np.empty((E, H, I // 32, 2), np.float32)
     elif fmt == "mxfp4":
         w13 = np.empty((E, 2 * I, H // 32, 16), np.uint8)
         w2 = np.empty((E, H, I // 32, 16), np.uint8)
@@ -313,8 +460,8 @@ def read_gguf_experts(path: PathLike, layer: int, *,
             raise ImportError("cpumoe.load_experts: BF16 experts need ml_dtypes as numpy's "
                               "bfloat16: pip install ml_dtypes") from err
         w13, w2 = w13.view(ml_dtypes.bfloat16), w2.view(ml_dtypes.bfloat16)
-    return GgufExperts(fmt, 32 if fmt in ("int4", "mxfp4") else 0, w13, w2, s13, s2, b13, b2,
-                       ids, n_global, activation, layer, arch, types)
+    return GgufExperts(fmt, 32 if fmt in ("int4", "int4_affine", "mxfp4") else 0, w13, w2, s13,
+                       s2, b13, b2, ids, n_global, activation, layer, arch, types)
 
 
 def _detect(path: PathLike) -> str:
@@ -330,22 +477,28 @@ def _detect(path: PathLike) -> str:
 
 
 def load_experts(path: PathLike, layer: int, *, format: Optional[str] = None,
-                 isa: Optional[str] = None, num_threads: Optional[int] = None):
+                 isa: Optional[str] = None, num_threads: Optional[int] = None,
+                 activation: Optional[str] = None):
     """The packed layer (for :func:`cpumoe.fused_moe`) of MoE layer ``layer``'s experts in file
     ``path``, in the cpumoe format its stored type is (``packed.weight_format``): GGUF Q4_0 ->
-    int4, MXFP4 -> mxfp4, BF16 -> bf16 (see :mod:`cpumoe.checkpoint_gguf`); anything else is an
+    int4, MXFP4 -> mxfp4, BF16 -> bf16, Q4_1 and Q4_K -> int4_affine (see
+    :mod:`cpumoe.checkpoint_gguf`); anything else is an
     :class:`cpumoe.checkpoint.UnsupportedCheckpoint`. Run it with the activation of
     :func:`cpumoe.checkpoint_gguf.gguf_activation` (``general.architecture`` gpt-oss ->
-    "swigluoai", else "silu"), also the ``.activation`` of
-    :func:`cpumoe.checkpoint_gguf.read_gguf_experts`'s unpacked layer.
+    "swigluoai", grok -> "gelu_tanh", Mixtral / Qwen / DeepSeek / ... -> "silu"; an
+    architecture not in its table is refused), or ``activation`` when given; also the
+    ``.activation`` of :func:`cpumoe.checkpoint_gguf.read_gguf_experts`'s unpacked layer.
 
     Args:
       format: None (detect from the file) or "gguf".
       isa, num_threads: as in the prepack functions.
+      activation: None (the architecture's) or the activation spec the layer is run with (it
+        sets w13's layout: interleaved for swigluoai).
     """
     if format is None:
         format = _detect(path)
     if format not in _LOADERS:
         raise ValueError(f"format: one of {', '.join(map(repr, _LOADERS))} or None (detect); "
                          f"got {format!r}")
-    return read_gguf_experts(path, layer).prepack(isa=isa, num_threads=num_threads)
+    return read_gguf_experts(path, layer, activation=activation).prepack(isa=isa,
+                                                                         num_threads=num_threads)

@@ -294,7 +294,13 @@ def prepack_int4(w13: Any, w2: Any, s13: Any, s2: Any, b13: Any = None, b2: Any 
     The packed layer holds 4 bits per weight plus the scales. Each GEMM output is
     ``s_x * sum_g (exact int32 group sum) * s[n, g] + b[n]``, fp32 over the groups in order.
     """
-    w13, v13, v2, E, H, I = _expert_weights(w13, w2, "int8", isa)
+    return _prepack_int_groups("int4", w13, w2, s13, s2, b13, b2, group_size, isa, num_threads)
+
+
+def _prepack_int_groups(fmt, w13, w2, s13, s2, b13, b2, group_size, isa, num_threads):
+    """prepack_int4 / prepack_int4_affine: values [E, N, K] and per-group scales [E, N, K / g]
+    (int4_affine: [E, N, K / g, 2] (scale, min) pairs)."""
+    w13, v13, v2, E, H, I = _expert_weights(w13, w2, "int8" if fmt == "int4" else "uint8", isa)
     g = _int_arg("group_size", group_size, 1)
     if g % 32:
         raise ValueError(f"group_size: must be a positive multiple of 32, got {g}")
@@ -302,14 +308,41 @@ def prepack_int4(w13: Any, w2: Any, s13: Any, s2: Any, b13: Any = None, b2: Any 
         if dim % g:
             raise ValueError(f"group_size: {g} must divide {name} = {dim} (w13 [E, 2I, H], "
                              f"w2 [E, H, I])")
+    pair = (2,) if fmt == "int4_affine" else ()
     s13 = as_float32("s13", s13)
     s2 = as_float32("s2", s2)
     vs13, vs2 = view("s13", s13), view("s2", s2)
-    check_shape(vs13, "s13", (E, 2 * I, H // g), f" (group_size {g})")
-    check_shape(vs2, "s2", (E, H, I // g), f" (group_size {g})")
+    check_shape(vs13, "s13", (E, 2 * I, H // g) + pair, f" (group_size {g})")
+    check_shape(vs2, "s2", (E, H, I // g) + pair, f" (group_size {g})")
     keep, (b13a, b13d, b2a, b2d) = _w4_bias_and_isa(E, H, I, b13, b2, isa)
-    return _C.prepack_w4(E, H, I, "int4", g, v13.address, v2.address, vs13.address, vs2.address,
+    return _C.prepack_w4(E, H, I, fmt, g, v13.address, v2.address, vs13.address, vs2.address,
                          b13a, b13d, b2a, b2d, isa, _num_threads(num_threads, w13))
+
+
+def prepack_int4_affine(w13: Any, w2: Any, s13: Any, s2: Any, b13: Any = None, b2: Any = None,
+                        *, group_size: int = 32, isa: Optional[str] = None,
+                        num_threads: Optional[int] = None) -> PackedMoeW4:
+    """Packs a layer's affine 4-bit expert weights (a scale and a min per group: AWQ, asymmetric
+    GPTQ, GGUF Q4_1 / Q4_K) once, for :func:`fused_moe`; ``packed.weight_format`` is
+    "int4_affine".
+
+    Args:
+      w13: uint8 [E, 2I, H] holding codes in [0, 15] (one per element): gate rows [0, I), up
+        rows [I, 2I) (swigluoai: even / odd rows).
+      w2: uint8 [E, H, I], codes in [0, 15].
+      s13, s2: float32 (scale, min) pairs [E, 2I, H / g, 2] / [E, H, I / g, 2], finite (any
+        sign): weight ``w[n, k] = s[n, k // g, 0] * code[n, k] + s[n, k // g, 1]``.
+      b13, b2: optional biases [E, 2I] / [E, H], any float dtype (kept as float32).
+      group_size: g, a multiple of 32 dividing H and I, at most 65536.
+      isa: cap the path, as in :func:`prepack`.
+    The packed layer holds 4 bits per weight plus 8 bytes per group. The kernels run the codes
+    as int4 values ``code - 8`` with the group scale (the W4A8 kernels) and add the offsets
+    ``o = fp32(min + 8 * scale)`` times the exact int32 sums of the int8 activations over each
+    group: each GEMM output is ``(s_x * sum_g isum_g * scale_g + b) + (sum_g asum_g * o_g) * s_x``
+    (fp32, groups in order).
+    """
+    return _prepack_int_groups("int4_affine", w13, w2, s13, s2, b13, b2, group_size, isa,
+                               num_threads)
 
 
 def prepack_mxfp4(w13_blocks: Any, w13_scales: Any, w2_blocks: Any, w2_scales: Any,

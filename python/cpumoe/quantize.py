@@ -23,12 +23,14 @@ __all__ = [
     "E4M3_VALUES",
     "dequantize_fp8",
     "dequantize_int4",
+    "dequantize_int4_affine",
     "dequantize_mxfp4",
     "dequantize_weights",
     "group_sizes",
     "quantize_experts",
     "quantize_fp8",
     "quantize_int4",
+    "quantize_int4_affine",
     "quantize_mxfp4",
     "quantize_per_channel",
     "quantize_per_token",
@@ -210,6 +212,35 @@ def quantize_int4(w, group_size: int = 32, amax_floor: float = CHANNEL_AMAX_FLOO
     return like(w, v), like(w, s)
 
 
+def dequantize_int4_affine(codes, scale_min, group_size: int):
+    """The real weights (float32 [..., N, K]) of affine 4-bit codes [..., N, K] (uint8, 0..15)
+    with (scale, min) pairs [..., N, K / g, 2] (float32): ``w = scale * code + min`` (the product
+    exact for the scales the loaders make, then one fp32 rounding)."""
+    c = to_numpy(codes).astype(np.float32)
+    sm = to_numpy(scale_min, float32=True)
+    s = np.repeat(sm[..., 0], group_size, axis=-1)
+    m = np.repeat(sm[..., 1], group_size, axis=-1)
+    return like(codes, (c * s + m).astype(np.float32))
+
+
+def quantize_int4_affine(w, group_size: int = 32):
+    """Asymmetric (min-max) per-group 4-bit quantization of weights [..., N, K], AWQ's and
+    GGUF Q4_1's: per group, min = min(w), s = (max - min) / 15 (1 for a constant group),
+    code = round_half_even((w - min) / s) clamped to [0, 15]. Returns (uint8 codes
+    [..., N, K], float32 (scale, min) pairs [..., N, K / g, 2])."""
+    w32 = to_numpy(w, float32=True)
+    K = w32.shape[-1]
+    if group_size < 1 or K % group_size:
+        raise ValueError(f"group_size: {group_size} must divide K = {K}")
+    wg = w32.reshape(*w32.shape[:-1], K // group_size, group_size)
+    lo = np.min(wg, axis=-1)
+    hi = np.max(wg, axis=-1)
+    s = ((hi - lo) / np.float32(15)).astype(np.float32)
+    s = np.where(s > 0, s, np.float32(1)).astype(np.float32)
+    c = np.clip(np.rint((wg - lo[..., None]) / s[..., None]), 0, 15).astype(np.uint8)
+    return like(w, c.reshape(w32.shape)), like(w, np.stack([s, lo], axis=-1).astype(np.float32))
+
+
 def quantize_mxfp4(w):
     """OCP MX FP4 quantization of weights [..., N, K] (K a multiple of 32), as gpt-oss's
     checkpoints hold them: per 32 k a shared exponent e = floor(log2(amax)) - 2 (E2M1's largest
@@ -359,6 +390,8 @@ _FORMAT_IO = {
                       * to_numpy(s, float32=True)[..., None], _weights_then_scales, _no_kw),
     "int4": _FormatIO(quantize_int4, dequantize_int4, _weights_then_scales,
                       lambda g: {"group_size": g}),
+    "int4_affine": _FormatIO(quantize_int4_affine, dequantize_int4_affine,
+                             _weights_then_scales, lambda g: {"group_size": g}),
     "mxfp4": _FormatIO(lambda w, g: quantize_mxfp4(w), lambda v, s, g: dequantize_mxfp4(v, s),
                        lambda w13, w2, s13, s2: (w13, s13, w2, s2), _no_kw),
     "bf16": _FormatIO(_bf16_values, lambda v, s, g: to_numpy(v, float32=True),

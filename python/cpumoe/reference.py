@@ -26,6 +26,12 @@ the E8M0 byte e, the 1/2 of the doubled values folded in; e = 255 is NaN). Steps
   h[n] = (sum over groups in increasing order, in fp32: acc = acc + float32(isum_g) * s[n, g]) * s_t
          + b[n],   isum_g = the exact int32 sum of q[k] * v[n, k] over the group's k
 (each fp32 product and sum rounded on its own: no fused multiply-add).
+The affine 4-bit op (``ref_fused_moe_int4_affine``: codes c in [0, 15], an fp32 (scale, min) pair
+per group, w = scale * c + min) runs v = c - 8 with the scale as above and then adds the group
+offsets o[n, g] = float32(min + 8 * scale) (one rounding):
+  h[n] = (above) + (sum over groups in increasing order, in fp32 from 0:
+                    corr = corr + float32(asum_g) * o[n, g]) * s_t,
+  asum_g = the exact int32 sum of q[k] over the group's k.
 
 The BF16 op (``ref_fused_moe_bf16``) is the same with no quantization: x is rounded to bf16,
 h = x_bf16 . w13[e]^T + b13[e] (products exact, summed here in float64, rounded once to fp32),
@@ -42,8 +48,9 @@ import numpy as np
 from .ops import ACTIVATIONS, activation_interleaved, parse_activation
 from .quantize import (CHANNEL_AMAX_FLOOR, E4M3_VALUES, FLOAT_DTYPES,  # noqa: F401
                        MXFP4_INT, MXFP4_VALUES,
-                       TOKEN_AMAX_FLOOR, dequantize_int4, dequantize_mxfp4, dtype_name_of,
-                       e8m0_scale, like, mxfp4_codes, quantize_int4, quantize_mxfp4,
+                       TOKEN_AMAX_FLOOR, dequantize_int4, dequantize_int4_affine,
+                       dequantize_mxfp4, dtype_name_of, e8m0_scale, like, mxfp4_codes,
+                       quantize_int4, quantize_int4_affine, quantize_mxfp4,
                        quantize_per_channel, quantize_per_token, quantize_rows, round_to_dtype,
                        to_numpy, torch_of)
 
@@ -52,14 +59,17 @@ __all__ = [
     "quantize_per_token",
     "MXFP4_VALUES",
     "dequantize_int4",
+    "dequantize_int4_affine",
     "dequantize_mxfp4",
     "quantize_int4",
+    "quantize_int4_affine",
     "quantize_mxfp4",
     "quantize_per_channel",
     "ref_fused_moe_bf16",
     "ref_fused_moe_experts",
     "ref_fused_moe_fp8",
     "ref_fused_moe_int4",
+    "ref_fused_moe_int4_affine",
     "ref_fused_moe_int8",
     "ref_fused_moe_mxfp4",
     "round_to_dtype",
@@ -217,8 +227,10 @@ def ref_fused_moe_int8(x, w13, w2, s13, s2, topk_weights, topk_ids, activation="
 
 
 # ---------------------------------------------------------------------------- W4A8
-def _w4_linear(q, s, v, gs, g, b):
-    """W4A8 GEMM epilogue: fp32 sum over groups of float32(exact group sum) * gs, then * s, + b.
+def _w4_linear(q, s, v, gs, g, b, offsets=None):
+    """W4A8 GEMM epilogue: fp32 sum over groups of float32(exact group sum) * gs, then * s, + b;
+    with ``offsets`` (float32 [N, K / g], int4_affine) then + (fp32 sum over groups of
+    float32(exact sum of q over the group) * offsets) * s.
     q int8 [M, K]; v int8 values [N, K]; gs float32 [N, K / g]."""
     M, K = q.shape
     acc = np.zeros((M, v.shape[0]), dtype=np.float32)
@@ -231,14 +243,20 @@ def _w4_linear(q, s, v, gs, g, b):
         y = acc * s[:, None]
         if b is not None:
             y = y + b[None, :]
+        if offsets is not None:
+            corr = np.zeros_like(y)
+            for gi in range(K // g):
+                asum = q64[:, gi * g:(gi + 1) * g].sum(axis=1).astype(np.float32)
+                corr = corr + asum[:, None] * offsets[None, :, gi]
+            y = y + corr * s[:, None]
     return y
 
 
 def ref_w4(x, v13, v2, gs13, gs2, g, topk_weights, topk_ids, activation, b13, b2,
-            skip_weighted, round_gemm1: Optional[str] = None):
-    """The W4A8 op on 4-bit values and float32 group scales. round_gemm1: a dtype each GEMM1
-    output is rounded to before the activation (not cpumoe's op, which keeps fp32: the bench's
-    model of vLLM's int4 kernel)."""
+            skip_weighted, round_gemm1: Optional[str] = None, o13=None, o2=None):
+    """The W4A8 op on 4-bit values and float32 group scales (and int4_affine's group offsets
+    o13 / o2 when given). round_gemm1: a dtype each GEMM1 output is rounded to before the
+    activation (not cpumoe's op, which keeps fp32: the bench's model of vLLM's int4 kernel)."""
     _check_activation(activation)
     dtype_name = dtype_name_of(x)
     b13n = to_numpy(b13, float32=True)
@@ -247,12 +265,14 @@ def ref_w4(x, v13, v2, gs13, gs2, g, topk_weights, topk_ids, activation, b13, b2
     def ffn(e, x_rows, w13n, w2n):
         inter = w2n.shape[2]
         qx, sx = quantize_rows(x_rows, TOKEN_AMAX_FLOOR)
-        h = _w4_linear(qx, sx, w13n[e], gs13[e], g, None if b13n is None else b13n[e])
+        h = _w4_linear(qx, sx, w13n[e], gs13[e], g, None if b13n is None else b13n[e],
+                       None if o13 is None else o13[e])
         if round_gemm1 is not None:
             h = round_to_dtype(h, round_gemm1)
         a = round_to_dtype(gated_activation(activation, h, inter), dtype_name)
         qa, sa = quantize_rows(a, TOKEN_AMAX_FLOOR)
-        return _w4_linear(qa, sa, w2n[e], gs2[e], g, None if b2n is None else b2n[e])
+        return _w4_linear(qa, sa, w2n[e], gs2[e], g, None if b2n is None else b2n[e],
+                          None if o2 is None else o2[e])
 
     return _run_moe(x, v13, v2, topk_weights, topk_ids, skip_weighted, ffn)
 
@@ -272,6 +292,28 @@ def ref_fused_moe_int4(x, w13, w2, s13, s2, topk_weights, topk_ids, activation="
     gs2 = to_numpy(s2, float32=True)
     return ref_w4(x, v13, v2, gs13, gs2, group_size, topk_weights, topk_ids, activation, b13,
                    b2, skip_weighted)
+
+
+def ref_fused_moe_int4_affine(x, w13, w2, s13, s2, topk_weights, topk_ids, activation="silu",
+                              b13=None, b2=None, skip_weighted=False, group_size=32):
+    """The W4A8 op on affine 4-bit weights, naively: w13 uint8 [E, 2I, H] / w2 [E, H, I] codes
+    in [0, 15], s13 [E, 2I, H / g, 2] / s2 [E, H, I / g, 2] (scale, min) pairs (w = scale * code
+    + min); the rest as ref_fused_moe_int8. See the module comment for the offsets' order."""
+    c13 = to_numpy(w13)
+    c2 = to_numpy(w2)
+    if c13.dtype != np.uint8 or c2.dtype != np.uint8:
+        raise TypeError("w13/w2: int4_affine codes must be given as uint8 arrays")
+    if (c13.size and c13.max() > 15) or (c2.size and c2.max() > 15):
+        raise ValueError("w13/w2: int4_affine codes must be in [0, 15]")
+    p13 = to_numpy(s13, float32=True)
+    p2 = to_numpy(s2, float32=True)
+    with np.errstate(over="ignore", invalid="ignore"):
+        o13 = (p13[..., 1] + np.float32(8) * p13[..., 0]).astype(np.float32)
+        o2 = (p2[..., 1] + np.float32(8) * p2[..., 0]).astype(np.float32)
+    v13 = c13.astype(np.int8) - np.int8(8)
+    v2 = c2.astype(np.int8) - np.int8(8)
+    return ref_w4(x, v13, v2, p13[..., 0], p2[..., 0], group_size, topk_weights, topk_ids,
+                   activation, b13, b2, skip_weighted, o13=o13, o2=o2)
 
 
 def ref_fused_moe_mxfp4(x, w13_blocks, w13_scales, w2_blocks, w2_scales, topk_weights, topk_ids,
@@ -296,6 +338,9 @@ def ref_fused_moe_experts(x, experts, topk_weights, topk_ids, activation="silu",
     if fmt == "int4":
         return ref_fused_moe_int4(x, q.w13, q.w2, q.s13, q.s2, topk_weights, topk_ids,
                                   activation, group_size=q.group_size, **bias)
+    if fmt == "int4_affine":
+        return ref_fused_moe_int4_affine(x, q.w13, q.w2, q.s13, q.s2, topk_weights, topk_ids,
+                                         activation, group_size=q.group_size, **bias)
     if fmt == "mxfp4":
         return ref_fused_moe_mxfp4(x, q.w13, q.s13, q.w2, q.s2, topk_weights, topk_ids,
                                    activation, **bias)

@@ -160,6 +160,7 @@ std::vector<float> fused_moe(const MoeProblem& p, const MoeInputs& in, Activatio
 
 int8_t w4_value(W4Format f, uint8_t code) {
   if (f == W4Format::int4) return int8_t(code < 8 ? code : int(code) - 16);
+  if (f == W4Format::int4_affine) return int8_t(int(code) - 8);
   // E2M1: exponent 0 is subnormal (0 or 0.5); otherwise (1 + m / 2) * 2^(exp - 1). Doubled.
   const int exp = (code >> 1) & 3, man = code & 1;
   const double mag = exp == 0 ? 0.5 * man : (1.0 + 0.5 * man) * std::ldexp(1.0, exp - 1);
@@ -168,6 +169,7 @@ int8_t w4_value(W4Format f, uint8_t code) {
 
 float w4_scale(W4Format f, const void* scales, int64_t idx) {
   if (f == W4Format::int4) return static_cast<const float*>(scales)[idx];
+  if (f == W4Format::int4_affine) return static_cast<const float*>(scales)[2 * idx];
   const int e = static_cast<const uint8_t*>(scales)[idx];
   return e == 255 ? std::numeric_limits<float>::quiet_NaN() : float(std::ldexp(1.0, e - 128));
 }
@@ -188,6 +190,17 @@ void gemm_w4(int64_t m, int64_t n, int64_t k, W4Format f, int64_t g, const int8_
       }
       float v = acc * lhs_scale[i];
       if (bias != nullptr) v = v + bias[j];
+      if (f == W4Format::int4_affine) {  // + (sum_g float(asum_g) * (min + 8 scale)) * lhs_scale
+        const float* pairs = static_cast<const float*>(scales) + 2 * j * lds;
+        float corr = 0.0f;
+        for (int64_t g0 = 0; g0 < k; g0 += g) {
+          int64_t asum = 0;
+          for (int64_t x = g0; x < g0 + g; ++x) asum += a[i * lda + x];
+          const float offset = pairs[2 * (g0 / g) + 1] + 8.0f * pairs[2 * (g0 / g)];
+          corr = corr + float(asum) * offset;
+        }
+        v = v + corr * lhs_scale[i];
+      }
       dst[i * ldd + j] = v;
     }
   }
@@ -195,7 +208,8 @@ void gemm_w4(int64_t m, int64_t n, int64_t k, W4Format f, int64_t g, const int8_
 
 std::vector<float> fused_moe_w4(const MoeProblemW4& p, const MoeInputs& in,
                                 ActivationFn act_override) {
-  const int64_t H = p.H, I = p.I, g = p.group, sb = p.format == W4Format::mxfp4 ? 1 : 4;
+  const int64_t H = p.H, I = p.I, g = p.group;
+  const int64_t sb = p.format == W4Format::mxfp4 ? 1 : p.format == W4Format::int4_affine ? 8 : 4;
   return int8_pipeline(
       p.E, H, I, in, act_override,
       [&](int64_t e, const int8_t* q, float s, float* h) {

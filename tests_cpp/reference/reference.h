@@ -78,23 +78,27 @@ std::vector<float> fused_moe_bf16(const MoeProblemBf16& p, const MoeInputs& in);
 using cpumoe::W4Format;
 
 /// The int8 value of 4-bit code @p code (0..15) of format @p f, from the format's definition:
-/// int4 a two's-complement nibble; mxfp4 2 * E2M1 (sign bit 3, exponent bits 2-1, mantissa bit 0).
+/// int4 a two's-complement nibble; mxfp4 2 * E2M1 (sign bit 3, exponent bits 2-1, mantissa bit 0);
+/// int4_affine code - 8 (its min enters as the offset min + 8 * scale: see gemm_w4).
 int8_t w4_value(W4Format f, uint8_t code);
 
 /// The fp32 value of a group scale: int4 the float itself; mxfp4 2^(e - 128) (the factor 1/2 of
-/// the doubled values folded in), NaN for e = 255.
+/// the doubled values folded in), NaN for e = 255; int4_affine the scale of pair idx.
 float w4_scale(W4Format f, const void* scales, int64_t idx);
 
 /// The W4A8 GEMM of q4gemm.h: for each (i, j), exact int32 sums per group of g k, then
 /// acc = acc + float(isum_g) * scale(j, g) in fp32 over g in order, dst = acc * lhs_scale[i]
 /// (+ bias[j]). codes [n][k] one per byte (row stride ldc); scales [n][k / g] (row stride lds
-/// elements of the format's scale type); bias nullable.
+/// elements of the format's scale type; int4_affine: lds (scale, min) pairs); bias nullable.
+/// int4_affine then adds (sum_g float(asum_g) * (min_g + 8 * scale_g)) * lhs_scale[i], the sum
+/// fp32 from 0 over g in order, asum_g the exact sum of a's row over the group.
 void gemm_w4(int64_t m, int64_t n, int64_t k, W4Format f, int64_t g, const int8_t* a, int64_t lda,
              const uint8_t* codes, int64_t ldc, const void* scales, int64_t lds,
              const float* lhs_scale, const float* bias, float* dst, int64_t ldd);
 
 /// A W4A8 MoE problem: codes [E, 2I, H] / [E, H, I] one per byte, scales [E, 2I, H / g] /
-/// [E, H, I / g] (fp32 for int4, E8M0 bytes for mxfp4), fp32 biases or empty.
+/// [E, H, I / g] (fp32 for int4, E8M0 bytes for mxfp4, fp32 (scale, min) pairs for
+/// int4_affine), fp32 biases or empty.
 struct MoeProblemW4 {
   int64_t E = 0, H = 0, I = 0;
   W4Format format = W4Format::int4;

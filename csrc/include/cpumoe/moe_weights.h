@@ -45,6 +45,7 @@ struct MoeWeightsBf16 {
 /// Plain 4-bit expert weights (W4A8) in the input form of their `format`, as weight_format.h
 /// states above WeightFormat: w13 / s13 for [E, 2I, H], w2 / s2 for [E, H, I].
 /// g = group_size: as the format's row of kWeightFormatTable allows, dividing H and I.
+/// int4_affine: w13 / w2 uint8 codes, s13 / s2 fp32 (scale, min) pairs [E, N, K / g, 2].
 struct MoeWeightsW4 {
   int64_t num_experts = 0;
   int64_t hidden = 0;

@@ -106,7 +106,9 @@ class PackedMoe : public PackedExperts<QGemmUkernel> {
 };
 
 /// 4-bit expert weights (W4A8) packed for one Q4GemmUkernel, group scales inside the packed
-/// blocks. Run by fused_moe_int8 (the activations are int8 as in W8A8).
+/// blocks; int4_affine layers also hold their group offsets (w4_group_offset), applied by the
+/// pipeline through RowOps::add_group_offsets. Run by fused_moe_int8 (the activations are int8
+/// as in W8A8).
 class PackedMoeW4 : public PackedExperts<Q4GemmUkernel> {
  public:
   /// Packs @p w for @p kernel (nullptr: q4gemm_select() for this CPU, capped by CPUMOE_ISA).
@@ -116,13 +118,28 @@ class PackedMoeW4 : public PackedExperts<Q4GemmUkernel> {
   PackedMoeW4(const MoeWeightsW4& w, const Q4GemmUkernel* kernel = nullptr, int num_threads = 0);
   /// Packs @p w for the chain @p config (from w4_config); as above otherwise.
   PackedMoeW4(const MoeWeightsW4& w, const MoeConfig<Q4GemmUkernel>& config, int num_threads = 0);
-  W4Format format() const { return layout_.format; }
-  WeightFormat weight_format() const { return weight_format_of(layout_.format); }
+  /// The layer's format (int4_affine included).
+  W4Format format() const { return format_; }
+  WeightFormat weight_format() const { return weight_format_of(format_); }
   int64_t group_size() const { return layout_.group; }
+  /// The kernel's layout (format w4_kernel_format(format())).
   const W4Layout& layout() const { return layout_; }
+  /// int4_affine: expert e's group offsets of w13 / w2 in RowOps::add_group_offsets' panels
+  /// (group_offset_floats floats each); nullptr for the other formats.
+  const float* o13(int64_t e) const {
+    return offsets_ ? offsets_.get() + size_t(e) * o13_stride_ : nullptr;
+  }
+  const float* o2(int64_t e) const {
+    return offsets_ ? offsets_.get() + size_t(num_experts()) * o13_stride_ +
+                          size_t(e) * o2_stride_
+                    : nullptr;
+  }
 
  private:
   W4Layout layout_;
+  W4Format format_;
+  std::unique_ptr<float[]> offsets_;  // [E] w13 panels, then [E] w2 panels
+  size_t o13_stride_ = 0, o2_stride_ = 0;
 };
 
 /// Bf16 expert weights packed for one BGemmUkernel.

@@ -38,13 +38,22 @@ namespace cpumoe {
 
 /// The 4-bit weight formats: the q4gemm rows of the format table (weight_format.h), with the
 /// same values as their WeightFormat enumerators.
+/// The kernels decode int4 and mxfp4; int4_affine layers are packed as int4 (w4_kernel_format).
 enum class W4Format : int32_t {
   int4 = int32_t(WeightFormat::int4),
   mxfp4 = int32_t(WeightFormat::mxfp4),
+  int4_affine = int32_t(WeightFormat::int4_affine),
 };
 static_assert(weight_format_info(WeightFormat::int4).family == KernelFamily::q4gemm &&
-                  weight_format_info(WeightFormat::mxfp4).family == KernelFamily::q4gemm,
+                  weight_format_info(WeightFormat::mxfp4).family == KernelFamily::q4gemm &&
+                  weight_format_info(WeightFormat::int4_affine).family == KernelFamily::q4gemm,
               "a W4Format is a q4gemm row of the format table");
+
+/// The format a kernel decodes for a layer of format @p f: int4_affine's codes are packed as the
+/// int4 values code - 8 (its mins become the pipeline's group offsets); the others are their own.
+[[gnu::always_inline]] constexpr W4Format w4_kernel_format(W4Format f) {
+  return f == W4Format::int4_affine ? W4Format::int4 : f;
+}
 
 /// The format-table enumerator of @p f.
 [[gnu::always_inline]] constexpr WeightFormat weight_format_of(W4Format f) {
@@ -56,6 +65,12 @@ constexpr bool w4_format_of(WeightFormat f, W4Format* out) {
     return false;
   *out = W4Format(int32_t(f));
   return true;
+}
+
+/// int4_affine's group offset: the term its mins add once the codes run as code - 8, so that
+/// scale * code + min = scale * (code - 8) + offset (one fp32 rounding; 8 * scale is exact).
+[[gnu::always_inline]] inline float w4_group_offset(float scale, float min) {
+  return min + 8.0f * scale;
 }
 
 /// "int4" / "mxfp4": the table's name.

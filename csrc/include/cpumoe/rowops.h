@@ -64,7 +64,29 @@ struct RowOps {
   /// else to acc.
   void (*weighted_sum_pass)(int nj, const float* const* ys, const float* ws, int64_t n,
                             bool first, bool last, DType dt, void* dst, float* acc);
+
+  /// out[g] = float(sum of q[g * group .. (g + 1) * group)) for g < depth / group: exact int32
+  /// sums, exact in fp32 too (|sum| <= 127 * group < 2^24). For add_group_offsets.
+  /// @pre group >= 1 divides depth; group <= 65536.
+  void (*group_sums)(const int8_t* q, int64_t depth, int64_t group, float* out);
+
+  /// The group-offset term of a GEMM on affine weights (int4_affine: w = s * (code - 8) + o per
+  /// group), after the kernel: for i < m, j < n,
+  ///   dst[i * dst_stride + j] += (sum_g sums[i * groups + g] * off(g, n0 + j)) * row_scale[i]
+  /// (fp32: the sum from 0.0f, g increasing, each product and sum rounded, no FMA), sums from
+  /// group_sums of row i, off(g, j) = offsets[(j / P) * groups * P + g * P + j % P] with
+  /// P = kGroupOffsetPanel (offsets at the matrix's column 0).
+  void (*add_group_offsets)(int64_t m, int64_t n0, int64_t n, int64_t groups, const float* sums,
+                            const float* offsets, const float* row_scale, float* dst,
+                            int64_t dst_stride);
 };
+
+/// Columns of one panel of group offsets (RowOps::add_group_offsets).
+constexpr int64_t kGroupOffsetPanel = 64;
+/// Floats of one [n, depth] matrix's group offsets: whole panels of depth / group rows.
+constexpr int64_t group_offset_floats(int64_t n, int64_t depth, int64_t group) {
+  return (n + kGroupOffsetPanel - 1) / kGroupOffsetPanel * kGroupOffsetPanel * (depth / group);
+}
 
 /// Every variant compiled into this build, best first; rowops_portable is always last.
 const std::vector<const RowOps*>& rowops_registry();

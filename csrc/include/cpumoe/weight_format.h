@@ -38,6 +38,11 @@ namespace cpumoe {
 ///            first (k even); uint8 E8M0 scales [E, N, K / 32] (255 is NaN: its group's outputs
 ///            are NaN).
 ///   - bf16:  bf16 [E, N, K], no scale.
+///   - int4_affine: uint8 [E, N, K] holding codes in [0, 15]; fp32 (scale, min) pairs
+///            [E, N, K / g, 2], finite (any sign): w = scale * code + min (AWQ, asymmetric GPTQ,
+///            GGUF Q4_1 / Q4_K). Packed as int4 values code - 8 with the scale (the q4gemm
+///            kernels) plus an fp32 offset o = min + 8 * scale per group, which the pipeline
+///            applies to the exact int32 group sums of the activations (RowOps::add_group_offsets).
 ///   - fp8:   float8 E4M3 (e4m3fn) codes uint8 [E, N, K] (0x7F and 0xFF, NaN, are refused); fp32
 ///            scales [E, ceil(N / bn), ceil(K / bk)], finite and >= 0, one per block of bn rows
 ///            and bk k (the last blocks partial): w = e4m3(code) * s (HF's weight_scale_inv).
@@ -47,6 +52,7 @@ enum class WeightFormat : int32_t {
   mxfp4 = 2,  ///< OCP MXFP4: E2M1 codes, an E8M0 scale per block of 32 k (W4A8)
   bf16 = 3,   ///< bf16, no scale (the BF16 op)
   fp8 = 4,    ///< float8 E4M3, an fp32 scale per block of bn x bk (W8A16: the BF16 op's pipeline)
+  int4_affine = 5,  ///< unsigned 4-bit codes, an fp32 scale and min per group of k (W4A8)
 };
 
 /// The kernel family that reads a format's packed weights (qgemm.h, q4gemm.h, bgemm.h,
@@ -60,6 +66,7 @@ enum class ScaleKind : int32_t {
   fp32_per_group,    ///< one fp32 per group of `group` consecutive k of an output channel
   e8m0_per_block,    ///< one E8M0 byte (2^(e - 127), 255 NaN) per block of 32 k
   fp32_per_block,    ///< one fp32 per block of bn output channels x bk k (2-D blocks)
+  fp32_scale_min_per_group,  ///< an fp32 (scale, min) pair per group of `group` k
 };
 
 /// Which group sizes a format takes.
@@ -84,13 +91,14 @@ struct WeightFormatInfo {
   WeightFormat format;
   const char* name;        ///< packed.weight_format, the prepack_w4 format argument
   int bits;                ///< bits per weight in the packed layer
-  const char* value_code;  ///< how a weight's bits read: "int" (two's complement), "e2m1", "bf16"
+  const char* value_code;  ///< how a weight's bits read: "int" (two's complement), "uint",
+                           ///< "e2m1", "bf16", "e4m3"
   ScaleKind scale;
   int scale_bytes;         ///< bytes of one scale in prepack's input (0: no scale)
   GroupRule group;
   int64_t group_size;      ///< the multiple (GroupRule::multiple) or the size (exact); else 0
   int64_t group_max;       ///< the largest group (0 without groups or without a bound)
-  bool zero_point;         ///< stores a zero point / min per scale (none does today)
+  bool zero_point;         ///< stores a zero point / min per scale (int4_affine)
   KernelFamily family;
   const char* activations;  ///< the op's activation type: "int8" (quantized per token), "bf16"
   const char* prepack;      ///< the Python function that packs it (cpumoe.<prepack>)
@@ -108,6 +116,9 @@ inline constexpr WeightFormatInfo kWeightFormatTable[] = {
      KernelFamily::bgemm, "bf16", "prepack_bf16"},
     {WeightFormat::fp8, "fp8", 8, "e4m3", ScaleKind::fp32_per_block, 4, GroupRule::block,
      kF8BlockMultiple, 0, false, KernelFamily::f8gemm, "bf16", "prepack_fp8"},
+    {WeightFormat::int4_affine, "int4_affine", 4, "uint", ScaleKind::fp32_scale_min_per_group, 8,
+     GroupRule::multiple, kW4GroupMultiple, kW4MaxGroup, true, KernelFamily::q4gemm, "int8",
+     "prepack_int4_affine"},
 };
 inline constexpr int kNumWeightFormats =
     int(sizeof(kWeightFormatTable) / sizeof(kWeightFormatTable[0]));
@@ -161,7 +172,7 @@ std::string weight_format_names_if(const Keep& keep) {
     if (keep(info)) out += (out.empty() ? "" : ", ") + std::string(info.name);
   return out;
 }
-/// The names of every format ("int8, int4, mxfp4, bf16").
+/// The names of every format ("int8, int4, mxfp4, bf16, ...").
 inline std::string weight_format_names() {
   return weight_format_names_if([](const WeightFormatInfo&) { return true; });
 }
@@ -176,9 +187,10 @@ constexpr const char* kernel_family_name(KernelFamily f) {
   return unsigned(f) < 4 ? names[int(f)] : "?";
 }
 constexpr const char* scale_kind_name(ScaleKind k) {
-  constexpr const char* names[] = {"none", "fp32_per_channel", "fp32_per_group", "e8m0_per_block",
-                                   "fp32_per_block"};
-  return unsigned(k) < 5 ? names[int(k)] : "?";
+  constexpr const char* names[] = {"none",           "fp32_per_channel", "fp32_per_group",
+                                   "e8m0_per_block", "fp32_per_block",
+                                   "fp32_scale_min_per_group"};
+  return unsigned(k) < 6 ? names[int(k)] : "?";
 }
 constexpr const char* group_rule_name(GroupRule g) {
   constexpr const char* names[] = {"none", "multiple", "exact", "block"};

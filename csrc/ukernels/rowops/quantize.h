@@ -152,6 +152,49 @@ inline void with_slot_count(int nj, const F& f) {
   }
 }
 
+namespace {
+// RowOps::group_sums and add_group_offsets, written once: each variant's file compiles them with
+// its own flags (internal linkage on purpose), where the loops vectorize; every variant gives
+// these bits (integer sums; the fp32 order is the interface's).
+inline void group_sums(const int8_t* q, int64_t depth, int64_t group, float* out) {
+  for (int64_t g0 = 0; g0 < depth; g0 += group) {
+    int32_t sum = 0;
+    for (int64_t x = g0; x < g0 + group; ++x) sum += q[x];
+    out[g0 / group] = float(sum);
+  }
+}
+
+inline void add_group_offsets(int64_t m, int64_t n0, int64_t n, int64_t groups,
+                              const float* sums, const float* offsets, const float* row_scale,
+                              float* dst, int64_t dst_stride) {
+  constexpr int64_t P = kGroupOffsetPanel;
+  constexpr int64_t kRows = 4;  // rows that share one pass over a panel's offsets
+  float acc[kRows][P];
+  for (int64_t i0 = 0; i0 < m; i0 += kRows) {
+    const int64_t mr = std::min(kRows, m - i0);
+    for (int64_t j = n0; j < n0 + n;) {
+      const int64_t jj0 = j % P, len = std::min(P - jj0, n0 + n - j);
+      const float* panel = offsets + (j / P) * groups * P;
+      for (int64_t r = 0; r < mr; ++r)
+        for (int64_t jj = 0; jj < P; ++jj) acc[r][jj] = 0.0f;
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* o = panel + g * P;
+        for (int64_t r = 0; r < mr; ++r) {
+          const float a = sums[(i0 + r) * groups + g];
+          for (int64_t jj = jj0; jj < jj0 + len; ++jj) acc[r][jj] = acc[r][jj] + a * o[jj];
+        }
+      }
+      for (int64_t r = 0; r < mr; ++r) {
+        float* d = dst + (i0 + r) * dst_stride + (j - n0);
+        const float ls = row_scale[i0 + r];
+        for (int64_t jj = 0; jj < len; ++jj) d[jj] = d[jj] + acc[r][jj0 + jj] * ls;
+      }
+      j += len;
+    }
+  }
+}
+}  // namespace
+
 /// detail::weighted_sum_pass for a run-time slot count nj in 1..8 (RowOps::weighted_sum_pass).
 inline void weighted_sum_pass(int nj, const float* const* ys, const float* ws, int64_t n,
                               bool first, bool last, DType dt, void* dst, float* acc) {

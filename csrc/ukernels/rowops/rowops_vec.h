@@ -364,7 +364,8 @@ constexpr RowOps make_rowops(const char* name, Isa isa) {
   using A = Algo<B>;
   return RowOps{name,           isa,         A::quantize,       A::activate_round,
                 A::quantize_f32_with_amax,   A::activate_bf16,  A::to_bf16,
-                A::weighted_sum_pass};
+                A::weighted_sum_pass,        rowops::group_sums,
+                rowops::add_group_offsets};
 }
 
 }  // namespace rowops_vec

@@ -25,7 +25,8 @@ void to_bf16(const void* x, DType dt, int64_t n, uint16_t* out) {
 extern const RowOps rowops_portable = {
     "rowops_portable",           Isa::portable,           rowops::quantize_row_scalar,
     rowops::activate_round_row, rowops::quantize_row_with_amax, rowops::activate_bf16_row,
-    to_bf16,                     rowops::weighted_sum_pass,
+    to_bf16,                     rowops::weighted_sum_pass,   rowops::group_sums,
+    rowops::add_group_offsets,
 };
 #endif
 
