@@ -20,7 +20,7 @@ from . import reference
 from . import ops
 from .ops import *  # noqa: F401,F403  (the public ops: ops.__all__, one prepack per format)
 from .quantize import quantize_per_channel, quantize_per_token
-from .checkpoint_gguf import load_experts  # a loader: after ops / quantize (gguf imported lazily)
+from .loaders import load_experts  # after ops / quantize (gguf, checkpoints imported lazily)
 
 __all__ = sorted([*ops.__all__, "load_experts", "quantize_per_channel", "quantize_per_token",
                   "reference"])

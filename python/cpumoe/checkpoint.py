@@ -88,7 +88,7 @@ class UnsupportedCheckpoint(ValueError):
     """The checkpoint (or the layer asked for) is not a W8A8 int8 MoE cpumoe can load."""
 
 
-def _read_json(path: Path, what: str) -> Any:
+def read_json(path: Path, what: str) -> Any:
     """A small JSON file (index, config): UnsupportedCheckpoint when it is not one."""
     if not path.is_file():
         raise UnsupportedCheckpoint(f"{path}: {what} is not a regular file")
@@ -99,6 +99,18 @@ def _read_json(path: Path, what: str) -> Any:
         return json.loads(path.read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise UnsupportedCheckpoint(f"{path}: {what} is not valid JSON ({e})") from None
+
+
+def autogptq_config(folder: Path) -> Optional[dict]:
+    """AutoGPTQ's ``quantize_config.json`` in ``folder`` as a quantization config (its
+    ``quant_method`` "gptq" unless it says otherwise); None when there is none."""
+    side = folder / "quantize_config.json"
+    if not side.exists():
+        return None
+    q = read_json(side, "quantize_config.json")
+    if not isinstance(q, dict):
+        raise UnsupportedCheckpoint(f"{side}: not a JSON object")
+    return {"quant_method": "gptq", **q}
 
 
 def _no_constant(name: str) -> Any:
@@ -273,7 +285,7 @@ class Checkpoint:
                 self._where.setdefault(name, f)
 
     def _from_index(self, index: Path) -> List[Path]:
-        doc = _read_json(index, "safetensors index")
+        doc = read_json(index, "safetensors index")
         weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str)
                                                        for v in weight_map.values()):
@@ -326,7 +338,7 @@ class Checkpoint:
         c = self.root / "config.json"
         if not c.exists():
             return {}
-        cfg = _read_json(c, "config.json")
+        cfg = read_json(c, "config.json")
         if not isinstance(cfg, dict):
             raise UnsupportedCheckpoint(f"{c}: config.json is not a JSON object")
         return cfg
@@ -341,9 +353,11 @@ class Checkpoint:
         return q
 
     # MoE layers ---------------------------------------------------------------
-    def detect_layout(self, layer: int) -> Optional[str]:
+    def detect_layout(self, layer: int, suffix: str = ".weight") -> Optional[str]:
+        """The layout of LAYOUTS whose expert 0 of ``layer`` has its gate tensor
+        (``<module><suffix>``: ".weight", ".qweight", ".weight_packed"), None if none has."""
         for name, (template, projs) in LAYOUTS.items():
-            if template.format(layer=layer, expert=0, proj=projs[0]) + ".weight" in self:
+            if template.format(layer=layer, expert=0, proj=projs[0]) + suffix in self:
                 return name
         return None
 
@@ -362,16 +376,69 @@ class Checkpoint:
                     found.add(int(m.group(1)))
         return sorted(found)
 
-    def num_experts(self, layer: int, layout: Optional[str] = None) -> int:
+    def num_experts(self, layer: int, layout: Optional[str] = None,
+                    suffix: str = ".weight") -> int:
         """Experts 0, 1, ... present for ``layer`` (counted until the first missing id)."""
-        layout = layout or self.detect_layout(layer)
+        layout = layout or self.detect_layout(layer, suffix)
         if layout is None:
             return 0
         template, projs = LAYOUTS[layout]
         e = 0
-        while template.format(layer=layer, expert=e, proj=projs[0]) + ".weight" in self:
+        while template.format(layer=layer, expert=e, proj=projs[0]) + suffix in self:
             e += 1
         return e
+
+
+def need_tensor(ck: "Checkpoint", name: str, dtypes: Sequence[str], shape: Sequence[int],
+                missing_hint: str = "", shape_note: str = "") -> None:
+    """UnsupportedCheckpoint unless tensor ``name`` is in ``ck`` with one of ``dtypes`` (the
+    safetensors names) and exactly ``shape`` (headers only); the hint / note end the message."""
+    if name not in ck:
+        raise UnsupportedCheckpoint(f"checkpoint: missing {name}{missing_hint}")
+    if ck.dtype(name) not in dtypes:
+        raise UnsupportedCheckpoint(f"{name}: dtype {ck.dtype(name)}, expected "
+                                    f"{' or '.join(dtypes)}")
+    if tuple(ck.shape(name)) != tuple(shape):
+        raise UnsupportedCheckpoint(f"{name}: shape {list(ck.shape(name))}, expected "
+                                    f"{list(shape)}{shape_note}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertModules:
+    """The names of one MoE layer's expert Linears in a checkpoint (:func:`expert_modules`)."""
+
+    layout: str
+    layer: int
+    projs: Tuple[str, str, str]  # the gate, up and down projections' names
+    n_global: int  # experts the layer has
+    ids: List[int]  # the global ids to load
+
+    def module(self, e: int, proj: str) -> str:
+        """The Linear of projection ``proj`` of expert ``e`` (global id)."""
+        return LAYOUTS[self.layout][0].format(layer=self.layer, expert=e, proj=proj)
+
+
+def expert_modules(ck: "Checkpoint", layer: int, experts: Optional[Sequence[int]] = None,
+                   layout: Optional[str] = None, suffix: str = ".weight",
+                   what: str = "routed") -> ExpertModules:
+    """The layout (given, or detected from the tensors ``<module><suffix>``), the experts of
+    ``layer`` and the ids to load (:func:`expert_ids_of`) of a checkpoint's MoE layer.
+    UnsupportedCheckpoint when it has none (``what`` names the kind sought: "int4
+    (weight_packed)", ...); ValueError for an unknown layout or bad ids."""
+    if layout is None:
+        layout = ck.detect_layout(layer, suffix)
+        if layout is None:
+            tried = " or ".join(t.format(layer=layer, expert=0, proj=p[0]) + suffix
+                                for t, p in LAYOUTS.values())
+            raise UnsupportedCheckpoint(f"layer {layer}: no {what} experts found (no {tried}; "
+                                        f"known layouts: {', '.join(LAYOUTS)})")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: one of {', '.join(LAYOUTS)}; got {layout!r}")
+    n_global = ck.num_experts(layer, layout, suffix)
+    if n_global == 0:
+        raise UnsupportedCheckpoint(f"layer {layer}: no experts of layout {layout!r}")
+    return ExpertModules(layout, layer, LAYOUTS[layout][1], n_global,
+                         expert_ids_of(experts, n_global))
 
 
 # ---------------------------------------------------------------------------- the scheme
@@ -569,20 +636,9 @@ def load_moe_layer(path: Union[PathLike, Checkpoint], layer: int, *,
     """
     interleaved = _ops.activation_interleaved(activation)  # its errors for a bad spec
     ck = open_checkpoint(path)
-    layout = layout or ck.detect_layout(layer)
-    if layout is None:
-        raise UnsupportedCheckpoint(f"layer {layer}: no routed experts found (known layouts: "
-                                    f"{', '.join(LAYOUTS)})")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout: one of {', '.join(LAYOUTS)}; got {layout!r}")
-    template, (gate, up, down) = LAYOUTS[layout]
-    n_global = ck.num_experts(layer, layout)
-    if n_global == 0:
-        raise UnsupportedCheckpoint(f"layer {layer}: no experts of layout {layout!r}")
-    ids = expert_ids_of(experts, n_global)
-
-    def mod(e: int, proj: str) -> str:
-        return template.format(layer=layer, expert=e, proj=proj)
+    em = expert_modules(ck, layer, experts, layout)
+    layout, n_global, ids, mod = em.layout, em.n_global, em.ids, em.module
+    gate, up, down = em.projs
 
     if check_config:
         qcfg = ck.quantization_config

@@ -56,8 +56,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from . import ops as _ops
-from .checkpoint import (LAYOUTS, Checkpoint, LoadedExperts, PathLike, UnsupportedCheckpoint,
-                         expert_ids_of, open_checkpoint, targets_module)
+from .checkpoint import (Checkpoint, LoadedExperts, PathLike, UnsupportedCheckpoint,
+                         expert_modules, open_checkpoint, targets_module)
 
 __all__ = ["Fp8LayerWeights", "dequantize_fp8_linear", "fp8_scheme", "load_fp8_moe_layer",
            "load_packed_fp8_moe_layer", "not_converted_pattern"]
@@ -454,20 +454,8 @@ def load_fp8_moe_layer(path: Union[PathLike, Checkpoint], layer: int, *,
     """
     interleaved = _ops.activation_interleaved(activation)  # its errors for a bad spec
     ck = open_checkpoint(path)
-    layout = layout or ck.detect_layout(layer)
-    if layout is None:
-        raise UnsupportedCheckpoint(f"layer {layer}: no routed experts found (known layouts: "
-                                    f"{', '.join(LAYOUTS)})")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout: one of {', '.join(LAYOUTS)}; got {layout!r}")
-    template, projs = LAYOUTS[layout]
-    n_global = ck.num_experts(layer, layout)
-    if n_global == 0:
-        raise UnsupportedCheckpoint(f"layer {layer}: no experts of layout {layout!r}")
-    ids = expert_ids_of(experts, n_global)
-
-    def mod(e: int, proj: str) -> str:
-        return template.format(layer=layer, expert=e, proj=proj)
+    em = expert_modules(ck, layer, experts, layout)
+    layout, projs, n_global, ids, mod = em.layout, em.projs, em.n_global, em.ids, em.module
 
     g0 = mod(ids[0], projs[0]) + ".weight"
     if len(ck.shape(g0)) != 2:

@@ -51,7 +51,7 @@ even rows gate, odd rows up), ``grok`` -> ``"gelu_tanh"``, the others (Mixtral's
 ``qwen2moe``, ``qwen3moe``, ``deepseek2``, ``dbrx``, ``olmoe``, ``granitemoe``, ...) ->
 ``"silu"`` (gate rows then up rows). An architecture not in the table is refused unless the caller
 names the activation (``activation=``). :func:`read_gguf_experts` returns the layer unpacked with
-that ``activation``; :func:`load_experts` packs it.
+that ``activation``; :func:`cpumoe.load_experts` (:mod:`cpumoe.loaders`) packs it.
 
 The ``gguf`` package (``pip install gguf``, the reader llama.cpp ships) is imported on first use.
 """
@@ -67,7 +67,7 @@ import numpy as np
 from .checkpoint import LoadedExperts, UnsupportedCheckpoint, expert_ids_of
 
 __all__ = ["GGUF_ACTIVATIONS", "GGUF_FORMATS", "GgufExperts", "GgufUnsupported",
-           "gguf_activation", "load_experts", "read_gguf_experts"]
+           "gguf_activation", "read_gguf_experts"]
 
 PathLike = Union[str, os.PathLike]
 
@@ -123,7 +123,6 @@ GGUF_ACTIVATIONS = {
     "grok": "gelu_tanh",      # Grok-1 / 2: GELU, tanh form (JAX's default; ggml_gelu's)
     "gpt-oss": "swigluoai",   # gate / up interleaved by row
 }
-_LOADERS = ("gguf",)
 
 
 class GgufUnsupported(UnsupportedCheckpoint):
@@ -160,7 +159,8 @@ def gguf_activation(architecture: str) -> str:
         raise GgufUnsupported(
             f"the expert activation of architecture {architecture!r} is not known to cpumoe "
             f"(known: {', '.join(sorted(GGUF_ACTIVATIONS))}); name it: "
-            f"read_gguf_experts(..., activation=...) / load_experts(..., activation=...), one of "
+            f"read_gguf_experts(..., activation=...) / cpumoe.load_experts(..., activation=...), "
+            f"one of "
             f"{', '.join(_activation_names())}")
     return act
 
@@ -462,43 +462,3 @@ def read_gguf_experts(path: PathLike, layer: int, *,
         w13, w2 = w13.view(ml_dtypes.bfloat16), w2.view(ml_dtypes.bfloat16)
     return GgufExperts(fmt, 32 if fmt in ("int4", "int4_affine", "mxfp4") else 0, w13, w2, s13,
                        s2, b13, b2, ids, n_global, activation, layer, arch, types)
-
-
-def _detect(path: PathLike) -> str:
-    p = os.fspath(path)
-    if not os.path.exists(p):
-        raise FileNotFoundError(f"{p}: no such file")
-    if os.path.isfile(p):
-        with open(p, "rb") as f:
-            if f.read(4) == b"GGUF":
-                return "gguf"
-    raise UnsupportedCheckpoint(f"{p}: cannot tell its format: load_experts reads "
-                                f"{', '.join(_LOADERS)} files (a GGUF file starts with b'GGUF')")
-
-
-def load_experts(path: PathLike, layer: int, *, format: Optional[str] = None,
-                 isa: Optional[str] = None, num_threads: Optional[int] = None,
-                 activation: Optional[str] = None):
-    """The packed layer (for :func:`cpumoe.fused_moe`) of MoE layer ``layer``'s experts in file
-    ``path``, in the cpumoe format its stored type is (``packed.weight_format``): GGUF Q4_0 ->
-    int4, MXFP4 -> mxfp4, BF16 -> bf16, Q4_1 and Q4_K -> int4_affine (see
-    :mod:`cpumoe.checkpoint_gguf`); anything else is an
-    :class:`cpumoe.checkpoint.UnsupportedCheckpoint`. Run it with the activation of
-    :func:`cpumoe.checkpoint_gguf.gguf_activation` (``general.architecture`` gpt-oss ->
-    "swigluoai", grok -> "gelu_tanh", Mixtral / Qwen / DeepSeek / ... -> "silu"; an
-    architecture not in its table is refused), or ``activation`` when given; also the
-    ``.activation`` of :func:`cpumoe.checkpoint_gguf.read_gguf_experts`'s unpacked layer.
-
-    Args:
-      format: None (detect from the file) or "gguf".
-      isa, num_threads: as in the prepack functions.
-      activation: None (the architecture's) or the activation spec the layer is run with (it
-        sets w13's layout: interleaved for swigluoai).
-    """
-    if format is None:
-        format = _detect(path)
-    if format not in _LOADERS:
-        raise ValueError(f"format: one of {', '.join(map(repr, _LOADERS))} or None (detect); "
-                         f"got {format!r}")
-    return read_gguf_experts(path, layer, activation=activation).prepack(isa=isa,
-                                                                         num_threads=num_threads)

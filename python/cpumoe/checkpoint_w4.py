@@ -28,8 +28,9 @@ from typing import Optional, Sequence, Union
 import numpy as np
 
 from . import ops as _ops
-from .checkpoint import (LAYOUTS, Checkpoint, LoadedExperts, PathLike, UnsupportedCheckpoint,
-                         check_zero_point, open_checkpoint, targets_module, expert_ids_of)
+from .checkpoint import (Checkpoint, LoadedExperts, PathLike, UnsupportedCheckpoint,
+                         check_zero_point, expert_ids_of, expert_modules, need_tensor,
+                         open_checkpoint, targets_module)
 
 __all__ = ["W4LayerWeights", "dequantize_int4_linear", "int4_scheme_problem",
            "load_int4_moe_layer", "load_mxfp4_moe_layer", "unpack_int4"]
@@ -40,17 +41,6 @@ _FLOAT = ("F32", "F16", "BF16", "F64")
 class W4LayerWeights(LoadedExperts):
     """One 4-bit MoE layer read from a checkpoint (numpy), in its format's prepack input form
     (see :class:`cpumoe.checkpoint.LoadedExperts`)."""
-
-
-def _need(ck: Checkpoint, name: str, dtypes, shape) -> None:
-    if name not in ck:
-        raise UnsupportedCheckpoint(f"checkpoint: missing {name}")
-    if ck.dtype(name) not in dtypes:
-        raise UnsupportedCheckpoint(f"{name}: dtype {ck.dtype(name)}, expected "
-                                    f"{' or '.join(dtypes)}")
-    if tuple(ck.shape(name)) != tuple(shape):
-        raise UnsupportedCheckpoint(f"{name}: shape {list(ck.shape(name))}, expected "
-                                    f"{list(shape)}")
 
 
 # ---------------------------------------------------------------------------- int4
@@ -136,8 +126,8 @@ def dequantize_int4_linear(path: Union[PathLike, Checkpoint], module: str) -> np
     groups = ck.shape(scale)[1]
     if groups < 1 or k % groups:
         raise UnsupportedCheckpoint(f"{scale}: {groups} groups do not divide in = {k}")
-    _need(ck, packed, ("I32",), (n, (k + 7) // 8))
-    _need(ck, scale, _FLOAT, (n, groups))
+    need_tensor(ck, packed, ("I32",), (n, (k + 7) // 8))
+    need_tensor(ck, scale, _FLOAT, (n, groups))
     check_zero_point(ck, module)
     values = unpack_int4(ck.get(packed), k).astype(np.float32)
     return values * np.repeat(ck.get_float32(scale), k // groups, axis=1)
@@ -156,25 +146,9 @@ def load_int4_moe_layer(path: Union[PathLike, Checkpoint], layer: int, *,
     """
     interleaved = _ops.activation_interleaved(activation)  # its errors for a bad spec
     ck = open_checkpoint(path)
-    if layout is None:
-        layout = next((n for n, (t, p) in LAYOUTS.items()
-                       if t.format(layer=layer, expert=0, proj=p[0]) + ".weight_packed" in ck),
-                      None)
-        if layout is None:
-            raise UnsupportedCheckpoint(f"layer {layer}: no int4 (weight_packed) experts found")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout: one of {', '.join(LAYOUTS)}; got {layout!r}")
-    template, (gate, up, down) = LAYOUTS[layout]
-
-    def mod(e: int, proj: str) -> str:
-        return template.format(layer=layer, expert=e, proj=proj)
-
-    n_global = 0
-    while mod(n_global, gate) + ".weight_packed" in ck:
-        n_global += 1
-    if n_global == 0:
-        raise UnsupportedCheckpoint(f"layer {layer}: no experts of layout {layout!r}")
-    ids = expert_ids_of(experts, n_global)
+    em = expert_modules(ck, layer, experts, layout, ".weight_packed", "int4 (weight_packed)")
+    layout, n_global, ids, mod = em.layout, em.n_global, em.ids, em.module
+    gate, up, down = em.projs
     g = group_size
     if check_config:
         for proj in (gate, up, down):
@@ -198,10 +172,10 @@ def load_int4_moe_layer(path: Union[PathLike, Checkpoint], layer: int, *,
     for e in ids:  # every header first: the arrays below are then the size of data on disk
         for proj, (n, k) in ((gate, (I, H)), (up, (I, H)), (down, (H, I))):
             m = mod(e, proj)
-            _need(ck, m + ".weight_packed", ("I32",), (n, (k + 7) // 8))
-            _need(ck, m + ".weight_scale", _FLOAT, (n, k // g))
+            need_tensor(ck, m + ".weight_packed", ("I32",), (n, (k + 7) // 8))
+            need_tensor(ck, m + ".weight_scale", _FLOAT, (n, k // g))
             if has_bias:
-                _need(ck, m + ".bias", _FLOAT, (n,))
+                need_tensor(ck, m + ".bias", _FLOAT, (n,))
             check_zero_point(ck, m)
             sh = m + ".weight_shape"
             if sh in ck and tuple(int(v) for v in np.asarray(ck.get(sh)).reshape(-1)) != (n, k):
@@ -248,14 +222,14 @@ def load_mxfp4_moe_layer(path: Union[PathLike, Checkpoint], layer: int, *,
     I, H = I2 // 2, G * 32
     if I % 32:
         raise UnsupportedCheckpoint(f"{gu}_blocks: I = {I} is not a multiple of 32")
-    _need(ck, gu + "_scales", ("U8",), (n_global, I2, G))
-    _need(ck, dn + "_blocks", ("U8",), (n_global, H, I // 32, 16))
-    _need(ck, dn + "_scales", ("U8",), (n_global, H, I // 32))
-    _need(ck, gu + "_blocks", ("U8",), shape)
+    need_tensor(ck, gu + "_scales", ("U8",), (n_global, I2, G))
+    need_tensor(ck, dn + "_blocks", ("U8",), (n_global, H, I // 32, 16))
+    need_tensor(ck, dn + "_scales", ("U8",), (n_global, H, I // 32))
+    need_tensor(ck, gu + "_blocks", ("U8",), shape)
     has_bias = gu + "_bias" in ck
     if has_bias:
-        _need(ck, gu + "_bias", _FLOAT, (n_global, I2))
-        _need(ck, dn + "_bias", _FLOAT, (n_global, H))
+        need_tensor(ck, gu + "_bias", _FLOAT, (n_global, I2))
+        need_tensor(ck, dn + "_bias", _FLOAT, (n_global, H))
     ids = expert_ids_of(experts, n_global)
     sel = np.asarray(ids, dtype=np.int64)
 
