@@ -164,33 +164,90 @@ inline void group_sums(const int8_t* q, int64_t depth, int64_t group, float* out
   }
 }
 
+// add_group_offsets' work for MR rows and kC columns of one panel (the panel is padded with
+// zeros, so a chunk is always whole): 4 x MR accumulators in GCC vectors of the file's widest
+// registers (AVX-512: 16 floats, AVX: 8, else 4: SSE2, NEON), which stay in registers;
+// elementwise IEEE multiplies and adds (no contraction: -ffp-contract=off).
+#if defined(__AVX512F__)
+constexpr int kGroupOffsetLanes = 16;
+#elif defined(__AVX__)
+constexpr int kGroupOffsetLanes = 8;
+#else
+constexpr int kGroupOffsetLanes = 4;
+#endif
+using GroupOffsetVec = float __attribute__((vector_size(4 * kGroupOffsetLanes)));
+constexpr int64_t kGroupOffsetChunk = 4 * kGroupOffsetLanes;  // columns of one chunk
+
+template <int MR>
+inline void group_offset_chunk(int64_t groups, const float* sums, const float* panel,
+                               const float* row_scale, int64_t lo, int64_t hi, float* dst,
+                               int64_t dst_stride) {
+  using V = GroupOffsetVec;
+  constexpr int L = kGroupOffsetLanes;
+  V acc[MR][4];
+#pragma GCC unroll 4
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) acc[r][c] = V{};
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* og = panel + g * kGroupOffsetPanel;
+    V o0, o1, o2, o3;
+    std::memcpy(&o0, og, sizeof(V));
+    std::memcpy(&o1, og + L, sizeof(V));
+    std::memcpy(&o2, og + 2 * L, sizeof(V));
+    std::memcpy(&o3, og + 3 * L, sizeof(V));
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      const float a = sums[r * groups + g];
+      acc[r][0] = acc[r][0] + a * o0;
+      acc[r][1] = acc[r][1] + a * o1;
+      acc[r][2] = acc[r][2] + a * o2;
+      acc[r][3] = acc[r][3] + a * o3;
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    float* d = dst + r * dst_stride;
+    const float ls = row_scale[r];
+    if (lo == 0 && hi == kGroupOffsetChunk) {
+      for (int c = 0; c < 4; ++c) {
+        V v;
+        std::memcpy(&v, d + L * c, sizeof(v));
+        v = v + acc[r][c] * ls;
+        std::memcpy(d + L * c, &v, sizeof(v));
+      }
+    } else {
+      float part[kGroupOffsetChunk];
+      for (int c = 0; c < 4; ++c) {  // through a copy: acc's address never taken (registers)
+        const V v = acc[r][c];
+        std::memcpy(part + L * c, &v, sizeof(v));
+      }
+      for (int64_t jj = lo; jj < hi; ++jj) d[jj - lo] = d[jj - lo] + part[jj] * ls;
+    }
+  }
+}
+
 inline void add_group_offsets(int64_t m, int64_t n0, int64_t n, int64_t groups,
                               const float* sums, const float* offsets, const float* row_scale,
                               float* dst, int64_t dst_stride) {
-  constexpr int64_t P = kGroupOffsetPanel;
-  constexpr int64_t kRows = 4;  // rows that share one pass over a panel's offsets
-  float acc[kRows][P];
-  for (int64_t i0 = 0; i0 < m; i0 += kRows) {
-    const int64_t mr = std::min(kRows, m - i0);
-    for (int64_t j = n0; j < n0 + n;) {
-      const int64_t jj0 = j % P, len = std::min(P - jj0, n0 + n - j);
-      const float* panel = offsets + (j / P) * groups * P;
-      for (int64_t r = 0; r < mr; ++r)
-        for (int64_t jj = 0; jj < P; ++jj) acc[r][jj] = 0.0f;
-      for (int64_t g = 0; g < groups; ++g) {
-        const float* o = panel + g * P;
-        for (int64_t r = 0; r < mr; ++r) {
-          const float a = sums[(i0 + r) * groups + g];
-          for (int64_t jj = jj0; jj < jj0 + len; ++jj) acc[r][jj] = acc[r][jj] + a * o[jj];
-        }
+  static_assert(kGroupOffsetPanel % kGroupOffsetChunk == 0, "whole chunks in a panel");
+  constexpr int64_t P = kGroupOffsetPanel, C = kGroupOffsetChunk;
+  // Columns outer, rows inner: a chunk's offsets are read from memory once and stay in L1 for
+  // every row.
+  for (int64_t j = n0; j < n0 + n;) {
+    const int64_t lo = j % C, hi = std::min(C, lo + (n0 + n - j));
+    const float* chunk = offsets + (j / P) * groups * P + (j % P - lo);
+    for (int64_t i0 = 0; i0 < m; i0 += 4) {
+      const float* s = sums + i0 * groups;
+      float* d = dst + i0 * dst_stride + (j - n0);
+      const float* ls = row_scale + i0;
+      switch (std::min<int64_t>(4, m - i0)) {  // rows that share one pass over the offsets
+        case 4: group_offset_chunk<4>(groups, s, chunk, ls, lo, hi, d, dst_stride); break;
+        case 3: group_offset_chunk<3>(groups, s, chunk, ls, lo, hi, d, dst_stride); break;
+        case 2: group_offset_chunk<2>(groups, s, chunk, ls, lo, hi, d, dst_stride); break;
+        default: group_offset_chunk<1>(groups, s, chunk, ls, lo, hi, d, dst_stride); break;
       }
-      for (int64_t r = 0; r < mr; ++r) {
-        float* d = dst + (i0 + r) * dst_stride + (j - n0);
-        const float ls = row_scale[i0 + r];
-        for (int64_t jj = 0; jj < len; ++jj) d[jj] = d[jj] + acc[r][jj0 + jj] * ls;
-      }
-      j += len;
     }
+    j += hi - lo;
   }
 }
 }  // namespace
