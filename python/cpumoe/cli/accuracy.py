@@ -121,8 +121,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{preset} (H={H} I={I} {act}, {args.experts} experts, T={args.tokens}): "
               f"||out - ref|| / ||ref||, ref: the fp32 layer / the layer on the format's own "
               f"dequantized weights")
+        width = max(map(len, table[preset]), default=0)
         for fmt, e in table[preset].items():
-            print(f"  {fmt:10s} {e['fp32']:.4f}   {e['own']:.4f}")
+            print(f"  {fmt:{width}s} {e['fp32']:.4f}   {e['own']:.4f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(table, f, indent=1)
