@@ -235,6 +235,10 @@ def test_dequantize_linear(tmp_path):
     tensors, w13, _, _, _ = write_checkpoint(tmp_path, "gptq")
     got = dequantize_linear(tmp_path, "model.layers.1.mlp.experts.1.up_proj")
     assert got.dtype == np.float32 and np.array_equal(got, w13[1, 32:])
+    # A Linear with a bias (Qwen2-MoE's attention projections): the weight, the bias left alone.
+    _, b13w, _, _, _ = write_checkpoint(tmp_path, "gptq", bias=True)
+    got = dequantize_linear(tmp_path, "model.layers.1.mlp.experts.1.up_proj")
+    assert np.array_equal(got, b13w[1, 32:])
 
 
 # ---------------------------------------------------------------------------- the op
@@ -317,12 +321,29 @@ def test_harmless_dynamic_override_read(tmp_path):
     ({"version": "gemv"}, "version 'gemv'"),
     ({"zero_point": False}, "zero_point False"),
     ({"bits": 3}, "bits 3"),
-    ({"modules_to_not_convert": ["experts.2.down_proj"]}, r"experts\.2\.down_proj.*not_convert"),
 ])
 def test_awq_config_refused(tmp_path, over, match):
     write_checkpoint(tmp_path, "awq")
     _set_config(tmp_path, **over)
     with pytest.raises(UnsupportedCheckpoint, match=match):
+        load_awq_moe_layer(tmp_path, 1)
+
+
+def test_awq_modules_to_not_convert_are_substrings(tmp_path):
+    """AWQ's list matches by substring: ["gate"] (the router) names the experts' gate_proj too,
+    whose tensors are quantized: they are read. A listed expert stored in float is refused."""
+    write_checkpoint(tmp_path, "awq")
+    _set_config(tmp_path, modules_to_not_convert=["gate"])
+    assert load_awq_moe_layer(tmp_path, 1).weight_format in ("int4", "int4_affine")
+    _set_config(tmp_path, modules_to_not_convert=["experts.2.down_proj"])
+
+    def to_float(t):
+        for suffix in (".qweight", ".qzeros", ".scales"):
+            t.pop(EX + "2.down_proj" + suffix)
+        t[EX + "2.down_proj.weight"] = np.zeros((64, 32), np.float16)  # [H, I]
+    _rewrite(tmp_path, to_float)
+    with pytest.raises(UnsupportedCheckpoint, match=r"experts\.2\.down_proj: listed in .*"
+                                                    r"modules_to_not_convert"):
         load_awq_moe_layer(tmp_path, 1)
 
 

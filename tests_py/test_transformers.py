@@ -811,6 +811,194 @@ def test_load_w4a8_refuses_other_checkpoints(tmp_path):
     with pytest.raises(UnsupportedCheckpoint, match="format 'int-quantized'.*vLLM plugin"):
         cmt.load_w4a8(dst)
 
+
+# ---------------------------------------------------------------------------- GPTQ / AWQ
+def _quantize_4bit(w: torch.Tensor, g: int, sym: bool, min_zero: int):
+    """Min-max 4-bit quantization of a float weight [n, k] per group of g inputs, as GPTQ / AWQ
+    store it: codes q uint8 [n, k], zero points z [G, n] (8 when ``sym``, else in
+    [min_zero, 15]), fp16 scales s [G, n]; and its float32 weight s * (q - z) (exact)."""
+    import numpy as np
+    w = w.detach().float().numpy()
+    n, k = w.shape
+    wg = w.reshape(n, k // g, g)
+    if sym:
+        s = np.maximum(np.abs(wg).max(-1) / 7, 1e-6).astype(np.float16)
+        z = np.full(s.shape, 8, np.int64)
+    else:
+        lo, hi = np.minimum(wg.min(-1), 0), np.maximum(wg.max(-1), 0)
+        s = np.maximum((hi - lo) / 15, 1e-6).astype(np.float16)
+        z = np.clip(np.round(-lo / s.astype(np.float32)), min_zero, 15).astype(np.int64)
+    s32 = s.astype(np.float32)[..., None]
+    q = np.clip(np.round(wg / s32) + z[..., None], 0, 15)
+    deq = (s32 * (q - z[..., None]).astype(np.float32)).reshape(n, k).astype(np.float32)
+    return q.reshape(n, k).astype(np.uint8), z.T.copy(), s.T.copy(), deq
+
+
+def _save_gptq_awq(model, folder, kind: str, *, g: int = 32, sym: bool = False,
+                   sym_layers=(), mixtral_names: bool = False):
+    """Writes ``model`` as a 4-bit ``kind`` checkpoint ("gptq": AutoGPTQ v1, zero points stored
+    minus one; "awq": AutoAWQ GEMM) with its experts and attention projections quantized (min-max
+    per group of g inputs, symmetric when ``sym`` or the layer is in ``sym_layers``), packed by
+    test_checkpoint_gptq's independent packers (the documented layouts); the embeddings, norms,
+    router and lm_head float. Sets the model's quantized weights to the checkpoint's dequantized
+    values, in place: the model is then the checkpoint's reference."""
+    import json
+    import re
+    import numpy as np
+    from safetensors.numpy import save_file
+    from test_checkpoint_gptq import ORDER, pack_along_cols, pack_along_rows
+
+    def ck_name(name):
+        return name.replace(".mlp.", ".block_sparse_moe.") if mixtral_names else name
+
+    def layer_of(name):
+        return int(re.search(r"layers\.(\d+)\.", name).group(1))
+
+    tensors = {}
+
+    def put(module_name, w, sym_here):  # w [n, k]; returns the dequantized weight
+        q, z, sc, deq = _quantize_4bit(w, g, sym_here, 1 if kind == "gptq" else 0)
+        pre = ck_name(module_name) + "."
+        if kind == "gptq":
+            tensors[pre + "qweight"] = pack_along_rows(np.ascontiguousarray(q.T))
+            tensors[pre + "qzeros"] = pack_along_cols((z - 1).astype(np.uint8))  # v1: z - 1
+            tensors[pre + "g_idx"] = (np.arange(q.shape[1]) // g).astype(np.int32)
+        else:
+            tensors[pre + "qweight"] = pack_along_cols(np.ascontiguousarray(q.T), ORDER)
+            tensors[pre + "qzeros"] = pack_along_cols(z.astype(np.uint8), ORDER)
+        tensors[pre + "scales"] = sc
+        return torch.from_numpy(deq)
+
+    projs = ("w1", "w3", "w2") if mixtral_names else ("gate_proj", "up_proj", "down_proj")
+    done = set()
+    with torch.no_grad():
+        for name, m in cmt.experts_modules(model):
+            sym_here = sym or layer_of(name) in sym_layers
+            I = m.intermediate_dim
+            for e in range(m.num_experts):
+                gu = m.gate_up_proj[e]
+                m.gate_up_proj[e, :I] = put(f"{name}.{e}.{projs[0]}", gu[:I], sym_here)
+                m.gate_up_proj[e, I:] = put(f"{name}.{e}.{projs[1]}", gu[I:], sym_here)
+                m.down_proj[e] = put(f"{name}.{e}.{projs[2]}", m.down_proj[e], sym_here)
+            done.update(f"{name}.{p}" for p in ("gate_up_proj", "down_proj"))
+        for name, m in model.named_modules():
+            if isinstance(m, torch.nn.Linear) and ".self_attn." in name:
+                m.weight.copy_(put(name, m.weight, sym or layer_of(name) in sym_layers))
+                done.add(f"{name}.weight")
+    for k, v in model.state_dict().items():
+        if k not in done:
+            tensors[ck_name(k)] = v.detach().float().numpy().copy()
+    save_file(tensors, str(folder / "model.safetensors"))
+    model.config.save_pretrained(str(folder))
+    if kind == "gptq":
+        q = {"quant_method": "gptq", "bits": 4, "group_size": g, "desc_act": False, "sym": sym,
+             "checkpoint_format": "gptq"}
+    else:
+        q = {"quant_method": "awq", "bits": 4, "group_size": g, "zero_point": True,
+             "version": "gemm"}
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = q
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return tensors
+
+
+@pytest.mark.parametrize("kind, family", [("gptq", "qwen3_moe"), ("awq", "qwen3_moe"),
+                                          ("gptq", "mixtral")])
+def test_load_quantized_asymmetric_gptq_awq(tmp_path, kind, family):
+    """An asymmetric GPTQ (v1) / AWQ checkpoint (experts and attention 4-bit, zero points;
+    Mixtral's with its block_sparse_moe names): the experts packed as int4_affine from the codes,
+    scales and zero points, the attention dequantized exactly; eager on the checkpoint's
+    dequantized weights differs only by the int8 activations; the model generates."""
+    eager = _model(family)
+    tensors = _save_gptq_awq(eager, tmp_path, kind, mixtral_names=family == "mixtral")
+    moe = "block_sparse_moe.experts.0.w1" if family == "mixtral" else "mlp.experts.0.gate_proj"
+    assert f"model.layers.0.{moe}.qweight" in tensors
+    assert "model.layers.0.self_attn.q_proj.qweight" in tensors
+    model = cmt.load_quantized(tmp_path, dtype=torch.float32)
+    assert model.config._experts_implementation == "cpumoe_int4_affine"
+    (_, m), = cmt.experts_modules(model)
+    st = m._cpumoe_state["int4_affine"]
+    assert m.gate_up_proj.numel() == 0 and set(m._cpumoe_state) == {"int4_affine"}
+    assert st.packed.weight_format == "int4_affine" and st.packed.group_size == 32
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):  # s * (q - z), exact in float32
+        ours = getattr(model.model.layers[0].self_attn, name).weight
+        assert torch.equal(ours, getattr(eager.model.layers[0].self_attn, name).weight), name
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        err = _rel(model(ids).logits, eager(ids).logits)
+        seq = model.generate(ids[:1, :6], max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                             pad_token_id=0)
+    assert err <= TOL["cpumoe"], err  # only the int8 activations differ
+    assert seq.shape == (1, 12)
+
+
+@pytest.mark.parametrize("kind", ["gptq", "awq"])
+def test_load_quantized_symmetric_is_int4(tmp_path, kind):
+    """A symmetric checkpoint (every zero point 8; AWQ stores them too, GPTQ says sym) gives
+    packed int4 on "cpumoe_int4"; the default dtype is bf16 (the dequantized attention and the
+    rest)."""
+    eager = _model("qwen3_moe")
+    _save_gptq_awq(eager, tmp_path, kind, sym=True)
+    model = cmt.load_quantized(tmp_path, dtype=torch.float32)
+    assert model.config._experts_implementation == "cpumoe_int4"
+    (_, m), = cmt.experts_modules(model)
+    assert set(m._cpumoe_state) == {"int4"}
+    assert m._cpumoe_state["int4"].packed.weight_format == "int4"
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        err = _rel(model(ids).logits, eager(ids).logits)
+    assert err <= TOL["cpumoe"], err
+    bf16 = cmt.load_quantized(tmp_path)
+    assert bf16.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        assert torch.isfinite(bf16(ids).logits).all()
+
+
+def test_load_quantized_mixed_layers_run_as_int4_affine(tmp_path):
+    """A symmetric layer beside an asymmetric one: one backend for the model, the symmetric layer
+    stored as int4_affine (codes + 8, (s, -8 s)): the same op output as its int4 packing; each
+    experts module matches eager's on the checkpoint's weights."""
+    from cpumoe import loaders, ops
+    eager = _model("qwen3_moe", num_hidden_layers=2)
+    _save_gptq_awq(eager, tmp_path, "gptq", sym_layers=(0,))
+    assert loaders.read_experts(tmp_path, 0).weight_format == "int4"
+    assert loaders.read_experts(tmp_path, 1).weight_format == "int4_affine"
+    model = cmt.load_quantized(tmp_path, dtype=torch.float32)
+    assert model.config._experts_implementation == "cpumoe_int4_affine"
+    mods = cmt.experts_modules(model)
+    assert len(mods) == 2
+    gen = torch.Generator().manual_seed(11)
+    x, tw = torch.randn(12, 64, generator=gen), torch.rand(12, 2, generator=gen)
+    top = torch.randint(0, 8, (12, 2), generator=gen)
+    with torch.no_grad():
+        for (name, m), (_, ref) in zip(mods, cmt.experts_modules(eager)):
+            assert set(m._cpumoe_state) == {"int4_affine"}, name
+            got, want = m(x, top, tw), ref(x, top, tw)
+            assert _rel(got, want) <= TOL["cpumoe"], name
+        as_int4 = loaders.load_experts(tmp_path, 0)
+        assert as_int4.weight_format == "int4"
+        a = ops.fused_moe(x, as_int4, tw, top, activation="silu")
+        b = mods[0][1](x, top, tw)
+    torch.testing.assert_close(b, a, rtol=0, atol=1e-5 * float(a.abs().max()))
+
+
+def test_load_quantized_refuses_other_checkpoints(tmp_path):
+    from cpumoe.checkpoint import UnsupportedCheckpoint
+    from cpumoe.testing import models as ckpts
+    eager = _model("qwen3_moe")
+    eager.save_pretrained(str(tmp_path / "float"))
+    with pytest.raises(UnsupportedCheckpoint, match="not a GPTQ or AWQ checkpoint: a float"):
+        cmt.load_quantized(tmp_path / "float")
+    dst = ckpts.save_w4a16(tmp_path / "float", tmp_path / "w4a16", group_size=32)
+    with pytest.raises(UnsupportedCheckpoint,
+                       match="not a GPTQ or AWQ checkpoint: a compressed-tensors.*load_w4a8"):
+        cmt.load_quantized(dst)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    with pytest.raises(UnsupportedCheckpoint, match="a GGUF file.*no GGUF model loader"):
+        cmt.load_quantized(gguf)
+
+
 # ---------------------------------------------------------------------------- the bench hook
 def test_bench_model_option_and_presets():
     """`cpumoe bench --model` parses, and each preset's transformers config has the layer shape

@@ -181,9 +181,12 @@ def _scheme(qcfg: Optional[dict], want: Optional[str]) -> _Scheme:
     return _Scheme("awq", "gemm", g, 0, False, None, tuple(skip))
 
 
-def _check_module(sch: _Scheme, module: str) -> None:
-    """Refuses an expert Linear the config exempts from quantization or overrides."""
-    if any(s and s in module for s in sch.not_converted):
+def _check_module(sch: _Scheme, module: str, quantized: bool) -> None:
+    """Refuses an expert Linear the config exempts from quantization or overrides. AWQ's
+    modules_to_not_convert match as substrings (AutoAWQ's and transformers' rule), so ["gate"],
+    meant for the router, also names every expert's gate_proj: a module whose tensors are
+    quantized (``quantized``: its .qweight is there) is read whatever the list says."""
+    if not quantized and any(s and s in module for s in sch.not_converted):
         raise UnsupportedCheckpoint(f"{module}: listed in quantization_config."
                                     f"modules_to_not_convert (not quantized)")
     dyn = sch.dynamic
@@ -246,7 +249,7 @@ class _Linear:
 
     def check(self, bias: bool) -> None:
         """Names, dtypes and shapes (headers only)."""
-        _check_module(self.sch, self.module)
+        _check_module(self.sch, self.module, self.module + ".qweight" in self.ck)
         n, k = self.n, self.k
         if self.sch.method == "gptq":
             self._need(".qweight", ("I32",), (k // 8, n))
@@ -332,7 +335,8 @@ def _common_group(g: int, H: int, I: int, where: str) -> int:
 def dequantize_linear(path: Union[PathLike, Checkpoint], module: str) -> np.ndarray:
     """The float32 weight [out, in] of the GPTQ / AWQ Linear ``module`` (its config from the
     checkpoint): ``scales * (q - zeros)`` per group, exact for fp16 / bf16 scales (for the Linears
-    an engine runs in float, e.g. attention)."""
+    an engine runs in float, e.g. attention). A ``.bias`` beside it is checked (float, [out]) and
+    left to the caller: it is a plain tensor of the checkpoint."""
     ck = open_checkpoint(path)
     sch = _scheme(gptq_awq_config(ck), None)
     name = module + ".qweight"
@@ -344,7 +348,7 @@ def dequantize_linear(path: Union[PathLike, Checkpoint], module: str) -> np.ndar
         raise UnsupportedCheckpoint(f"{name}: shape {[r, c]} gives out {n}, in {k}: out must be "
                                     f"a positive multiple of 8 (packed zero points)")
     lin = _Linear(ck, sch, module, n, k)
-    lin.check(bias=False)
+    lin.check(bias=module + ".bias" in ck)
     lin.check_g_idx()
     s, z = lin.scales(), lin.zeros()
     gidx = np.arange(k) // lin.ge

@@ -53,6 +53,14 @@ its 4-bit weights take); :func:`load_w8a16` that of an FP8 checkpoint (HF ``fp8`
 ``weight_block_size``, or compressed-tensors FP8), its experts packed in the fp8 format from
 the stored E4M3 codes and block scales (:mod:`cpumoe.checkpoint_fp8` reads them; backend
 ``"cpumoe_fp8"``, bf16 activations), its other FP8 Linears dequantized.
+:func:`load_quantized` builds that of a 4-bit GPTQ (v1 / v2) or AWQ (GEMM) checkpoint, its
+experts packed from the stored codes, scales and zero points (:mod:`cpumoe.checkpoint_gptq`
+reads them, through :func:`cpumoe.loaders.read_experts`): backend ``"cpumoe_int4"`` when every
+zero point is 8 (symmetric), else ``"cpumoe_int4_affine"`` (a (scale, min) pair per group, W4A8
+too); its other GPTQ / AWQ Linears (attention) dequantized into the model's dtype
+(:func:`cpumoe.checkpoint_gptq.dequantize_linear`). There is no GGUF model loader: transformers'
+``from_pretrained(..., gguf_file=...)`` dequantizes a GGUF model (a backend then re-quantizes
+its experts), and :func:`cpumoe.load_experts` reads one layer's experts as stored.
 
 Inference only: the backward of a cpumoe call raises. ``torch.compile`` of the model works
 once its experts are packed (call :func:`quantize` / :func:`pack_bf16`, or run it once, before
@@ -61,13 +69,13 @@ compiling): the op is one node of the graph.
 The package's files: ``layout`` (which experts modules cpumoe takes and how their weights map to
 the op's), ``packing`` (a module's packed layers, per weight format), ``backends`` (the
 registered forwards and :func:`prepare`), ``checkpoints`` (:func:`load_w8a8`, :func:`load_w4a8`,
-:func:`load_w8a16`).
+:func:`load_w8a16`, :func:`load_quantized`).
 """
 
 from __future__ import annotations
 
 from .backends import experts_modules, pack_bf16, prepare, quantize  # registers the backends
-from .checkpoints import load_w4a8, load_w8a8, load_w8a16
+from .checkpoints import load_quantized, load_w4a8, load_w8a8, load_w8a16
 from .layout import UnsupportedExperts
 from .packing import BACKENDS, INT4_GROUPS
 
@@ -76,6 +84,7 @@ __all__ = [
     "INT4_GROUPS",
     "UnsupportedExperts",
     "experts_modules",
+    "load_quantized",
     "load_w4a8",
     "load_w8a16",
     "load_w8a8",

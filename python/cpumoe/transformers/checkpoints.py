@@ -1,18 +1,22 @@
 """Models of quantized checkpoints on cpumoe's backends, their experts packed from the
 checkpoint's integer weights without a float copy: compressed-tensors W8A8 (:func:`load_w8a8`),
 compressed-tensors int4 and gpt-oss MXFP4 (:func:`load_w4a8`), HF fp8 and compressed-tensors FP8
-(:func:`load_w8a16`)."""
+(:func:`load_w8a16`), GPTQ and AWQ (:func:`load_quantized`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from .. import checkpoint as _ck
 from .. import checkpoint_fp8 as _ck8
+from .. import checkpoint_gptq as _gptq
 from .. import checkpoint_w4 as _ck4
+from .. import loaders as _loaders
 from .. import ops as _ops
 from .backends import experts_modules
 from .layout import UnsupportedExperts, refuse, Layout, layout_of
@@ -25,9 +29,11 @@ _CHECKPOINT_ALIASES = ((".mlp.", ".block_sparse_moe."),)
 
 def _checkpoint_name(ck, key: str) -> Optional[str]:
     """The checkpoint's name of the model tensor ``key`` (an int4 Linear's ``.weight`` is there
-    as ``.weight_packed``: the name returned is the ``.weight``), or None."""
+    as ``.weight_packed``, a GPTQ / AWQ one's as ``.qweight``: the name returned is the
+    ``.weight``), or None."""
     def there(name: str) -> bool:
-        return name in ck or (name.endswith(".weight") and name + "_packed" in ck)
+        return name in ck or (name.endswith(".weight") and (
+            name + "_packed" in ck or _gptq_linear(name) in ck))
     if there(key):
         return key
     for ours, theirs in _CHECKPOINT_ALIASES:
@@ -157,10 +163,111 @@ def load_w8a16(path, *, dtype: torch.dtype = torch.bfloat16, model_class: Any = 
     return _load_quantized(ck, "fp8", dtype, model_class)
 
 
+def _gptq_linear(weight_name: str) -> str:
+    """The ``.qweight`` tensor of a GPTQ / AWQ Linear whose model weight is ``weight_name``."""
+    return weight_name[:-len(".weight")] + ".qweight"
+
+
+def _not_gptq_awq(qcfg: Optional[dict]) -> Optional[str]:
+    """Why a checkpoint whose quantization config is ``qcfg`` is not one :func:`load_quantized`
+    reads (naming the loader that reads it), or None for GPTQ / AWQ."""
+    method = (qcfg or {}).get("quant_method")
+    method = method.lower() if isinstance(method, str) else method
+    if method in ("gptq", "awq"):
+        return None
+    if not qcfg:
+        return ("a float checkpoint (no quantization_config): load it with from_pretrained and "
+                "experts_implementation='cpumoe_bf16' (or another backend of "
+                "cpumoe.transformers.BACKENDS)")
+    if method == "mxfp4":
+        return "an MXFP4 checkpoint (quant_method 'mxfp4'): load_w4a8 reads it"
+    if method == "fp8":
+        return "an FP8 checkpoint (quant_method 'fp8'): load_w8a16 reads it"
+    if method == "compressed-tensors":
+        kinds = _compressed_tensors_weights(qcfg)
+        hint = ("load_w8a16 reads it" if ("float", 8) in kinds else
+                "load_w4a8 reads it" if ("int", 4) in kinds else
+                "load_w8a8 reads it" if ("int", 8) in kinds else "cpumoe has no loader for it")
+        return (f"a compressed-tensors checkpoint (weights "
+                f"{', '.join(f'{t}{b}' for t, b in sorted(kinds, key=str)) or 'none'}): {hint}")
+    return f"quant_method {method!r}: cpumoe has no loader for it"
+
+
+def load_quantized(path, *, dtype: torch.dtype = torch.bfloat16, model_class: Any = None):
+    """A model of a 4-bit GPTQ or AWQ MoE checkpoint with its experts packed from the stored
+    codes, scales and zero points (no float copy of the experts, no re-quantization), as
+    :func:`load_w4a8` does for compressed-tensors int4:
+
+    - GPTQ: ``quant_method: gptq`` in config.json's quantization_config (or AutoGPTQ's
+      ``quantize_config.json``), 4-bit, ``checkpoint_format`` ``gptq`` (v1) or ``gptq_v2``,
+      without act-order (``g_idx`` must be ``k // group_size``);
+    - AWQ: ``quant_method: awq``, ``version: gemm``, with zero points.
+
+    Each MoE layer's experts are read by :func:`cpumoe.loaders.read_experts` (its rules and
+    refusals, :mod:`cpumoe.checkpoint_gptq`; Qwen3-MoE ``...mlp.experts.{e}.{gate,up,down}_proj``
+    and Mixtral ``...block_sparse_moe.experts.{e}.{w1,w3,w2}`` names) in cpumoe's ``int4``
+    format when every zero point of the layer is 8 (symmetric quantization), else
+    ``int4_affine`` (codes and a (scale, -scale * zero) pair per group: exact). The model runs
+    on the backend of that format, ``"cpumoe_int4"`` or ``"cpumoe_int4_affine"`` (W4A8: per-token
+    int8 activations); when the layers differ, the symmetric ones are stored as int4_affine too
+    (codes q + 8, (scale, -8 scale): the same weights), so that one backend runs the model.
+
+    The checkpoint's other GPTQ / AWQ Linears (the attention projections, dense MLPs, a quantized
+    ``lm_head``) are dequantized into ``dtype`` by
+    :func:`cpumoe.checkpoint_gptq.dequantize_linear` (``scale * (q - zero)`` per group, exact in
+    float32) and run by transformers as plain Linears; unquantized tensors (embeddings, norms,
+    the router) are loaded in ``dtype``. The model is built on the meta device from config.json
+    (without its quantization_config) and materialised without the float experts. GGUF files
+    are not read here (see the module doc of :mod:`cpumoe.transformers`).
+
+    model_class: default ``AutoModelForCausalLM``. Raises UnsupportedCheckpoint (a ValueError)
+    for a checkpoint that is not GPTQ / AWQ (naming its format and the loader that reads it), a
+    GPTQ / AWQ variant cpumoe does not read (act-order, other bits or packings) or a missing
+    tensor; UnsupportedExperts for experts cpumoe cannot take.
+    """
+    try:
+        gguf = _loaders.detect_format(path) == "gguf"
+    except _ck.UnsupportedCheckpoint:
+        gguf = False  # told below, from the quantization config
+    if gguf:
+        raise _ck.UnsupportedCheckpoint(
+            f"{path}: a GGUF file: load_quantized reads GPTQ / AWQ checkpoint folders; "
+            f"cpumoe.transformers has no GGUF model loader (transformers' from_pretrained(..., "
+            f"gguf_file=...) dequantizes the whole model, a cpumoe backend then re-quantizes its "
+            f"experts; cpumoe.load_experts(path, layer) reads one layer's experts as stored)")
+    ck = _ck.Checkpoint(path)
+    qcfg = _gptq.gptq_awq_config(ck)
+    why = _not_gptq_awq(qcfg)
+    if why is not None:
+        raise _ck.UnsupportedCheckpoint(f"{path}: not a GPTQ or AWQ checkpoint: {why}")
+    method = qcfg["quant_method"].lower()
+    # The likely format, for building the model; the layers read decide (every zero point 8:
+    # int4). AWQ always stores zero points; GPTQ's are 8 when it says sym (its default).
+    likely = "int4" if method == "gptq" and qcfg.get("sym", True) is not False else "int4_affine"
+    return _load_quantized(ck, method, dtype, model_class, kind=likely)
+
+
+def _as_int4_affine(w):
+    """An int4 layer (values v in [-8, 7], scale s per group) as int4_affine: codes v + 8 and
+    (scale, min) = (s, -8 s), the same weights (s * (v + 8) - 8 s)."""
+    def codes(v):
+        return (np.asarray(v, dtype=np.int16) + 8).astype(np.uint8)
+
+    def pairs(s):
+        s = np.asarray(s, dtype=np.float32)
+        return np.stack([s, np.float32(-8) * s], axis=-1)
+    return dataclasses.replace(w, weight_format="int4_affine", w13=codes(w.w13), w2=codes(w.w2),
+                               s13=pairs(w.s13), s2=pairs(w.s2))
+
+
 def _experts_of_checkpoint(ck, kind: str, layer: int, lay: Layout, name: str):
     """One layer's routed experts read from the checkpoint, in the form whose ``prepack``
-    packs them (shapes checked against the model's experts module)."""
-    if kind == "int8":
+    packs them (shapes checked against the model's experts module). ``kind``: the weight format
+    (int8, int4, fp8, mxfp4) of the checkpoint's reader, or gptq / awq (int4 or int4_affine,
+    as the layer's zero points say)."""
+    if kind in ("gptq", "awq"):
+        w = _loaders.read_experts(ck, layer, format=kind, activation=lay.activation)
+    elif kind == "int8":
         w = _ck.load_moe_layer(ck, layer, activation=lay.activation)
     elif kind == "int4":
         w = _ck4.load_int4_moe_layer(ck, layer, activation=lay.activation)
@@ -185,12 +292,18 @@ def _experts_of_checkpoint(ck, kind: str, layer: int, lay: Layout, name: str):
     return w
 
 
-def _load_quantized(ck, kind: str, dtype: torch.dtype, model_class: Any):
-    """load_w8a8 / load_w4a8 / load_w8a16: the model built on the meta device, each experts
-    module packed from the checkpoint (``kind``: int8, int4, mxfp4 or fp8), the other tensors
-    copied in (quantized Linears dequantized)."""
+def _backend_of(kind: str) -> str:
+    return next(b for b, k in BACKENDS.items() if k == kind)
+
+
+def _load_quantized(ck, source: str, dtype: torch.dtype, model_class: Any,
+                    kind: Optional[str] = None):
+    """load_w8a8 / load_w4a8 / load_w8a16 / load_quantized: the model built on the meta device,
+    each experts module packed from the checkpoint (``source``: int8, int4, mxfp4 or fp8, the
+    weight format; gptq or awq: int4 or int4_affine as the layers read are, ``kind`` the likely
+    one), the other tensors copied in (quantized Linears dequantized)."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    backend = next(b for b, k in BACKENDS.items() if k == kind)
+    backend = _backend_of(kind or source)
     config = AutoConfig.from_pretrained(str(ck.root))
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # cpumoe runs the experts; the rest is dequantized
@@ -202,14 +315,26 @@ def _load_quantized(ck, kind: str, dtype: torch.dtype, model_class: Any):
         raise UnsupportedExperts(f"{type(model).__name__}: no experts module dispatching "
                                  f"through transformers' ExpertsInterface")
     skip = set()
+    layers = []  # [name, module, layout, layer index, packed]
     for name, m in mods:
         lay = layout_of(m, name, meta_ok=True)
         found = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
         if found is None:
             refuse(m, name, "no decoder layer index in its name (expected ...layers.<L>....)")
-        w = _experts_of_checkpoint(ck, kind, int(found.group(1)), lay, name)
-        packed = w.prepack()
+        w = _experts_of_checkpoint(ck, source, int(found.group(1)), lay, name)
+        layers.append([name, m, lay, int(found.group(1)), w.prepack()])
         del w
+    formats = {ent[4].weight_format for ent in layers}
+    if len(formats) > 1:  # GPTQ / AWQ: symmetric and asymmetric layers; one backend runs all
+        for ent in layers:
+            if ent[4].weight_format == "int4":
+                ent[4] = None
+                w = _experts_of_checkpoint(ck, source, ent[3], ent[2], ent[0])
+                ent[4] = _as_int4_affine(w).prepack()
+                del w
+        formats = {"int4_affine"}
+    kind = formats.pop()
+    for name, m, lay, _, packed in layers:
         for pname in EXPERT_PARAMS:
             if m._parameters.get(pname) is not None:
                 m._parameters[pname] = torch.nn.Parameter(torch.empty((0,), dtype=dtype),
@@ -217,6 +342,9 @@ def _load_quantized(ck, kind: str, dtype: torch.dtype, model_class: Any):
                 skip.add(f"{name}.{pname}")
         object.__setattr__(m, STATE_ATTR,
                            {kind: PackedState(kind, packed, lay.activation, name, True)})
+    del layers
+    if _backend_of(kind) != backend:
+        model.set_experts_implementation(_backend_of(kind))
     model.to_empty(device="cpu")
     model.initialize_weights()  # non-persistent buffers (rotary inv_freq), recomputed
     tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
@@ -235,6 +363,14 @@ def _load_quantized(ck, kind: str, dtype: torch.dtype, model_class: Any):
                 arr = _ck8.dequantize_fp8_linear(ck, src)
             elif src in ck:
                 arr = _ck.load_float_tensor(ck, src)  # float, or a W8A8 Linear's int8 weight
+            elif _gptq_linear(src) in ck:  # a GPTQ / AWQ Linear's (qweight, qzeros, scales)
+                module = src[:-len(".weight")]
+                try:
+                    arr = _gptq.dequantize_linear(ck, module)
+                except _ck.UnsupportedCheckpoint as e:
+                    raise _ck.UnsupportedCheckpoint(f"{key}: cannot dequantize the "
+                                                    f"{source.upper()} Linear {module}: "
+                                                    f"{e}") from None
             else:  # an int4 Linear's (weight_packed)
                 arr = _ck4.dequantize_int4_linear(ck, src[:-len(".weight")])
             if tuple(arr.shape) != tuple(t.shape):
