@@ -14,7 +14,8 @@ from cpumoe import vllm_plugin
 from cpumoe.quantize import quantize_fp8
 from cpumoe.reference import (quantize_int4, quantize_mxfp4, quantize_per_channel,
                               ref_fused_moe_bf16, ref_fused_moe_fp8, ref_fused_moe_int4,
-                              ref_fused_moe_int8, ref_fused_moe_mxfp4)
+                              ref_fused_moe_int4_affine, ref_fused_moe_int8,
+                              ref_fused_moe_mxfp4)
 from cpumoe.vllm_plugin import experts, kinds
 from cpumoe.vllm_plugin import layer as L
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
@@ -148,8 +149,8 @@ def _call(ex, x, tw, ids, emap=None, on_input=False):
     return out
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", "int4_a16", "mxfp4", "fp8", "fp8_channel",
-                                  "bf16"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "int4_a16", "int4_a16_asym", "mxfp4", "fp8",
+                                  "fp8_channel", "bf16"])
 def test_experts_with_expert_map_match_the_reference(kind):
     g = torch.Generator().manual_seed(0)
     E_global, E, H, I, k, T = 8, 4, 64, 32, 2, 12
@@ -190,6 +191,43 @@ def test_experts_with_expert_map_match_the_reference(kind):
         ex = _experts(L.CpumoeInt4Experts, E, H, I, k)
         want = ref_fused_moe_int4(x, q13, q2, s13.float(), s2.float(), tw_ref, ids_ref,
                                   group_size=32)
+    elif kind == "int4_a16_asym":
+        # symmetric: false pack-quantized, as vLLM's WNA16 method loads it: the words, bf16
+        # scales and int32 zero points [E, N / 8, groups] packed along N (zp + 8 in bits 4i of
+        # row 8 r + i); the weight is (q - zp) * s. One expert's zero points all 0, one layer
+        # half asymmetric: still int4_affine for the whole layer.
+        def affine(w):
+            wg = w.reshape(w.shape[0], w.shape[1], -1, 32)
+            lo, hi = wg.amin(-1), wg.amax(-1)
+            s = ((hi - lo) / 15).to(torch.bfloat16).float()
+            zp = (-8 - torch.round(lo / s)).clamp(-8, 7)
+            zp[0] = 0
+            q = (torch.round(wg / s.unsqueeze(-1)) + zp.unsqueeze(-1)).clamp(-8, 7)
+            return q.reshape(w.shape).to(torch.int8), s, zp.to(torch.int64)
+
+        def zp_words(zp):  # [E, N, G] -> int32 [E, N / 8, G]
+            return _pack_int4_words(zp.transpose(1, 2)).transpose(1, 2).contiguous()
+
+        (q13, s13, z13), (q2, s2, z2) = affine(w13), affine(w2)
+        layer = _layer(w13_weight_packed=_pack_int4_words(q13),
+                       w2_weight_packed=_pack_int4_words(q2),
+                       w13_weight_scale=s13.to(torch.bfloat16),
+                       w2_weight_scale=s2.to(torch.bfloat16),
+                       w13_weight_zero_point=zp_words(z13), w2_weight_zero_point=zp_words(z2))
+        ex = _experts(L.CpumoeInt4Experts, E, H, I, k)
+
+        def pairs(s, z):
+            return torch.stack([s, -s * (z + 8).float()], dim=-1)
+        want = ref_fused_moe_int4_affine(x, (q13.to(torch.int16) + 8).to(torch.uint8).numpy(),
+                                         (q2.to(torch.int16) + 8).to(torch.uint8).numpy(),
+                                         pairs(s13, z13), pairs(s2, z2), tw_ref, ids_ref,
+                                         group_size=32)
+        # the weights as compressed-tensors dequantizes them: (q - zp) * s, exactly
+        deq = cpumoe.quantize.dequantize_int4_affine(
+            (q13.to(torch.int16) + 8).to(torch.uint8).numpy(), pairs(s13, z13).numpy(), 32)
+        exact = (q13.float() - z13.repeat_interleave(32, -1).float()) * \
+            s13.repeat_interleave(32, -1)
+        assert (torch.from_numpy(deq) == exact).all()
     elif kind == "mxfp4":
         # As vLLM's gpt-oss MXFP4 method loads them: uint8 [E, N, K / 2] and [E, N, K / 32],
         # bf16 biases.
@@ -237,6 +275,11 @@ def test_experts_with_expert_map_match_the_reference(kind):
         assert ex.packed.weight_format == "int4" and ex.packed.group_size == 32
         assert ex._format_name() == "W4A8 int4 g32 (W4A16 checkpoint, int8 activations)"
         assert layer.w13_weight_packed.numel() == 0  # the words are freed once packed
+    if kind == "int4_a16_asym":
+        assert ex.packed.weight_format == "int4_affine" and ex.packed.group_size == 32
+        assert ex._format_name() == ("W4A8 int4_affine g32 (W4A16 asymmetric checkpoint, int8 "
+                                     "activations)")
+        assert layer.w13_weight_zero_point.numel() == 0
     if kind == "mxfp4":
         assert ex.packed.weight_format == "mxfp4"
     assert ex.moe_problem_size(x, layer.w13_weight, layer.w2_weight, ids) == (E, T, 2 * I, H, k)
@@ -296,7 +339,9 @@ _TOKEN8 = dict(num_bits=8, type="int", symmetric=True, strategy="token", dynamic
     (dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=128), None,
      "int4_a16", ""),
     (dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=128), None,
-     None, "W4A16 int4: weights: symmetric is False"),
+     "int4_a16", ""),  # zero points: int4_affine
+    (dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=128), _TOKEN8,
+     None, ""),  # not vLLM's W4A8 int8 scheme (its own method decides)
     (dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=128,
           actorder="group"), None, None, "actorder 'group'"),
     # FP8 W8A8 (dynamic activations) runs on the fp8 op with bf16 activations.
@@ -314,7 +359,7 @@ _TOKEN8 = dict(num_bits=8, type="int", symmetric=True, strategy="token", dynamic
 ])
 def test_compressed_tensors_schemes_cpumoe_takes(weights, acts, want, reason):
     """Which compressed-tensors MoE schemes run on cpumoe (W8A8 channel / W4A8 group int4 with
-    dynamic symmetric per-token int8 activations, W4A16 symmetric group int4 with int8
+    dynamic symmetric per-token int8 activations, W4A16 group int4, symmetric or not, with int8
     activations), and the reason for the near misses."""
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
         CompressedTensorsConfig)

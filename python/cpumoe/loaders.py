@@ -9,7 +9,7 @@
 - ``awq``: ``quant_method: awq``, 4-bit GEMM packing (:mod:`cpumoe.checkpoint_gptq`): int4 when
   symmetric, else int4_affine.
 - ``compressed-tensors``: pack-quantized int4 (:func:`cpumoe.checkpoint_w4.load_int4_moe_layer`)
-  -> int4; FP8 (:func:`cpumoe.checkpoint_fp8.load_fp8_moe_layer`) -> fp8; W8A8 int8
+  -> int4 when symmetric (every zero point 0), else int4_affine; FP8 (:func:`cpumoe.checkpoint_fp8.load_fp8_moe_layer`) -> fp8; W8A8 int8
   (:func:`cpumoe.checkpoint.load_moe_layer`) -> int8.
 - ``fp8``: ``quant_method: fp8`` (HF fine-grained FP8, :mod:`cpumoe.checkpoint_fp8`) -> fp8.
 - ``mxfp4``: ``quant_method: mxfp4`` (gpt-oss, :func:`cpumoe.checkpoint_w4.load_mxfp4_moe_layer`)

@@ -8,8 +8,10 @@
   channel's max, ``format: int-quantized``, dynamic per-token int8 activations) and writes the
   ``quantization_config``; attention, router, embeddings and norms stay bf16 and are listed in
   ``ignore``. :func:`save_w4a8` and :func:`save_w4a16` do the same with the W4A8 and W4A16
-  presets (int4 weights, a scale per group of inputs); :func:`save_int4_grid` makes a bf16
-  checkpoint whose experts the int4 ones made from it hold exactly (their reference).
+  presets (int4 weights, a scale per group of inputs), :func:`save_w4a16_asym` with W4A16_ASYM
+  (zero points too) and :func:`save_w4_dequantized` turns an int4 one back into bf16 (its
+  reference); :func:`save_int4_grid` makes a bf16 checkpoint whose experts the int4 ones made
+  from it hold exactly (their reference).
 * :func:`save_fp8` writes such a checkpoint's experts in the HF "fp8" layout (DeepSeek-V3,
   Qwen3-*-FP8: ``weight_scale_inv`` per 128 x 128 block), quantized by transformers' own FP8
   op; :func:`save_fp8_compressed` in compressed-tensors' FP8 (channel, block, group or tensor
@@ -106,7 +108,8 @@ def _read_safetensors(folder: Path) -> Dict[str, torch.Tensor]:
 #: integer weights (the scale of a channel or group is its max |w| over this), and the format
 #: compressed-tensors infers for it (what llm-compressor writes).
 _PRESETS = {"w8a8": ("W8A8", 127, "int-quantized"), "w4a8": ("W4A8", 7, "int-quantized"),
-            "w4a16": ("W4A16", 7, "pack-quantized")}
+            "w4a16": ("W4A16", 7, "pack-quantized"),
+            "w4a16_asym": ("W4A16_ASYM", None, "pack-quantized")}
 
 
 def _minmax_scales(w: torch.Tensor, groups: int, qmax: int) -> torch.Tensor:
@@ -139,6 +142,38 @@ def save_w4a16(src: PathLike, dst: PathLike, group_size: int = 128) -> Path:
     return _save_quantized(src, dst, "w4a16", group_size)
 
 
+def save_w4a16_asym(src: PathLike, dst: PathLike, group_size: int = 128) -> Path:
+    """As :func:`save_w4a16` with compressed-tensors' W4A16_ASYM preset (``symmetric: false``):
+    each group's scale and zero point from its min and max by compressed-tensors'
+    ``calculate_qparams``, the zero points packed beside the words (``weight_zero_point``)."""
+    return _save_quantized(src, dst, "w4a16_asym", group_size)
+
+
+def save_w4_dequantized(src: PathLike, dst: PathLike) -> Path:
+    """Writes ``dst``: the compressed-tensors int4 (pack-quantized) checkpoint ``src`` with its
+    expert projections dequantized ((q - zp) * scale, :func:`cpumoe.checkpoint_w4.
+    dequantize_int4_linear`) and rounded to bf16, everything else as stored, no quantization
+    config: the bf16 model holding the checkpoint's weights."""
+    from safetensors.torch import save_file
+    from cpumoe.checkpoint_w4 import dequantize_int4_linear
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    tensors = _read_safetensors(src)
+    modules = sorted({k[:-len(".weight_packed")] for k in tensors
+                      if k.endswith(".weight_packed")})
+    for m in modules:
+        for suffix in (".weight_packed", ".weight_scale", ".weight_shape", ".weight_zero_point"):
+            tensors.pop(m + suffix, None)
+        tensors[m + ".weight"] = torch.from_numpy(dequantize_int4_linear(src, m)).to(
+            torch.bfloat16)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"),
+              metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
+
+
 def _experts_as_linears(tensors: Dict[str, torch.Tensor], src: Path) -> torch.nn.Module:
     """Pops every per-expert projection weight (``experts.{e}.{proj}.weight``) of ``tensors``
     into a module tree of float32 Linears named as the keys: what compressed-tensors quantizes."""
@@ -165,6 +200,7 @@ def _save_quantized(src: PathLike, dst: PathLike, kind: str,
                     group_size: Optional[int] = None) -> Path:
     import compressed_tensors.quantization as ctq
     from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization.utils import calculate_qparams
     from safetensors.torch import save_file
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
@@ -180,7 +216,13 @@ def _save_quantized(src: PathLike, dst: PathLike, kind: str,
     ctq.apply_quantization_config(root, qcfg)
     with torch.no_grad():
         for m in root.modules():
-            if hasattr(m, "weight_scale"):  # a minmax observer's scale (what calibration sets)
+            if qmax is None and hasattr(m, "weight_zero_point"):  # asymmetric: min and max
+                wg = m.weight.float().reshape(m.weight.shape[0], m.weight_scale.shape[1], -1)
+                sc, zp = calculate_qparams(wg.amin(dim=2), wg.amax(dim=2),
+                                           m.quantization_scheme.weights)
+                m.weight_scale.copy_(sc)
+                m.weight_zero_point.copy_(zp)
+            elif hasattr(m, "weight_scale"):  # a minmax observer's scale (what calibration sets)
                 # [out, 1] per channel, [out, in / g] per group.
                 m.weight_scale.copy_(_minmax_scales(m.weight, m.weight_scale.shape[1], qmax))
     compressor = ModelCompressor.from_pretrained_model(root, quantization_format=fmt)

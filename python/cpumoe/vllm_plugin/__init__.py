@@ -16,8 +16,10 @@ cpumoe's, as a ``FusedMoEExpertsModular`` of vLLM's modular kernel:
 
 * compressed-tensors W8A8 int8 (channel weights, dynamic per-token activations): the int8 op;
 * compressed-tensors W4A8 int4 (group weights, dynamic per-token int8 activations), W4A16 int4
-  (pack-quantized) and gpt-oss MXFP4: the int8 op on 4-bit weights (W4A8; the W4A16 and MXFP4
-  checkpoints' activations become int8 per token);
+  (pack-quantized; with zero points: int4_affine) and gpt-oss MXFP4: the int8 op on 4-bit
+  weights (W4A8; the W4A16 and MXFP4 checkpoints' activations become int8 per token);
+* 4-bit GPTQ (v1 / gptq_v2) and AWQ (GEMM) checkpoints (vLLM's AutoGPTQ / AutoAWQ MoE methods):
+  the int8 op on int4 (symmetric) or int4_affine weights, int8 activations;
 * HF ``quant_method: fp8`` (E4M3 weights, ``weight_block_size`` blocks or a scale per tensor)
   and compressed-tensors FP8 (channel, tensor or block scales), dynamic activations: the fp8
   op (W8A16: bf16 activations);

@@ -32,8 +32,9 @@ from cpumoe import ops as _ops
 
 from .kinds import VLLM_ACTIVATIONS, activation_of
 
-__all__ = ["CpumoeBf16Experts", "CpumoeFp8Experts", "CpumoeInt4Experts", "CpumoeInt8Experts",
-           "CpumoeMxfp4Experts", "reset_counts", "stats"]
+__all__ = ["CpumoeBf16Experts", "CpumoeFp8Experts", "CpumoeGptqAwqExperts", "CpumoeInt4Experts",
+           "CpumoeInt8Experts", "CpumoeMxfp4Experts", "gptq_awq_layer", "reset_counts",
+           "stats"]
 
 # A child of vLLM's logger: vLLM's handler and format, and VLLM_LOGGING_LEVEL, apply.
 logger = init_logger("vllm.plugins.cpumoe")
@@ -247,6 +248,16 @@ class CpumoeInt4Experts(_CpumoeExperts):
             w13, w2 = w13.reshape(E, N13, H), w2.reshape(E, N2, I)
             for name in ("w13_weight_packed", "w2_weight_packed"):
                 replace_parameter(layer, name, torch.empty(0, dtype=torch.int32))
+            z13 = getattr(layer, "w13_weight_zero_point", None)
+            if z13 is not None:  # symmetric: false (vLLM's WNA16 method made the parameters)
+                z13 = _ct_zero_points(z13.data, N13, s13.size(2), "w13", self.layer_name)
+                z2 = _ct_zero_points(layer.w2_weight_zero_point.data, N2, s2.size(2), "w2",
+                                     self.layer_name)
+                for name in ("w13_weight_zero_point", "w2_weight_zero_point"):
+                    replace_parameter(layer, name, torch.empty(0, dtype=torch.int32))
+                if not ((z13 == 8).all() and (z2 == 8).all()):
+                    self.source = "W4A16 asymmetric checkpoint, int8 activations"
+                    return _affine_from_zero_points(w13, w2, s13, s2, z13, z2, layer)
         else:
             w13, w2 = layer.w13_weight.data, layer.w2_weight.data
         return _ops.prepack_int4(w13, w2, s13.float(), s2.float(), _bias(layer, "w13_bias"),
@@ -255,7 +266,150 @@ class CpumoeInt4Experts(_CpumoeExperts):
 
     def _format_name(self) -> str:
         src = getattr(self, "source", "")
-        return f"W4A8 int4 g{self.packed.group_size}" + (f" ({src})" if src else "")
+        p = self.packed
+        return f"W4A8 {p.weight_format} g{p.group_size}" + (f" ({src})" if src else "")
+
+
+def _ct_zero_points(words: torch.Tensor, n: int, groups: int, what: str, name: str) -> Any:
+    """compressed-tensors' packed zero points as vLLM's WNA16 method loads them, int32
+    [E, n / 8, groups] (row 8 r + i at bits 4i of word [e, r, group]) -> the stored nibbles
+    zp + 8, int16 numpy [E, n, groups]."""
+    E = words.size(0)
+    if tuple(words.shape) != (E, n // 8, groups) or words.dtype != torch.int32:
+        raise ValueError(f"cpumoe ({name}): {what}_weight_zero_point {words.dtype} "
+                         f"{list(words.shape)}, expected int32 {[E, n // 8, groups]}")
+    nib = _nibbles(words.transpose(1, 2).contiguous())  # [E, groups, n / 8, 8]
+    return nib.reshape(E, groups, n).transpose(0, 2, 1).astype("int16")
+
+
+def _affine_from_zero_points(w13: torch.Tensor, w2: torch.Tensor, s13: torch.Tensor,
+                             s2: torch.Tensor, z13: Any, z2: Any, layer: torch.nn.Module) -> Any:
+    """int4 values q (int8 in [-8, 7]) with group scales s and stored zero points zs = zp + 8 ->
+    the packed int4_affine layer: codes q + 8, (s, -s * zs) per group, so s * code + min is
+    (q - zp) * s (exact for fp16 / bf16 scales)."""
+    import numpy as np
+    pairs = []
+    for s, z in ((s13, z13), (s2, z2)):
+        sf = s.float().numpy()
+        if not np.isfinite(sf).all():
+            raise ValueError("cpumoe: non-finite W4A16 group scales")
+        pairs.append(np.stack([sf, np.float32(0) - sf * z.astype(np.float32)], axis=-1))
+    codes = [(t.numpy().astype(np.int16) + 8).astype(np.uint8) for t in (w13, w2)]
+    return _ops.prepack_int4_affine(codes[0], codes[1], pairs[0], pairs[1],
+                                    _bias(layer, "w13_bias"), _bias(layer, "w2_bias"),
+                                    group_size=w13.size(2) // max(1, s13.size(2)))
+
+
+def _nibbles(words: torch.Tensor) -> Any:
+    """int32 [..., M] -> uint8 numpy [..., M, 8]: nibble i is bits 4i..4i+3 of each word."""
+    import numpy as np
+    b = np.ascontiguousarray(words.numpy()).astype("<i4", copy=False).view(np.uint8)
+    b = b.reshape(*words.shape, 4)
+    return np.stack([b & 15, b >> 4], axis=-1).reshape(*words.shape, 8)
+
+
+def gptq_awq_layer(method: str, w13_qweight: torch.Tensor, w2_qweight: torch.Tensor,
+                   w13_scales: torch.Tensor, w2_scales: torch.Tensor, w13_qzeros: torch.Tensor,
+                   w2_qzeros: torch.Tensor, group_size: int, zero_offset: int = 0,
+                   name: str = "?") -> Tuple[str, int, Any, Any, Any, Any]:
+    """A GPTQ / AWQ MoE layer as vLLM's AutoGPTQMoEMethod / AutoAWQMoEMethod load it -> cpumoe's
+    prepack input: (format, g, w13, w2, s13, s2), numpy.
+
+    vLLM's parameters (E experts, w13's N = 2I: gate then up, w2's N = H; K the other depth;
+    G = K / group_size groups, one for group_size -1): GPTQ ``w*_qweight`` int32 [E, K / 8, N]
+    (k = 8 r + i at bits 4i of word [r, n]); AWQ ``w*_qweight`` int32 [E, K, N / 8] (nibble i of
+    word [k, c] holds n = 8 c + (0, 2, 4, 6, 1, 3, 5, 7)[i]); ``w*_qzeros`` int32 [E, G, N / 8]
+    packed along N the same way (GPTQ: in order; its v1 stores z - 1: ``zero_offset`` 1);
+    ``w*_scales`` [E, G, N]. The weight is ``s * (q - z)`` per group.
+
+    "int4" when every zero point is 8 (values q - 8, scales), else "int4_affine" (codes q,
+    (s, -s * z) pairs: exact for fp16 / bf16 scales), with cpumoe's group size g: the largest
+    multiple of 32 dividing the checkpoint's groups and both depths
+    (:mod:`cpumoe.checkpoint_gptq`'s rule)."""
+    import numpy as np
+    from cpumoe.checkpoint_gptq import AWQ_ORDER, _common_group
+    rev = list(np.argsort(AWQ_ORDER))
+    E = w13_qweight.size(0)
+
+    def codes(qw):  # -> uint8 [E, N, K]
+        nib = _nibbles(qw)
+        if method == "gptq":  # [E, K / 8, N, 8] -> [E, N, K / 8, 8]
+            return np.ascontiguousarray(nib.transpose(0, 2, 1, 3)).reshape(E, qw.size(2), -1)
+        # AWQ: [E, K, N / 8, 8] in AWQ's order -> [E, K, N] -> [E, N, K]
+        return np.ascontiguousarray(nib[..., rev].reshape(E, qw.size(1), -1).transpose(0, 2, 1))
+
+    def zeros(qz):  # -> int16 [E, G, N]
+        nib = _nibbles(qz)
+        if method == "awq":
+            nib = nib[..., rev]
+        return nib.reshape(E, qz.size(1), -1).astype(np.int16) + np.int16(zero_offset)
+
+    c13, c2 = codes(w13_qweight), codes(w2_qweight)
+    N13, H = c13.shape[1], c13.shape[2]
+    I = c2.shape[2]
+    z13, z2 = zeros(w13_qzeros), zeros(w2_qzeros)
+    s13 = w13_scales.detach().float().numpy()
+    s2 = w2_scales.detach().float().numpy()
+    for what, s, z, n, k in (("w13_scales", s13, z13, N13, H), ("w2_scales", s2, z2, H, I)):
+        G = 1 if group_size == -1 else k // group_size
+        if s.shape != (E, G, n) or z.shape != (E, G, n):
+            raise ValueError(f"cpumoe ({name}): {what} / qzeros of shapes {list(s.shape)} / "
+                             f"{list(z.shape)}, expected {[E, G, n]} (group_size {group_size})")
+        if not np.isfinite(s).all():
+            raise ValueError(f"cpumoe ({name}): {what}: non-finite group scales")
+    g = _common_group(group_size, H, I, f"cpumoe ({name})")
+
+    def regrid(per_group, k):  # [E, G, N] per checkpoint group -> [E, N, k / g]
+        ge = k if group_size == -1 else group_size
+        return np.ascontiguousarray(per_group[:, (np.arange(k // g) * g) // ge].transpose(0, 2, 1))
+
+    if (z13 == 8).all() and (z2 == 8).all():
+        return ("int4", g, (c13.astype(np.int8) - np.int8(8)), (c2.astype(np.int8) - np.int8(8)),
+                regrid(s13, H), regrid(s2, I))
+    pairs = []
+    for s, z, k in ((s13, z13, H), (s2, z2, I)):
+        pairs.append(np.stack([regrid(s, k), regrid(np.float32(0) - s * z.astype(np.float32), k)],
+                              axis=-1))
+    return "int4_affine", g, c13, c2, pairs[0], pairs[1]
+
+
+class CpumoeGptqAwqExperts(_CpumoeExperts):
+    """4-bit GPTQ and AWQ experts (vLLM's AutoGPTQMoEMethod / AutoAWQMoEMethod parameters: int32
+    words, group scales, packed zero points) on cpumoe's int8 op with int8 activations:
+    :func:`gptq_awq_layer` turns them into int4 (every zero point 8) or int4_affine; what the
+    checkpoint is (GPTQ or AWQ, its group size and zero-point offset) is in the layer's
+    ``cpumoe_gptq_awq`` (set by cpumoe's method)."""
+
+    kind = "int4"
+
+    @staticmethod
+    def _supports_quant_scheme(weight_key: Optional[QuantKey],
+                               activation_key: Optional[QuantKey]) -> bool:
+        from vllm.model_executor.layers.quantization.utils import quant_utils as qu
+        return activation_key is None and weight_key in (qu.kInt4Static, qu.kInt4StaticAsym)
+
+    def _prepack(self, layer: torch.nn.Module) -> Any:
+        info = layer.cpumoe_gptq_awq
+        self.kind = info["method"]
+        fmt, g, w13, w2, s13, s2 = gptq_awq_layer(
+            info["method"], layer.w13_qweight.data, layer.w2_qweight.data,
+            layer.w13_scales.data, layer.w2_scales.data, layer.w13_qzeros.data,
+            layer.w2_qzeros.data, info["group_size"], info["zero_offset"], self.layer_name)
+        fn = _ops.prepack_int4 if fmt == "int4" else _ops.prepack_int4_affine
+        packed = fn(w13, w2, s13, s2, _bias(layer, "w13_bias"), _bias(layer, "w2_bias"),
+                    group_size=g)
+        label = {"gptq": "GPTQ v1", "gptq_v2": "GPTQ v2"}.get(info["checkpoint_format"],
+                                                            "AWQ GEMM")
+        ck_g = "" if info["group_size"] == g else f" group_size {info['group_size']}"
+        self.source = f"{label} checkpoint{ck_g}, int8 activations"
+        for name in ("w13_qweight", "w2_qweight", "w13_qzeros", "w2_qzeros", "w13_scales",
+                     "w2_scales"):
+            replace_parameter(layer, name, torch.empty(0, dtype=getattr(layer, name).dtype))
+        return packed
+
+    def _format_name(self) -> str:
+        p = self.packed
+        return f"W4A8 {p.weight_format} g{p.group_size} ({getattr(self, 'source', '')})"
 
 
 class CpumoeMxfp4Experts(_CpumoeExperts):

@@ -1,9 +1,11 @@
 """Which MoE layers cpumoe takes, and in which weight format: the layer's kind ("int8", "int4",
-"int4_a16", "mxfp4", "fp8", "fp8_ct" or "bf16"), or the reason the layer stays on vLLM's kernel.
+"int4_a16", "gptq", "awq", "mxfp4", "fp8", "fp8_ct" or "bf16"), or the reason the layer stays on
+vLLM's kernel.
 
 A quantized layer's kind is read from its quantization config before vLLM picks its method
 (:func:`quantized_kind`: compressed-tensors W8A8 int8, W4A8 int4, W4A16 pack-quantized int4,
-gpt-oss MXFP4, HF ``quant_method: fp8`` and compressed-tensors FP8 E4M3 weights); an
+4-bit GPTQ and AWQ (vLLM's AutoGPTQConfig / AutoAWQConfig), gpt-oss MXFP4, HF ``quant_method:
+fp8`` and compressed-tensors FP8 E4M3 weights); an
 unquantized layer's once vLLM built it (:func:`plan_layer`: bf16 where vLLM selected its CPU
 backend). :func:`layer_problem` checks what cpumoe's op needs of any layer.
 """
@@ -187,8 +189,11 @@ def _ct_kind(quant_config: Any, scheme: Dict, moe: FusedMoEConfig) -> Tuple[Opti
     else:
         return None, ""
     from cpumoe.checkpoint_w4 import int4_scheme_problem
+    # W4A16 may be asymmetric (zero points: cpumoe's int4_affine); W4A8's int-quantized int8
+    # values have no zero points in vLLM's method.
     problem = int4_scheme_problem({"weights": wq.model_dump(mode="json"), "input_activations":
-                                   None if iq is None else iq.model_dump(mode="json")})
+                                   None if iq is None else iq.model_dump(mode="json")},
+                                  asymmetric=iq is None)
     if problem is not None:
         return None, f"{name}: {problem}"
     g = wq.group_size
@@ -231,15 +236,90 @@ def _fp8_kind(layer: RoutedExperts, prefix: str, quant_config: Any,
     return "fp8", "", True
 
 
+#: GPTQ ``checkpoint_format`` -> what is added to a stored zero nibble (cpumoe.checkpoint_gptq's
+#: convention: v1, AutoGPTQ's, stores z - 1; GPTQModel's gptq_v2 stores z).
+_GPTQ_ZERO_OFFSET = {"gptq": 1, "gptq_v2": 0}
+
+
+def _gptq_awq_kind(layer: RoutedExperts, prefix: str, quant_config: Any,
+                   moe: FusedMoEConfig) -> Tuple[Optional[str], str, bool, Any]:
+    """(kind, why, handled, config) for vLLM's AutoGPTQConfig / AutoAWQConfig (HF
+    ``quant_method: gptq`` / ``awq``; vLLM 0.32 gives their MoE layers AutoGPTQMoEMethod /
+    AutoAWQMoEMethod, whose CPU experts, CPUExpertsInt4, need x86 with AMX): "gptq" or "awq" for
+    4-bit weights cpumoe's int4 formats hold (int4 when every zero point is 8, else
+    int4_affine) with ``config`` the layer's (GPTQ: after its ``dynamic`` per-module
+    overrides); handled False if ``quant_config`` is neither or vLLM leaves the layer
+    unquantized (GPTQ ``dynamic`` "-:" match, AWQ ``modules_to_not_convert``)."""
+    from vllm.model_executor.layers.quantization.auto_awq import AutoAWQConfig
+    from vllm.model_executor.layers.quantization.auto_gptq import AutoGPTQConfig
+    from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
+    if isinstance(quant_config, AutoGPTQConfig):
+        import copy
+        from vllm.model_executor.layers.quantization.utils.gptq_utils import (
+            get_dynamic_override, override_config)
+        if get_dynamic_override(quant_config, layer_name=prefix) is False:
+            return None, "", False, None  # vLLM's get_moe_quant_method: unquantized
+        cfg = copy.deepcopy(quant_config)
+        if prefix:
+            try:
+                override_config(cfg, prefix=prefix)
+            except ValueError:  # vLLM's own method raises the same
+                return None, "", True, None
+        name, bits, g = "GPTQ", cfg.weight_bits, cfg.group_size
+        full = cfg.full_config or {}
+        fmt = full.get("checkpoint_format", full.get("format", "gptq"))
+        fmt = fmt.lower() if isinstance(fmt, str) else fmt
+        if fmt not in _GPTQ_ZERO_OFFSET:
+            return None, (f"GPTQ checkpoint_format {fmt!r} (cpumoe reads 'gptq' and "
+                          f"'gptq_v2')"), True, cfg
+        if cfg.desc_act:
+            return None, "GPTQ desc_act (act-order groups) is not supported", True, cfg
+        kind = "gptq"
+    elif isinstance(quant_config, AutoAWQConfig):
+        if is_layer_skipped(prefix, quant_config.modules_to_not_convert or [],
+                            match_mode="substring"):
+            return None, "", False, None  # vLLM: unquantized
+        cfg = quant_config
+        name, bits, g = "AWQ", cfg.weight_bits, cfg.group_size
+        version = (cfg.full_config or {}).get("version", "gemm")
+        version = version.lower() if isinstance(version, str) else version
+        if version != "gemm":
+            return None, (f"AWQ version {version!r} (cpumoe reads the 'gemm' packing)"), True, cfg
+        if not cfg.zero_point:
+            return None, "AWQ zero_point: false (cpumoe reads AWQ with zero points)", True, cfg
+        kind = "awq"
+    else:
+        return None, "", False, None
+    if bits != 4:
+        return None, f"{name} {bits}-bit weights (cpumoe's GPTQ / AWQ path is 4-bit)", True, cfg
+    if not isinstance(g, int) or not (g == -1 or g > 0) or (kind == "awq" and g == -1):
+        return None, f"{name} group_size {g!r}", True, cfg
+    from cpumoe.checkpoint import UnsupportedCheckpoint
+    from cpumoe.checkpoint_gptq import _common_group
+    H, I = moe.hidden_dim, moe.intermediate_size_per_partition
+    for what, dim in (("hidden", H), ("intermediate (per partition)", I)):
+        if dim % 32 or (g > 0 and dim % g):
+            return None, (f"{name}: {what} dim {dim} is not a multiple of 32 and of "
+                          f"group_size {g}"), True, cfg
+    try:
+        _common_group(g, H, I, name)
+    except UnsupportedCheckpoint as e:
+        return None, str(e), True, cfg
+    return kind, "", True, cfg
+
+
 def quantized_kind(layer: RoutedExperts, prefix: str, quant_config: Any,
                     moe: FusedMoEConfig) -> Tuple[Optional[str], Dict, str]:
     """(kind, scheme, "") for a quantized layer cpumoe takes (a key of method_classes());
     otherwise (None, scheme, why), why "" where cpumoe has no kernel for the quantization."""
     fp8_kind, fp8_why, fp8 = _fp8_kind(layer, prefix, quant_config, moe)
+    w4_kind, w4_why, w4, w4_config = _gptq_awq_kind(layer, prefix, quant_config, moe)
     if _is_gpt_oss_mxfp4(quant_config):
         kind, scheme, why = "mxfp4", {}, ""
     elif fp8:  # the method takes the Fp8Config where the others take the weights' scheme
         kind, scheme, why = fp8_kind, {"weights": quant_config}, fp8_why
+    elif w4:  # GPTQ / AWQ: the layer's config (GPTQ's dynamic overrides applied)
+        kind, scheme, why = w4_kind, {"weights": w4_config}, w4_why
     else:
         scheme = _ct_scheme(layer, prefix, quant_config)
         if scheme is None:

@@ -13,7 +13,13 @@ the layer:
   int8 activations) gets vLLM's W4A8 int8 MoE method (its parameters and loader; the group
   scales kept in fp32) with :class:`CpumoeInt4Experts` in a modular kernel (vLLM's own W4A8
   experts are KleidiAI's, Arm only, without expert parallelism); a W4A16 pack-quantized one
-  gets vLLM's WNA16 method's parameters with the same experts, which unpack the int32 words;
+  gets vLLM's WNA16 method's parameters with the same experts, which unpack the int32 words
+  (and its zero points, ``symmetric: false``: int4_affine);
+* a 4-bit GPTQ or AWQ layer (HF ``quant_method: gptq`` / ``awq``) gets vLLM's AutoGPTQMoEMethod
+  / AutoAWQMoEMethod (parameters, loader; the group scales kept in fp32) with
+  :class:`CpumoeGptqAwqExperts`, which read the words, zero points and scales as the checkpoint
+  holds them into cpumoe's int4 (symmetric) or int4_affine format (vLLM's own CPU experts for
+  them, CPUExpertsInt4, need AMX);
 * a gpt-oss MXFP4 layer gets vLLM's gpt-oss MXFP4 method (parameters, loader) with
   :class:`CpumoeMxfp4Experts` (vLLM's own CPU MXFP4 experts need AMX);
 * an FP8 layer (HF ``quant_method: fp8``, or compressed-tensors FP8 with dynamic activations)

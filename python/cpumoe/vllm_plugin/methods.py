@@ -1,6 +1,7 @@
 """cpumoe's quantized MoE methods, by kind: vLLM's compressed-tensors W8A8 int8, W4A8 int8,
-WNA16 and W8A8 FP8 methods, its gpt-oss MXFP4 method and its (HF) FP8 method (their parameters
-and weight loading) with cpumoe's experts, made without vLLM's backend selection. Their
+WNA16 and W8A8 FP8 methods, its GPTQ and AWQ MoE methods (AutoGPTQMoEMethod, AutoAWQMoEMethod),
+its gpt-oss MXFP4 method and its (HF) FP8 method (their parameters and weight loading) with
+cpumoe's experts, made without vLLM's backend selection. Their
 ``process_weights_after_loading`` builds vLLM's modular kernel around cpumoe's experts
 (:func:`_modular_kernel`).
 """
@@ -19,7 +20,8 @@ from vllm.model_executor.layers.fused_moe.config import (FUSED_MOE_UNQUANTIZED_C
 from vllm.model_executor.layers.fused_moe.oracle.int8 import Int8MoeBackend
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
-from .experts import CpumoeFp8Experts, CpumoeInt4Experts, CpumoeInt8Experts, CpumoeMxfp4Experts
+from .experts import (CpumoeFp8Experts, CpumoeGptqAwqExperts, CpumoeInt4Experts,
+                      CpumoeInt8Experts, CpumoeMxfp4Experts)
 
 
 def _modular_kernel(method: Any, layer: RoutedExperts) -> mk.FusedMoEKernel:
@@ -41,11 +43,12 @@ def _modular_kernel(method: Any, layer: RoutedExperts) -> mk.FusedMoEKernel:
 
 def method_classes() -> Dict[str, type]:
     """cpumoe's quantized MoE methods, by kind: vLLM's compressed-tensors W8A8 int8, W4A8 int8,
-    WNA16 and W8A8 FP8 methods, its gpt-oss MXFP4 method and its (HF) FP8 method (their
-    parameters and weight loading) with cpumoe's experts, made without vLLM's backend selection
-    (which finds no W8A8 kernel on x86 CPUs without AMX, none for swigluoai or an expert map, no
-    W4A8 kernel on x86, no W4A16, MXFP4 or block FP8 kernel on x86 without AMX, and no CPU FP8
-    kernel at all for channel or tensor scales)."""
+    WNA16 and W8A8 FP8 methods, its GPTQ and AWQ MoE methods, its gpt-oss MXFP4 method and its
+    (HF) FP8 method (their parameters and weight loading) with cpumoe's experts, made without
+    vLLM's backend selection (which finds no W8A8 kernel on x86 CPUs without AMX, none for
+    swigluoai or an expert map, no W4A8 kernel on x86, no W4A16 (compressed-tensors, GPTQ or
+    AWQ), MXFP4 or block FP8 kernel on x86 without AMX, and no CPU FP8 kernel at all for channel
+    or tensor scales)."""
     global _METHODS
     if _METHODS:
         return _METHODS
@@ -63,6 +66,8 @@ def method_classes() -> Dict[str, type]:
     from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe\
         .compressed_tensors_moe_w8a8_fp8 import CompressedTensorsW8A8Fp8MoEMethod
+    from vllm.model_executor.layers.quantization.auto_awq import AutoAWQMoEMethod
+    from vllm.model_executor.layers.quantization.auto_gptq import AutoGPTQMoEMethod
 
     class CpumoeW8A8Int8MoEMethod(CompressedTensorsW8A8Int8MoEMethod):
         def __init__(self, weight_quant: Any, input_quant: Any, moe: FusedMoEConfig):
@@ -121,8 +126,8 @@ def method_classes() -> Dict[str, type]:
             CompressedTensorsMoEMethod.__init__(self, moe)
             self.weight_quant = weight_quant
             self.input_quant = input_quant
-            self.symmetric = True
-            self.num_bits = 4
+            self.symmetric = weight_quant.symmetric  # False: vLLM's create_weights adds the
+            self.num_bits = 4                         # packed zero points (int4_affine)
             self.packed_factor = Fraction(32, 4)
             self.strategy = weight_quant.strategy
             self.group_size = weight_quant.group_size
@@ -183,9 +188,69 @@ def method_classes() -> Dict[str, type]:
         def supports_eplb(self) -> bool:
             return False
 
+    class _GptqAwq(_Modular):
+        """vLLM's GPTQ / AWQ MoE parameters (``w13_qweight``, ``w13_scales``, ``w13_qzeros``,
+        ... as its AutoGPTQMoEMethod / AutoAWQMoEMethod create and load them) with
+        :class:`CpumoeGptqAwqExperts`, which read the codes and zero points as the checkpoint
+        holds them (GPTQ v1 zeros + 1, gptq_v2 and AWQ as stored)."""
+
+        def __init__(self, quant_config: Any, input_quant: Any, moe: FusedMoEConfig):
+            FusedMoEMethodBase.__init__(self, moe)  # vLLM's __init__ selects its backend
+            self.quant_config = quant_config
+            self.input_dtype = None  # read by create_weights (bf16 / fp16 activations)
+            self.use_marlin = False
+            self.wna16_moe_backend = None
+            self.experts_cls = CpumoeGptqAwqExperts
+
+        def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
+                           intermediate_size_per_partition: int, params_dtype: torch.dtype,
+                           **kw: Any) -> None:
+            super().create_weights(layer, num_experts, hidden_size,
+                                   intermediate_size_per_partition, params_dtype, **kw)
+            # vLLM keeps the group scales in the model dtype: a checkpoint's fp16 scales
+            # would be rounded to bf16. cpumoe's are fp32 (exact). Same loader attributes.
+            for name in ("w13_scales", "w2_scales"):
+                old = getattr(layer, name)
+                new = torch.nn.Parameter(old.data.float(), requires_grad=False)
+                new.__dict__.update(old.__dict__)
+                layer.register_parameter(name, new)
+            qc = self.quant_config
+            full = qc.full_config or {}
+            fmt = str(full.get("checkpoint_format", full.get("format", "gptq"))).lower()
+            layer.cpumoe_gptq_awq = {
+                "method": self.method, "group_size": qc.group_size,
+                "zero_offset": {"gptq": 1, "gptq_v2": 0}.get(fmt, 1) if self.method == "gptq"
+                else 0,
+                "checkpoint_format": fmt if self.method == "gptq" else "gemm"}
+
+        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+            # As vLLM's GPTQ method: expert biases the checkpoint did not hold are dropped (its
+            # create_weights registers zeros for them).
+            loaded = getattr(layer, "_loaded_expert_biases", None)
+            for name in ("w13_bias", "w2_bias"):
+                if loaded is not None and name not in loaded and \
+                        getattr(layer, name, None) is not None:
+                    layer.register_parameter(name, None)
+            super().process_weights_after_loading(layer)
+
+    class CpumoeGptqMoEMethod(_GptqAwq, AutoGPTQMoEMethod):
+        """vLLM's GPTQ MoE method (4-bit; its parameters, ``w13_qweight`` [E, H / 8, 2I]
+        packed along K, ``w13_qzeros`` [E, G, 2I / 8] along N, and loader) with cpumoe's
+        experts."""
+
+        method = "gptq"
+
+    class CpumoeAwqMoEMethod(_GptqAwq, AutoAWQMoEMethod):
+        """vLLM's AWQ MoE method (its parameters, ``w13_qweight`` [E, H, 2I / 8] and
+        ``w13_qzeros`` [E, G, 2I / 8] packed along N in AWQ's order, and loader) with cpumoe's
+        experts."""
+
+        method = "awq"
+
     _METHODS.update(int8=CpumoeW8A8Int8MoEMethod, int4=CpumoeW4A8Int8MoEMethod,
                     int4_a16=CpumoeW4A16Int4MoEMethod, mxfp4=CpumoeGptOssMxfp4MoEMethod,
-                    fp8=CpumoeFp8MoEMethod, fp8_ct=CpumoeCtFp8MoEMethod)
+                    fp8=CpumoeFp8MoEMethod, fp8_ct=CpumoeCtFp8MoEMethod,
+                    gptq=CpumoeGptqMoEMethod, awq=CpumoeAwqMoEMethod)
     return _METHODS
 
 
