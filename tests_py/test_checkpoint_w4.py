@@ -48,6 +48,14 @@ def _expert_linears(E, H, I, layer, weight, dtype=None):
     return root
 
 
+def _apply_scheme(root, scheme, g):
+    """compressed-tensors' quantization ``scheme`` with group size ``g`` on every Linear."""
+    import compressed_tensors.quantization as ct_quant
+    scheme.weights.group_size = g
+    ct_quant.apply_quantization_config(root, ct_quant.QuantizationConfig(
+        config_groups={"group_0": scheme}))
+
+
 def _save_pack_quantized(root, folder):
     """compressed-tensors' pack-quantized compression of ``root`` written to ``folder`` with its
     config; returns the compressed state."""
@@ -76,10 +84,7 @@ def _write_int4_checkpoint(folder, E=4, H=128, I=64, g=32, preset="W4A16", layer
         floats[proj].append(torch.randn(n, k, generator=gen) / k ** 0.5)
         return floats[proj][-1].clone()
     root = _expert_linears(E, H, I, layer, weight)
-    scheme = ct_quant.preset_name_to_scheme(preset, ["Linear"])
-    scheme.weights.group_size = g
-    ct_quant.apply_quantization_config(root, ct_quant.QuantizationConfig(
-        config_groups={"group_0": scheme}))
+    _apply_scheme(root, ct_quant.preset_name_to_scheme(preset, ["Linear"]), g)
     with torch.no_grad():
         for m in root.modules():
             if hasattr(m, "weight_scale"):
@@ -183,9 +188,7 @@ def _write_asym_int4_checkpoint(folder, E=3, H=128, I=64, g=32, preset="W4A16_AS
         scheme.weights.symmetric = False
     else:
         scheme = ct_quant.preset_name_to_scheme(preset, ["Linear"])
-    scheme.weights.group_size = g
-    ct_quant.apply_quantization_config(root, ct_quant.QuantizationConfig(
-        config_groups={"group_0": scheme}))
+    _apply_scheme(root, scheme, g)
     with torch.no_grad():
         for m in root.modules():
             if hasattr(m, "weight_zero_point"):
