@@ -995,7 +995,7 @@ def test_load_quantized_refuses_other_checkpoints(tmp_path):
         cmt.load_quantized(dst)
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF" + bytes(60))
-    with pytest.raises(UnsupportedCheckpoint, match="a GGUF file.*no GGUF model loader"):
+    with pytest.raises(UnsupportedCheckpoint, match="a GGUF file.*load_gguf reads GGUF models"):
         cmt.load_quantized(gguf)
 
 

@@ -58,9 +58,11 @@ experts packed from the stored codes, scales and zero points (:mod:`cpumoe.check
 reads them, through :func:`cpumoe.loaders.read_experts`): backend ``"cpumoe_int4"`` when every
 zero point is 8 (symmetric), else ``"cpumoe_int4_affine"`` (a (scale, min) pair per group, W4A8
 too); its other GPTQ / AWQ Linears (attention) dequantized into the model's dtype
-(:func:`cpumoe.checkpoint_gptq.dequantize_linear`). There is no GGUF model loader: transformers'
-``from_pretrained(..., gguf_file=...)`` dequantizes a GGUF model (a backend then re-quantizes
-its experts), and :func:`cpumoe.load_experts` reads one layer's experts as stored.
+(:func:`cpumoe.checkpoint_gptq.dequantize_linear`). :func:`load_gguf` builds that of a GGUF
+file, its experts packed from the stored blocks (Q4_0 -> int4, Q4_1 / Q4_K -> int4_affine,
+MXFP4, BF16: :func:`cpumoe.load_experts`' rules), the other tensors dequantized by ``gguf`` and
+named by transformers' GGUF tables (transformers' own ``from_pretrained(..., gguf_file=...)``
+dequantizes the experts too, and a backend would then re-quantize them).
 
 Inference only: the backward of a cpumoe call raises. ``torch.compile`` of the model works
 once its experts are packed (call :func:`quantize` / :func:`pack_bf16`, or run it once, before
@@ -69,13 +71,15 @@ compiling): the op is one node of the graph.
 The package's files: ``layout`` (which experts modules cpumoe takes and how their weights map to
 the op's), ``packing`` (a module's packed layers, per weight format), ``backends`` (the
 registered forwards and :func:`prepare`), ``checkpoints`` (:func:`load_w8a8`, :func:`load_w4a8`,
-:func:`load_w8a16`, :func:`load_quantized`).
+:func:`load_w8a16`, :func:`load_quantized`, their shared builder), ``gguf_model``
+(:func:`load_gguf`).
 """
 
 from __future__ import annotations
 
 from .backends import experts_modules, pack_bf16, prepare, quantize  # registers the backends
 from .checkpoints import load_quantized, load_w4a8, load_w8a8, load_w8a16
+from .gguf_model import load_gguf
 from .layout import UnsupportedExperts
 from .packing import BACKENDS, INT4_GROUPS
 
@@ -84,6 +88,7 @@ __all__ = [
     "INT4_GROUPS",
     "UnsupportedExperts",
     "experts_modules",
+    "load_gguf",
     "load_quantized",
     "load_w4a8",
     "load_w8a16",

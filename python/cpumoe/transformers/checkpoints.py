@@ -218,7 +218,7 @@ def load_quantized(path, *, dtype: torch.dtype = torch.bfloat16, model_class: An
     float32) and run by transformers as plain Linears; unquantized tensors (embeddings, norms,
     the router) are loaded in ``dtype``. The model is built on the meta device from config.json
     (without its quantization_config) and materialised without the float experts. GGUF files
-    are not read here (see the module doc of :mod:`cpumoe.transformers`).
+    are read by :func:`cpumoe.transformers.load_gguf`.
 
     model_class: default ``AutoModelForCausalLM``. Raises UnsupportedCheckpoint (a ValueError)
     for a checkpoint that is not GPTQ / AWQ (naming its format and the loader that reads it), a
@@ -232,9 +232,7 @@ def load_quantized(path, *, dtype: torch.dtype = torch.bfloat16, model_class: An
     if gguf:
         raise _ck.UnsupportedCheckpoint(
             f"{path}: a GGUF file: load_quantized reads GPTQ / AWQ checkpoint folders; "
-            f"cpumoe.transformers has no GGUF model loader (transformers' from_pretrained(..., "
-            f"gguf_file=...) dequantizes the whole model, a cpumoe backend then re-quantizes its "
-            f"experts; cpumoe.load_experts(path, layer) reads one layer's experts as stored)")
+            f"cpumoe.transformers.load_gguf reads GGUF models")
     ck = _ck.Checkpoint(path)
     qcfg = _gptq.gptq_awq_config(ck)
     why = _not_gptq_awq(qcfg)
@@ -263,9 +261,9 @@ def _as_int4_affine(w):
 def _experts_of_checkpoint(ck, kind: str, layer: int, lay: Layout, name: str):
     """One layer's routed experts read from the checkpoint, in the form whose ``prepack``
     packs them (shapes checked against the model's experts module). ``kind``: the weight format
-    (int8, int4, fp8, mxfp4) of the checkpoint's reader, or gptq / awq (int4 or int4_affine,
-    as the layer's zero points say)."""
-    if kind in ("gptq", "awq"):
+    (int8, int4, fp8, mxfp4) of the checkpoint's reader, gptq / awq (int4 or int4_affine, as the
+    layer's zero points say) or gguf (``ck`` the file's path; the format its types say)."""
+    if kind in ("gptq", "awq", "gguf"):
         w = _loaders.read_experts(ck, layer, format=kind, activation=lay.activation)
     elif kind == "int8":
         w = _ck.load_moe_layer(ck, layer, activation=lay.activation)
@@ -302,11 +300,43 @@ def _load_quantized(ck, source: str, dtype: torch.dtype, model_class: Any,
     each experts module packed from the checkpoint (``source``: int8, int4, mxfp4 or fp8, the
     weight format; gptq or awq: int4 or int4_affine as the layers read are, ``kind`` the likely
     one), the other tensors copied in (quantized Linears dequantized)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    backend = _backend_of(kind or source)
+    from transformers import AutoConfig
     config = AutoConfig.from_pretrained(str(ck.root))
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # cpumoe runs the experts; the rest is dequantized
+    model, skip = packed_model(
+        config, kind or source, dtype, model_class,
+        lambda layer, lay, name: _experts_of_checkpoint(ck, source, layer, lay, name))
+
+    def tensor(key: str) -> Optional[np.ndarray]:
+        src = _checkpoint_name(ck, key)
+        if src is None:
+            return None
+        if src in ck and ck.dtype(src) == "F8_E4M3":  # an FP8 Linear's weight
+            return _ck8.dequantize_fp8_linear(ck, src)
+        if src in ck:
+            return _ck.load_float_tensor(ck, src)  # float, or a W8A8 Linear's int8 weight
+        if _gptq_linear(src) in ck:  # a GPTQ / AWQ Linear's (qweight, qzeros, scales)
+            module = src[:-len(".weight")]
+            try:
+                return _gptq.dequantize_linear(ck, module)
+            except _ck.UnsupportedCheckpoint as e:
+                raise _ck.UnsupportedCheckpoint(f"{key}: cannot dequantize the "
+                                                f"{source.upper()} Linear {module}: "
+                                                f"{e}") from None
+        return _ck4.dequantize_int4_linear(ck, src[:-len(".weight")])  # an int4 Linear's
+    return fill_model(model, skip, tensor)
+
+
+def packed_model(config: Any, kind: str, dtype: torch.dtype, model_class: Any, read_layer):
+    """(model, skip): the model of ``config`` on the backend of weight format ``kind`` (the
+    likely one: the layers read decide), built on the meta device, each experts module packed
+    from ``read_layer(layer index, layout, module name)`` (a LoadedExperts) and its float expert
+    parameters left empty (their names in ``skip``), then materialised on the CPU with every
+    other tensor uninitialised (:func:`fill_model` copies them in). Layers of int4 and
+    int4_affine together are all stored as int4_affine (one backend runs them)."""
+    from transformers import AutoModelForCausalLM
+    backend = _backend_of(kind)
     cls = model_class or AutoModelForCausalLM
     with torch.device("meta"):
         model = cls.from_config(config, experts_implementation=backend, dtype=dtype)
@@ -321,18 +351,22 @@ def _load_quantized(ck, source: str, dtype: torch.dtype, model_class: Any,
         found = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
         if found is None:
             refuse(m, name, "no decoder layer index in its name (expected ...layers.<L>....)")
-        w = _experts_of_checkpoint(ck, source, int(found.group(1)), lay, name)
+        w = read_layer(int(found.group(1)), lay, name)
         layers.append([name, m, lay, int(found.group(1)), w.prepack()])
         del w
     formats = {ent[4].weight_format for ent in layers}
-    if len(formats) > 1:  # GPTQ / AWQ: symmetric and asymmetric layers; one backend runs all
+    if formats == {"int4", "int4_affine"}:  # symmetric and asymmetric layers: one backend
         for ent in layers:
             if ent[4].weight_format == "int4":
                 ent[4] = None
-                w = _experts_of_checkpoint(ck, source, ent[3], ent[2], ent[0])
+                w = read_layer(ent[3], ent[2], ent[0])
                 ent[4] = _as_int4_affine(w).prepack()
                 del w
         formats = {"int4_affine"}
+    if len(formats) > 1:
+        raise _ck.UnsupportedCheckpoint(
+            f"the layers' experts are in formats {sorted(formats)}: one cpumoe backend runs a "
+            f"model, so its layers must share one (int4 and int4_affine mix)")
     kind = formats.pop()
     for name, m, lay, _, packed in layers:
         for pname in EXPERT_PARAMS:
@@ -347,32 +381,25 @@ def _load_quantized(ck, source: str, dtype: torch.dtype, model_class: Any,
         model.set_experts_implementation(_backend_of(kind))
     model.to_empty(device="cpu")
     model.initialize_weights()  # non-persistent buffers (rotary inv_freq), recomputed
+    return model, skip
+
+
+def fill_model(model: Any, skip: set, tensor) -> Any:
+    """Copies ``tensor(key)`` (a numpy array, or None where the source has none) into every
+    tensor of ``model``'s state dict but those in ``skip``; tied tensors may be absent. Raises
+    UnsupportedCheckpoint for a missing tensor or a shape that differs. Returns the model in
+    eval mode."""
     tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
     missing = []
     with torch.no_grad():
         for key, t in model.state_dict().items():
             if key in skip:
                 continue
-            src = _checkpoint_name(ck, key)
-            if src is None and key in tied:
-                continue  # tied to another tensor (tie_weights below)
-            if src is None:
-                missing.append(key)
+            arr = tensor(key)
+            if arr is None:
+                if key not in tied:  # else tied to another tensor (tie_weights below)
+                    missing.append(key)
                 continue
-            if src in ck and ck.dtype(src) == "F8_E4M3":  # an FP8 Linear's weight
-                arr = _ck8.dequantize_fp8_linear(ck, src)
-            elif src in ck:
-                arr = _ck.load_float_tensor(ck, src)  # float, or a W8A8 Linear's int8 weight
-            elif _gptq_linear(src) in ck:  # a GPTQ / AWQ Linear's (qweight, qzeros, scales)
-                module = src[:-len(".weight")]
-                try:
-                    arr = _gptq.dequantize_linear(ck, module)
-                except _ck.UnsupportedCheckpoint as e:
-                    raise _ck.UnsupportedCheckpoint(f"{key}: cannot dequantize the "
-                                                    f"{source.upper()} Linear {module}: "
-                                                    f"{e}") from None
-            else:  # an int4 Linear's (weight_packed)
-                arr = _ck4.dequantize_int4_linear(ck, src[:-len(".weight")])
             if tuple(arr.shape) != tuple(t.shape):
                 raise _ck.UnsupportedCheckpoint(f"{key}: shape {list(arr.shape)} in the "
                                                 f"checkpoint, {list(t.shape)} in the model")
