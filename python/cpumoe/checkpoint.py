@@ -389,6 +389,14 @@ class Checkpoint:
         return e
 
 
+def nibbles(words: np.ndarray) -> np.ndarray:
+    """int32 words [..., M] of 4-bit fields (GPTQ, AWQ, compressed-tensors' packing) -> uint8
+    [..., M, 8]: field i is bits 4i..4i+3 of each word."""
+    b = np.ascontiguousarray(words).astype("<i4", copy=False).view(np.uint8)
+    b = b.reshape(*words.shape, 4)
+    return np.stack([b & 15, b >> 4], axis=-1).reshape(*words.shape, 8)
+
+
 def need_tensor(ck: "Checkpoint", name: str, dtypes: Sequence[str], shape: Sequence[int],
                 missing_hint: str = "", shape_note: str = "") -> None:
     """UnsupportedCheckpoint unless tensor ``name`` is in ``ck`` with one of ``dtypes`` (the

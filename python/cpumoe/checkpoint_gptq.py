@@ -67,7 +67,8 @@ import numpy as np
 
 from . import ops as _ops
 from .checkpoint import (Checkpoint, LoadedExperts, PathLike, UnsupportedCheckpoint,
-                         autogptq_config, expert_modules, need_tensor, open_checkpoint)
+                         autogptq_config, expert_modules, need_tensor, nibbles,
+                         open_checkpoint)
 
 __all__ = ["AWQ_ORDER", "QuantizedLayerWeights", "dequantize_linear", "gptq_awq_config",
            "load_awq_moe_layer", "load_gptq_moe_layer", "load_quantized_moe_layer"]
@@ -217,13 +218,6 @@ def _check_module(sch: _Scheme, module: str, quantized: bool) -> None:
 
 
 # ---------------------------------------------------------------------------- unpacking
-def _nibbles(words: np.ndarray) -> np.ndarray:
-    """int32 [..., M] -> uint8 [..., M, 8]: nibble i is bits 4i..4i+3 of each word."""
-    b = np.ascontiguousarray(words).astype("<i4", copy=False).view(np.uint8)
-    b = b.reshape(*words.shape, 4)
-    return np.stack([b & 15, b >> 4], axis=-1).reshape(*words.shape, 8)
-
-
 def _groups(k: int, g: int) -> Tuple[int, int]:
     """(effective group size, number of groups) of a checkpoint group size over depth k."""
     ge = k if g == -1 else g
@@ -283,7 +277,7 @@ class _Linear:
 
     def zeros(self) -> np.ndarray:
         """int16 [G, n]: the zero points (the stored nibble plus v1's offset)."""
-        nib = _nibbles(self.ck.get(self.module + ".qzeros"))  # [G, n / 8, 8]
+        nib = nibbles(self.ck.get(self.module + ".qzeros"))  # [G, n / 8, 8]
         if self.sch.method == "awq":
             nib = nib[..., list(_AWQ_REVERSE)]
         return nib.reshape(self.G, self.n).astype(np.int16) + self.sch.zero_offset
@@ -301,7 +295,7 @@ class _Linear:
 
     def codes(self) -> np.ndarray:
         """uint8 [n, k]: the 4-bit codes q."""
-        nib = _nibbles(self.ck.get(self.module + ".qweight"))
+        nib = nibbles(self.ck.get(self.module + ".qweight"))
         if self.sch.method == "gptq":  # [k / 8, n, 8] -> [n, k / 8, 8]: k = 8 r + i
             return np.ascontiguousarray(nib.transpose(1, 0, 2)).reshape(self.n, self.k)
         # AWQ: [k, n / 8, 8] in AWQ's order -> [k, n] -> [n, k]

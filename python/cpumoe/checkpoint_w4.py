@@ -43,7 +43,7 @@ import numpy as np
 
 from . import ops as _ops
 from .checkpoint import (Checkpoint, LoadedExperts, PathLike, UnsupportedCheckpoint,
-                         expert_ids_of, expert_modules, need_tensor,
+                         expert_ids_of, expert_modules, need_tensor, nibbles,
                          open_checkpoint, targets_module)
 
 __all__ = ["W4LayerWeights", "dequantize_int4_linear", "int4_scheme_problem",
@@ -127,9 +127,7 @@ def unpack_int4(words: np.ndarray, cols: int) -> np.ndarray:
 
 def _nibbles(words: np.ndarray, cols: int) -> np.ndarray:
     """int32 [rows, ceil(cols / 8)] -> uint8 [rows, cols]: field i of a word is bits 4i..4i+3."""
-    b = np.ascontiguousarray(words).astype("<i4", copy=False).view(np.uint8)
-    b = b.reshape(words.shape[0], -1)
-    return np.stack([b & 15, b >> 4], axis=-1).reshape(words.shape[0], -1)[:, :cols]
+    return nibbles(words).reshape(words.shape[0], -1)[:, :cols]
 
 
 _SYMMETRIC_ZERO = 8  # the stored nibble of zero point 0
@@ -292,9 +290,6 @@ def load_int4_moe_layer(path: Union[PathLike, Checkpoint], layer: int, *,
                 zeros[e, proj] = z
     affine = any(np.any(z != _SYMMETRIC_ZERO) for z in zeros.values())
     if affine:
-        for e in ids:
-            for proj, _ in projs:
-                _finite_scales(ck, mod(e, proj) + ".weight_scale")
         w13 = np.empty((E, 2 * I, H), np.uint8)
         w2 = np.empty((E, H, I), np.uint8)
         s13 = np.empty((E, 2 * I, H // g, 2), np.float32)
@@ -313,8 +308,8 @@ def load_int4_moe_layer(path: Union[PathLike, Checkpoint], layer: int, *,
                                                 (up, ru, w13, s13, b13, H),
                                                 (down, slice(None), w2, s2, b2, I)):
             m = mod(e, proj)
-            s = ck.get_float32(m + ".weight_scale")
             if affine:  # codes: the stored nibbles q + 8; min = -scale * (zp + 8)
+                s = _finite_scales(ck, m + ".weight_scale")
                 wdst[j, rows] = _nibbles(ck.get(m + ".weight_packed"), k)
                 z = zeros.get((e, proj))
                 z = (np.float32(_SYMMETRIC_ZERO) if z is None else z.astype(np.float32))
@@ -322,7 +317,7 @@ def load_int4_moe_layer(path: Union[PathLike, Checkpoint], layer: int, *,
                 sdst[j, rows, :, 1] = np.float32(0) - s * z
             else:
                 wdst[j, rows] = unpack_int4(ck.get(m + ".weight_packed"), k)
-                sdst[j, rows] = s
+                sdst[j, rows] = ck.get_float32(m + ".weight_scale")
             if has_bias:
                 bdst[j, rows] = ck.get_float32(m + ".bias")
     return W4LayerWeights("int4_affine" if affine else "int4", g, w13, w2, s13, s2, b13, b2,

@@ -302,10 +302,8 @@ def _affine_from_zero_points(w13: torch.Tensor, w2: torch.Tensor, s13: torch.Ten
 
 def _nibbles(words: torch.Tensor) -> Any:
     """int32 [..., M] -> uint8 numpy [..., M, 8]: nibble i is bits 4i..4i+3 of each word."""
-    import numpy as np
-    b = np.ascontiguousarray(words.numpy()).astype("<i4", copy=False).view(np.uint8)
-    b = b.reshape(*words.shape, 4)
-    return np.stack([b & 15, b >> 4], axis=-1).reshape(*words.shape, 8)
+    from cpumoe.checkpoint import nibbles
+    return nibbles(words.numpy())
 
 
 def gptq_awq_layer(method: str, w13_qweight: torch.Tensor, w2_qweight: torch.Tensor,
