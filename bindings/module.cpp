@@ -423,8 +423,12 @@ PYBIND11_MODULE(_C, m) {
 
   def_packed<PackedMoe>(m);
   def_packed<PackedMoeBf16>(m);
-  def_packed<PackedMoeW4>(m).def_property_readonly(
-      "group_size", [](py::handle h) { return packed_of<PackedMoeW4>(h)->group_size(); });
+  def_packed<PackedMoeW4>(m)
+      .def_property_readonly(
+          "group_size", [](py::handle h) { return packed_of<PackedMoeW4>(h)->group_size(); })
+      .def_property_readonly("act_quant", [](py::handle h) {
+        return packed_of<PackedMoeW4>(h)->act_quant() == ActQuant::group ? "group" : "row";
+      });
   def_packed<PackedMoeFp8>(m).def_property_readonly("block_size", [](py::handle h) {
     const auto p = packed_of<PackedMoeFp8>(h);
     return py::make_tuple(p->block_n(), p->block_k());
@@ -468,8 +472,11 @@ PYBIND11_MODULE(_C, m) {
       [](int64_t E, int64_t H, int64_t I, const std::string& format, int64_t group, uintptr_t w13,
          uintptr_t w2, uintptr_t s13, uintptr_t s2, uintptr_t b13, const std::string& b13_dtype,
          uintptr_t b2, const std::string& b2_dtype, std::optional<std::string> isa,
-         int num_threads) {
+         int num_threads, const std::string& act_quant) {
         MoeWeightsW4 w;
+        if (act_quant != "row" && act_quant != "group")
+          throw ArgumentError("act_quant: must be 'row' or 'group', got '" + act_quant + "'");
+        w.act_quant = act_quant == "group" ? ActQuant::group : ActQuant::row;
         w.num_experts = E;
         w.hidden = H;
         w.intermediate = I;
@@ -494,7 +501,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("E"), py::arg("H"), py::arg("I"), py::arg("format"), py::arg("group"),
       py::arg("w13"), py::arg("w2"), py::arg("s13"), py::arg("s2"), py::arg("b13"),
       py::arg("b13_dtype"), py::arg("b2"), py::arg("b2_dtype"), py::arg("isa"),
-      py::arg("num_threads"),
+      py::arg("num_threads"), py::arg("act_quant") = "row",
       "Packs 4-bit expert weights of a q4gemm format (formats()) in its input form "
       "(addresses of contiguous buffers).");
 

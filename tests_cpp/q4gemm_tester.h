@@ -36,13 +36,16 @@ class Q4GemmTester {
   /// Every code c and A all `a` (the int32-range test at the largest |value|).
   Q4GemmTester& constant(int8_t a, uint8_t c) { const_ = true; ca_ = a; cc_ = c; return *this; }
   Q4GemmTester& offsets(bool v) { offsets_ = v; return *this; }
+  /// Activations quantized per group: an lhs_group_scale per row and group (random, with
+  /// tiny and huge values among them), beside the row scales.
+  Q4GemmTester& group_scales(bool v) { gscale_ = v; return *this; }
   Q4GemmTester& seed(uint32_t v) { seed_ = v; return *this; }
 
   void Test(const cpumoe::Q4GemmUkernel& kern) const {
     using cpumoe::W4Format;
     const bool mx = w_.format == W4Format::mxfp4;
     SCOPED_TRACE(testing::Message() << kern.name << " " << cpumoe::w4_format_name(w_.format)
-                                    << " g=" << w_.group << " m=" << m_ << " n=" << n_
+                                    << (gscale_ ? " group scales" : "") << " g=" << w_.group << " m=" << m_ << " n=" << n_
                                     << " k=" << k_);
     ASSERT_EQ(k_ % w_.group, 0) << "bad test shape";
     std::mt19937 rng(seed_ ^ uint32_t(m_ * 7919 + n_ * 104729 + k_ * 31 + w_.group));
@@ -108,11 +111,17 @@ class Q4GemmTester {
     std::uniform_real_distribution<float> dl(1e-4f, 2.0f), db(-5.0f, 5.0f);
     for (auto& v : ls) v = dl(rng);
     for (auto& v : bias) v = db(rng);
+    std::vector<float> gs(gscale_ ? size_t(m_ * groups) : 0);
+    for (size_t i = 0; i < gs.size(); ++i) {
+      const int pick = int(rng() % 16);
+      gs[i] = pick == 0 ? 1e-30f : pick == 1 ? 1e30f : dl(rng);
+    }
+    const float* gsp = gscale_ ? gs.data() : nullptr;
     std::vector<float> want_nb(size_t(m_ * n_)), want_b(size_t(m_ * n_));
     cpumoe_ref::gemm_w4(m_, n_, k_, w_.format, w_.group, a.data(), k_, codes.data(), ldc,
-                        scales.data(), lds, ls.data(), nullptr, want_nb.data(), n_);
+                        scales.data(), lds, ls.data(), nullptr, want_nb.data(), n_, gsp);
     cpumoe_ref::gemm_w4(m_, n_, k_, w_.format, w_.group, a.data(), k_, codes.data(), ldc,
-                        scales.data(), lds, ls.data(), bias.data(), want_b.data(), n_);
+                        scales.data(), lds, ls.data(), bias.data(), want_b.data(), n_, gsp);
 
     std::vector<Block> blocks{{0, m_, 0, n_}};
     if (offsets_) add_offset_blocks(kern, m_, n_, rng, &blocks);
@@ -131,7 +140,8 @@ class Q4GemmTester {
         GuardedBuffer scratch(sbytes);
         const cpumoe::Q4GemmEpilogue ep{ls.data() + blk.m0,
                                         with_bias ? bias.data() + blk.n0 : nullptr, kind == 2,
-                                        sbytes > 0 ? scratch.data() : nullptr};
+                                        sbytes > 0 ? scratch.data() : nullptr,
+                                        gscale_ ? gs.data() + blk.m0 * groups : nullptr};
         std::vector<float> df_store(size_t((m_ + 1) * ldd) + 16, kSentinel);
         float* df = df_store.data() +
                     (16 - (reinterpret_cast<uintptr_t>(df_store.data()) / 4) % 16) % 16;
@@ -158,7 +168,7 @@ class Q4GemmTester {
   static constexpr float kSentinel = -12345.678f;
   cpumoe::W4Layout w_{};
   int64_t m_ = 1, n_ = 1, k_ = 32;
-  bool extreme_ = false, const_ = false, offsets_ = true;
+  bool extreme_ = false, const_ = false, offsets_ = true, gscale_ = false;
   int8_t ca_ = 0;
   uint8_t cc_ = 0;
   uint32_t seed_ = 42;

@@ -62,6 +62,21 @@ TEST_P(Q4GemmKernelTest, SmallShapes) {
         }
 }
 
+// Activations quantized per group (lhs_group_scale): every format and group, tile edges in m
+// and n, one to three groups, the scales with tiny and huge values among them.
+TEST_P(Q4GemmKernelTest, GroupScales) {
+  for (const Fmt& fm : kFormats)
+    for (int64_t groups : {1, 3})
+      for (int64_t m : {1, 2, 4, 5, 8, 9, 17})
+        for (int64_t n : {3, 8, 17, 33}) {
+          Q4GemmTester().format(fm.f).group(fm.g).m(m).n(n).k(groups * fm.g).group_scales(true)
+              .Test(kernel());
+          if (HasFatalFailure()) return;
+        }
+  Q4GemmTester().format(W4Format::int4).group(12288).m(3).n(10).k(24576).group_scales(true)
+      .offsets(false).Test(kernel());
+}
+
 // Group sizes beyond 128 (any multiple of 32 that divides K) and real depths: gpt-oss's 2880
 // (groups of 32 and 64), Qwen3's 2048 and 768.
 TEST_P(Q4GemmKernelTest, DeepKAndOtherGroups) {

@@ -49,8 +49,9 @@ def w4_weights(fmt, E, H, I, g=32, seed=0):
 
 class W4Problem:
     def __init__(self, backend, fmt, T, E, k, H, I, g=32, dtype="float32", activation="silu",
-                 bias=False, seed=0):
+                 bias=False, seed=0, act_quant="row"):
         self.B, self.fmt, self.g, self.activation = backend, fmt, g, activation
+        self.act_quant = act_quant
         rng = np.random.default_rng([seed, T, E, k, H, I])
         self.T, self.H = T, H
         self.weights, biases = w4_weights(fmt, E, H, I, g)
@@ -62,6 +63,7 @@ class W4Problem:
 
     def prepack(self, **kw):
         w = [self.B.asarray(a, copy=False) for a in self.weights]
+        kw.setdefault("act_quant", self.act_quant)
         if self.fmt == "mxfp4":
             return cpumoe.prepack_mxfp4(*w, *self.biases, **kw)
         prepack = (cpumoe.prepack_int4_affine if self.fmt == "int4_affine"
@@ -76,11 +78,12 @@ class W4Problem:
         b13, b2 = self.biases
         if self.fmt == "mxfp4":
             return R.ref_fused_moe_mxfp4(self.x, *self.weights, self.tw, self.ids,
-                                         activation=self.activation, b13=b13, b2=b2)
+                                         activation=self.activation, b13=b13, b2=b2,
+                                         act_quant=self.act_quant)
         ref = (R.ref_fused_moe_int4_affine if self.fmt == "int4_affine"
                else R.ref_fused_moe_int4)
         return ref(self.x, *self.weights, self.tw, self.ids, activation=self.activation,
-                   b13=b13, b2=b2, group_size=self.g)
+                   b13=b13, b2=b2, group_size=self.g, act_quant=self.act_quant)
 
 
 FORMATS = (("int4", 32), ("int4", 64), ("int4", 128), ("mxfp4", 32), ("int4_affine", 32),
@@ -108,6 +111,61 @@ def test_matches_reference_on_every_path(backend, case):
     for path in cpumoe.available_paths(case["fmt"])[1:]:
         other = p.run(p.prepack(isa=path))
         assert np.array_equal(backend.bits(other), backend.bits(out)), f"path {path} differs"
+
+
+GROUP_CASES = [pytest.param(dict(fmt=f, g=g, T=s[0], E=s[1], k=s[2], H=s[3], I=s[4], dtype=dt,
+                                 activation=act, bias=i % 2 == 0),
+                            id=f"{f}-g{g}-T{s[0]}-{dt}-{act}")
+               for i, ((f, g), dt, act) in enumerate(itertools.product(
+                   FORMATS, ("float32", "bfloat16"), ("silu", "swigluoai")))
+               if i % 2 == 0 or f == "int4_affine"
+               for s in (SHAPES[i % len(SHAPES)],)]
+
+
+@pytest.mark.parametrize("case", GROUP_CASES)
+def test_group_activations_match_reference_on_every_path(backend, case):
+    """act_quant="group": the activations quantized per weight group, against the reference
+    of that mode, the same bits on every path; and not the row mode's result."""
+    p = W4Problem(backend, act_quant="group", **case)
+    packed = p.prepack()
+    assert packed.act_quant == "group"
+    out = p.run(packed)
+    assert_moe_close(backend, out, p.reference())
+    for path in cpumoe.available_paths(case["fmt"])[1:]:
+        other = p.run(p.prepack(isa=path))
+        assert np.array_equal(backend.bits(other), backend.bits(out)), f"path {path} differs"
+    if max(case["H"], case["I"]) > case["g"]:  # else one group per row: the row mode
+        by_row = p.run(p.prepack(act_quant="row"))
+        assert not np.array_equal(backend.bits(by_row), backend.bits(out))
+
+
+def test_group_activations_are_closer_to_the_float_layer(backend):
+    """Tokens whose magnitudes vary along H (a few large channels, as real hidden states
+    have): per-group scales keep the small channels that one row scale rounds away."""
+    p = W4Problem(backend, "int4", 32, 8, 2, 256, 256, g=32, seed=3)
+    x = backend.numpy(p.x).astype(np.float32)
+    x[:, ::37] *= 30.0  # outlier channels
+    p.x = backend.asarray(x)
+    w13, w2, s13, s2 = p.weights
+    f13 = w13.astype(np.float32) * np.repeat(s13, 32, axis=-1)
+    f2 = w2.astype(np.float32) * np.repeat(s2, 32, axis=-1)
+    exact = R.ref_fused_moe_bf16(x, f13, f2, backend.numpy(p.tw), backend.numpy(p.ids))
+    exact = np.asarray(exact, np.float64)
+    err = {}
+    for mode in ("row", "group"):
+        out = backend.numpy(p.run(p.prepack(act_quant=mode))).astype(np.float64)
+        err[mode] = np.linalg.norm(out - exact) / np.linalg.norm(exact)
+    assert err["group"] < 0.8 * err["row"], err
+
+
+def test_act_quant_errors(backend):
+    p = W4Problem(backend, "int4", 1, 2, 1, 128, 128)
+    with pytest.raises(ValueError, match="act_quant: must be 'row' or 'group'"):
+        p.prepack(act_quant="token")
+    with pytest.raises(ValueError, match="act_quant"):
+        R.ref_fused_moe_int4(np.ones((1, 128), np.float32), *p.weights, np.ones((1, 1),
+                             np.float32), np.zeros((1, 1), np.int32), act_quant="col")
+    assert p.prepack().act_quant == "row"
 
 
 @pytest.mark.skipif(bool(os.environ.get("QEMU_CPU")),

@@ -26,19 +26,34 @@ struct Family<QGemmUkernel> {
 
   // Whether x of dtype dt serves as GEMM input rows as it is.
   static bool x_in_place(DType) { return false; }
-  // Step 1: token row x (n elements of dt) -> q, *scale.
+  // Step 1: token row x (n elements of dt) -> q, *scale. With groups > 0 (ActQuant::group: see
+  // act_groups), one scale per n / groups values into gscale, and *scale = 1 (exact in the
+  // epilogue's multiply).
   static void input_row(const RowOps& ro, const void* x, DType dt, int64_t n, Elem* q,
-                        float* scale) {
-    *scale = ro.quantize(x, dt, n, q);
+                        float* scale, float* gscale, int64_t groups) {
+    if (groups == 0) {
+      *scale = ro.quantize(x, dt, n, q);
+      return;
+    }
+    const int64_t g = n / groups, bytes = g * dtype_size(dt);
+    for (int64_t gi = 0; gi < groups; ++gi)
+      gscale[gi] = ro.quantize(static_cast<const uint8_t*>(x) + gi * bytes, dt, g, q + gi * g);
+    *scale = 1.0f;
   }
   // Step 3: the scale of a gathered row.
   static void gather_scale(float* dst, const float* src) { *dst = *src; }
-  // Step 5: GEMM1 row h (2 * inter values) -> q, *scale, through tmp (inter floats).
+  // Step 5: GEMM1 row h (2 * inter values) -> q, *scale, through tmp (inter floats); groups
+  // and gscale as input_row.
   static void activate(const RowOps& ro, const ActivationSpec& act, const float* h, int64_t inter,
-                       DType dt, float* tmp, Elem* q, float* scale) {
+                       DType dt, float* tmp, Elem* q, float* scale, float* gscale,
+                       int64_t groups) {
     const float amax = ro.activate_round(act, h, inter, dt, tmp);  // the row rounded to dt
     CPUMOE_BENCH_STEP(bench_hooks::requant);
-    *scale = ro.quantize_with_amax(tmp, inter, amax, q);
+    if (groups == 0) {
+      *scale = ro.quantize_with_amax(tmp, inter, amax, q);
+      return;
+    }
+    input_row(ro, tmp, DType::f32, inter, q, scale, gscale, groups);
   }
   // The output-channel scales of expert e's w13 / w2.
   static const float* scale13(const Packed& pk, int64_t e) { return pk.s13(e); }
@@ -57,17 +72,24 @@ struct Family<QGemmUkernel> {
   static int64_t groups(const AnyPacked*, int64_t) {
     return 0;
   }
-  // Row q's group sums (groups(pk, depth) of them) into out.
+  // Scales per GEMM input row of depth `depth` (ActQuant::group), 0 for one per row.
   template <class AnyPacked>
-  static void sums(const RowOps&, const AnyPacked&, const Elem*, int64_t, float*) {}
-  // One task's GEMM with its epilogue; row_scale and sums (the rows' group sums, when groups
-  // says there are) at the task's first row, col_scale and bias (nullable) at the expert's
-  // column 0; scratch: the thread's kernel_scratch bytes.
+  static int64_t act_groups(const AnyPacked*, int64_t) {
+    return 0;
+  }
+  // Row q's group sums (groups(pk, depth) of them) into out, each times its group scale when
+  // gscale (the row's act_groups scales) is given.
+  template <class AnyPacked>
+  static void sums(const RowOps&, const AnyPacked&, const Elem*, int64_t, float*, const float*) {}
+  // One task's GEMM with its epilogue; row_scale, gscale (the rows' group scales, when
+  // act_groups says there are, else nullptr) and sums (the rows' group sums, when groups says
+  // there are) at the task's first row, col_scale and bias (nullable) at the expert's column 0;
+  // scratch: the thread's kernel_scratch bytes.
   // stream: dst is large and read only later (QGemmEpilogue::stream_dst).
   static void run(const QGemmUkernel& kern, const Packed&, const Task& tk, int64_t depth,
                   const float*, const void* lhs, const void* rhs, float* dst, int64_t dst_stride,
-                  const float* row_scale, const float* col_scale, const float* bias, void*,
-                  bool stream = false) {
+                  const float* row_scale, const float*, const float* col_scale,
+                  const float* bias, void*, bool stream = false) {
     const QGemmEpilogue ep{row_scale, col_scale + tk.n0, bias ? bias + tk.n0 : nullptr, stream};
     kern.run_f32(tk.m, tk.n, depth, lhs, rhs, dst, dst_stride, ep);
   }
@@ -79,12 +101,13 @@ struct Family<BGemmUkernel> {
   using Packed = PackedMoeBf16;
 
   static bool x_in_place(DType dt) { return dt == DType::bf16; }
-  static void input_row(const RowOps& ro, const void* x, DType dt, int64_t n, Elem* q, float*) {
+  static void input_row(const RowOps& ro, const void* x, DType dt, int64_t n, Elem* q, float*,
+                        float*, int64_t) {
     ro.to_bf16(x, dt, n, q);
   }
   static void gather_scale(float*, const float*) {}
   static void activate(const RowOps& ro, const ActivationSpec& act, const float* h, int64_t inter,
-                       DType, float*, Elem* q, float*) {
+                       DType, float*, Elem* q, float*, float*, int64_t) {
     ro.activate_bf16(act, h, inter, q);
   }
   static const float* scale13(const Packed&, int64_t) { return nullptr; }
@@ -100,10 +123,14 @@ struct Family<BGemmUkernel> {
     return 0;
   }
   template <class AnyPacked>
-  static void sums(const RowOps&, const AnyPacked&, const Elem*, int64_t, float*) {}
+  static int64_t act_groups(const AnyPacked*, int64_t) {
+    return 0;
+  }
+  template <class AnyPacked>
+  static void sums(const RowOps&, const AnyPacked&, const Elem*, int64_t, float*, const float*) {}
   static void run(const BGemmUkernel& kern, const Packed&, const Task& tk, int64_t depth,
                   const float*, const void* lhs, const void* rhs, float* dst, int64_t dst_stride,
-                  const float*,
+                  const float*, const float*,
                   const float*, const float* bias, void*, bool = false) {
     kern.run_f32(tk.m, tk.n, depth, lhs, rhs, dst, dst_stride, bias ? bias + tk.n0 : nullptr);
   }
@@ -150,18 +177,29 @@ struct Family<Q4GemmUkernel> : Family<QGemmUkernel> {
     if (pk == nullptr) return depth / kW4GroupMultiple;
     return pk->format() == W4Format::int4_affine ? depth / pk->group_size() : 0;
   }
-  static void sums(const RowOps& ro, const Packed& pk, const Elem* q, int64_t depth, float* out) {
+  // ActQuant::group: a scale per weight group of every input row; pk == nullptr: the most any
+  // layer of these sizes has.
+  static int64_t act_groups(const Packed* pk, int64_t depth) {
+    if (pk == nullptr) return depth / kW4GroupMultiple;
+    return pk->act_quant() == ActQuant::group ? depth / pk->group_size() : 0;
+  }
+  // The group sums times the group scales (when given): the offsets' term then needs no row
+  // scale (which is 1 with group scales).
+  static void sums(const RowOps& ro, const Packed& pk, const Elem* q, int64_t depth, float* out,
+                   const float* gscale) {
     ro.group_sums(q, depth, pk.group_size(), out);
+    if (gscale != nullptr)
+      for (int64_t gi = 0; gi < depth / pk.group_size(); ++gi) out[gi] = out[gi] * gscale[gi];
   }
   // int4_affine: the group offsets added after the kernel (dst not streamed past the caches:
   // it is read right back). Calls in column blocks, to add each block's offsets while it is in
   // L1, measured slower (Qwen3 T=128, AVX-512: 12.3-13.2 ms against 11.9-12.2).
   static void run(const Q4GemmUkernel& kern, const Packed& pk, const Task& tk, int64_t depth,
                   const float* sums, const void* lhs, const void* rhs, float* dst,
-                  int64_t dst_stride, const float* row_scale, const float* offsets,
-                  const float* bias, void* scratch, bool stream = false) {
+                  int64_t dst_stride, const float* row_scale, const float* gscale,
+                  const float* offsets, const float* bias, void* scratch, bool stream = false) {
     const Q4GemmEpilogue ep{row_scale, bias ? bias + tk.n0 : nullptr,
-                            stream && offsets == nullptr, scratch};
+                            stream && offsets == nullptr, scratch, gscale};
     kern.run_f32(tk.m, tk.n, depth, pk.layout(), lhs, rhs, dst, dst_stride, ep);
     if (offsets != nullptr)
       pk.config().rowops->add_group_offsets(tk.m, tk.n0, tk.n, depth / pk.group_size(), sums,
@@ -197,7 +235,7 @@ struct Family<F8GemmUkernel> : Family<BGemmUkernel> {
   }
   static void run(const F8GemmUkernel& kern, const Packed& pk, const Task& tk, int64_t depth,
                   const float*, const void* lhs, const void* rhs, float* dst, int64_t dst_stride,
-                  const float*,
+                  const float*, const float*,
                   const float*, const float* bias, void* scratch, bool stream = false) {
     const F8GemmEpilogue ep{bias ? bias + tk.n0 : nullptr, stream, scratch};
     kern.run_f32(tk.m, tk.n, depth, pk.layout(), lhs, rhs, dst, dst_stride, ep);

@@ -50,6 +50,8 @@ size_t scratch_bound(const MoeConfig<Kernel>& cfg, const typename Family<Kernel>
                             resolve_threads(num_threads), kscratch);
   s.groups1 = Family<Kernel>::groups(pk, hidden);
   s.groups2 = Family<Kernel>::groups(pk, intermediate);
+  s.agroups1 = Family<Kernel>::act_groups(pk, hidden);
+  s.agroups2 = Family<Kernel>::act_groups(pk, intermediate);
   size_t bound = plan(s).total;
   if (cfg.tiles.fuse_gemm1 && cfg.tiles.fuse_gemm2) {
     // A call with fewer slots may lay y out apart (at most kFusedGemm2MaxY bytes) after the

@@ -208,6 +208,9 @@ const MoeWeightsW4& checked(const MoeWeightsW4& w) {
   W4Format known;
   if (!w4_format_of(weight_format_of(w.format), &known))
     fail("format: must be one of " + weight_format_names(KernelFamily::q4gemm));
+  if (w.act_quant != ActQuant::row && w.act_quant != ActQuant::group)
+    fail("act_quant: must be ActQuant::row or ActQuant::group, got " +
+         std::to_string(int32_t(w.act_quant)));
   const bool mx = w.format == W4Format::mxfp4;
   const bool affine = w.format == W4Format::int4_affine;
   const int64_t g = w.group_size;
@@ -366,7 +369,8 @@ PackedMoeW4::PackedMoeW4(const MoeWeightsW4& w, const MoeConfig<Q4GemmUkernel>& 
                          int num_threads)
     : PackedExperts(checked(w).num_experts, w.hidden, w.intermediate, config,
                     W4Packer(config.gemm, w), w.b13, w.b13_dtype, w.b2, w.b2_dtype, num_threads),
-      layout_{w4_kernel_format(w.format), w.group_size}, format_(w.format) {
+      layout_{w4_kernel_format(w.format), w.group_size}, format_(w.format),
+      act_quant_(w.act_quant) {
   if (format_ != W4Format::int4_affine) return;
   const int64_t E = w.num_experts, H = w.hidden, I = w.intermediate, g = w.group_size;
   o13_stride_ = group_offset_floats(2 * I, H, g);

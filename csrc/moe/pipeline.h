@@ -3,7 +3,8 @@
 // output element is computed by exactly one task in a fixed order, so results do not depend on
 // the thread count):
 //   route: stable counting sort of the tc*k slots by expert, then the scratch layout
-//   1. quantize each token once                        xq [tc, H] int8, xs [tc]  (bf16: xq bf16)
+//   1. quantize each token once                        xq [tc, H] int8, xs [tc]  (bf16: xq bf16;
+//      ActQuant::group: xgs [tc, H / g] too, xs 1)
 //   3. gather + pack each active expert's token rows for the kernel
 //   4. GEMM1 tasks (expert, row chunk, column tile)     h [P, 2I] fp32 (P slots, in expert order)
 //   5. activation, round to the input dtype, requantize qa [P, I] int8, sa [P]  (bf16: round to
@@ -49,6 +50,8 @@ class Pipeline {
                           F::kernel_scratch(kern, &p, max_call_rows(tp, kern.mr, tc, k), H, I))) {
     sizes.groups1 = F::groups(&p, H);
     sizes.groups2 = F::groups(&p, I);
+    sizes.agroups1 = F::act_groups(&p, H);
+    sizes.agroups2 = F::act_groups(&p, I);
   }
 
   // The phases in order; the one bench-hook phase marker stands here.
@@ -121,13 +124,19 @@ class Pipeline {
     return nt;
   }
 
+  // Row p's group scales in a [rows, groups] buffer at `at_`, nullptr when there are none.
+  float* group_scales(size_t at_, int64_t groups, int64_t p) const {
+    return groups > 0 ? at<float>(at_) + p * groups : nullptr;
+  }
+
   // 1. Quantize (bf16: round) each token once. A bf16 x is used in place.
   void quantize_x() {
     if (x_in_place) return;
     Elem* xq = at<Elem>(pl.xq);
     float* xs = at<float>(pl.xs);
     parallel_rows(tc, H, threads, [&](int64_t t, int) {
-      F::input_row(ro, x_row(t), c.dtype, H, xq + t * H, xs + t);
+      F::input_row(ro, x_row(t), c.dtype, H, xq + t * H, xs + t,
+                   group_scales(pl.xgs, sizes.agroups1, t), sizes.agroups1);
     });
   }
 
@@ -154,23 +163,28 @@ class Pipeline {
       const int64_t t = r.token_of[p];
       rows[p] = x_in_place ? reinterpret_cast<const Elem*>(x_row(t)) : xq + t * H;
       F::gather_scale(row_scale + p, xs + t);
+      if (sizes.agroups1 > 0)
+        std::copy_n(group_scales(pl.xgs, sizes.agroups1, t), sizes.agroups1,
+                    group_scales(pl.gs1, sizes.agroups1, p));
     }
     if (sizes.groups1 > 0) {
       float* sums1 = at<float>(pl.sums1);
       parallel_rows(r.P, H, threads, [&](int64_t p, int) {
-        F::sums(ro, pk, rows[p], H, sums1 + p * sizes.groups1);
+        F::sums(ro, pk, rows[p], H, sums1 + p * sizes.groups1,
+                group_scales(pl.gs1, sizes.agroups1, p));
       });
     }
     pack_rows(H, pl.lhs1, pl.off1);
   }
 
   // One GEMM over the tasks at tasks_at: dst [P, n] from the packed rows of depth `depth`.
-  // sums: the input rows' group sums ([P, groups]; groups 0: none).
+  // sums: the input rows' group sums ([P, groups]; groups 0: none); gs_at: their group scales
+  // ([P, agroups]; agroups 0: none).
   template <class WeightsOf, class ScaleOf, class BiasOf>
   void gemm(int64_t n, int64_t depth, size_t lhs_at, size_t off_at, size_t tasks_at,
-            int64_t n_tasks, const float* row_scale, const float* sums, int64_t groups,
-            float* dst, const WeightsOf& weights, const ScaleOf& scale, const BiasOf& bias,
-            bool stream = false) const {
+            int64_t n_tasks, const float* row_scale, size_t gs_at, int64_t agroups,
+            const float* sums, int64_t groups, float* dst, const WeightsOf& weights,
+            const ScaleOf& scale, const BiasOf& bias, bool stream = false) const {
     const uint8_t* lhs = at<uint8_t>(lhs_at);
     const size_t* off = at<size_t>(off_at);
     Task* tasks = at<Task>(tasks_at);
@@ -182,7 +196,8 @@ class Pipeline {
       const uint8_t* rp =
           static_cast<const uint8_t*>(weights(tk.e)) + F::rhs_offset(kern, pk, tk.n0, depth);
       F::run(kern, pk, tk, depth, sums + row0 * groups, lp, rp, dst + row0 * n + tk.n0, n,
-             row_scale + row0, scale(tk.e), bias(tk.e), kernel_scratch(tid), stream);
+             row_scale + row0, group_scales(gs_at, agroups, row0), scale(tk.e), bias(tk.e),
+             kernel_scratch(tid), stream);
       // The task's work for the bench hooks: multiply-adds over the kernel's padded tiles.
       return round_up(tk.m, kern.mr) * round_up(tk.n, kern.nr) * round_up(depth, kern.kr);
     });
@@ -194,8 +209,8 @@ class Pipeline {
       gemm1_activate_pack();
       return;
     }
-    gemm(2 * I, H, pl.lhs1, pl.off1, pl.tasks1, sizes.tasks1, at<float>(pl.row_scale),
-         at<float>(pl.sums1), sizes.groups1, at<float>(pl.h), [&](int64_t e) { return pk.w13(e); },
+    gemm(2 * I, H, pl.lhs1, pl.off1, pl.tasks1, sizes.tasks1, at<float>(pl.row_scale), pl.gs1,
+         sizes.agroups1, at<float>(pl.sums1), sizes.groups1, at<float>(pl.h), [&](int64_t e) { return pk.w13(e); },
          [&](int64_t e) { return F::scale13(pk, e); }, [&](int64_t e) { return pk.b13(e); });
   }
 
@@ -227,13 +242,15 @@ class Pipeline {
       float* ht = thread_h ? h + int64_t(tid) * rows_per * 2 * I : h + row0 * 2 * I;
       F::run(kern, pk, tk, H, sums1 + row0 * sizes.groups1,
              lhs1 + off1[tk.e] + kern.lhs_packed_offset(tk.m0, H), pk.w13(tk.e), ht, 2 * I,
-             row_scale + row0, F::scale13(pk, tk.e), pk.b13(tk.e), kernel_scratch(tid));
+             row_scale + row0, group_scales(pl.gs1, sizes.agroups1, row0),
+             F::scale13(pk, tk.e), pk.b13(tk.e), kernel_scratch(tid));
       for (int64_t p = 0; p < tk.m; ++p) {
+        float* gs = group_scales(pl.gs2, sizes.agroups2, row0 + p);
         F::activate(ro, c.activation, ht + p * 2 * I, I, c.dtype, tmp + int64_t(tid) * I,
-                    qa + (row0 + p) * I, sa + row0 + p);
+                    qa + (row0 + p) * I, sa + row0 + p, gs, sizes.agroups2);
         rows[row0 + p] = qa + (row0 + p) * I;
         if (sizes.groups2 > 0)
-          F::sums(ro, pk, qa + (row0 + p) * I, I, sums2 + (row0 + p) * sizes.groups2);
+          F::sums(ro, pk, qa + (row0 + p) * I, I, sums2 + (row0 + p) * sizes.groups2, gs);
       }
       uint8_t* lp2 = lhs2 + off2[tk.e] + kern.lhs_packed_offset(tk.m0, I);
       kern.pack_lhs(tk.m, I, rows + row0, lp2);
@@ -241,7 +258,8 @@ class Pipeline {
       if (fused2) {  // GEMM2 of these rows, all H columns (a task of phase 6 spanning them all)
         const Task t2{tk.e, tk.m0, tk.m, 0, H};
         F::run(kern, pk, t2, I, sums2 + row0 * sizes.groups2, lp2, pk.w2(tk.e), y + row0 * H, H,
-               sa + row0, F::scale2(pk, tk.e), pk.b2(tk.e), kernel_scratch(tid));
+               sa + row0, group_scales(pl.gs2, sizes.agroups2, row0), F::scale2(pk, tk.e),
+               pk.b2(tk.e), kernel_scratch(tid));
         work += round_up(tk.m, kern.mr) * round_up(H, kern.nr) * round_up(I, kern.kr);
       }
       return work;
@@ -259,9 +277,10 @@ class Pipeline {
     // work: the activation's polynomials cost several elements' worth per output.
     parallel_rows(r.P, 8 * I, threads, [&](int64_t p, int tid) {
       CPUMOE_BENCH_STEP(bench_hooks::activation);
+      float* gs = group_scales(pl.gs2, sizes.agroups2, p);
       F::activate(ro, c.activation, h + p * 2 * I, I, c.dtype, tmp + int64_t(tid) * I,
-                  qa + p * I, sa + p);
-      if (sizes.groups2 > 0) F::sums(ro, pk, qa + p * I, I, sums2 + p * sizes.groups2);
+                  qa + p * I, sa + p, gs, sizes.agroups2);
+      if (sizes.groups2 > 0) F::sums(ro, pk, qa + p * I, I, sums2 + p * sizes.groups2, gs);
     });
   }
 
@@ -281,7 +300,8 @@ class Pipeline {
     // L2, its lines go past the caches rather than evicting the weights (the hint).
     // (Measured, AMX, one thread, Qwen3 T=2048: 240 -> 197 ms median of 3; T=512: neutral.)
     const bool stream = size_t(r.P) * size_t(H) * sizeof(float) >= kStreamBytes;
-    gemm(H, I, pl.lhs2, pl.off2, pl.tasks2, sizes.tasks2, at<float>(pl.sa), at<float>(pl.sums2),
+    gemm(H, I, pl.lhs2, pl.off2, pl.tasks2, sizes.tasks2, at<float>(pl.sa), pl.gs2,
+         sizes.agroups2, at<float>(pl.sums2),
          sizes.groups2, at<float>(pl.y),
          [&](int64_t e) { return pk.w2(e); }, [&](int64_t e) { return F::scale2(pk, e); },
          [&](int64_t e) { return pk.b2(e); }, stream);

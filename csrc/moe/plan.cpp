@@ -42,6 +42,8 @@ ChunkPlan plan(const ChunkSizes& s) {
   p.h = take(mul(s.P, mul(2, s.I)), 4);
   p.qa = take(mul(s.P, s.I), size_t(s.elem));
   p.tmp = take(mul(s.threads, s.I), 4);
+  p.xgs = take(mul(s.tc, s.agroups1), 4);
+  p.gs1 = take(mul(s.P, s.agroups1), 4);
   const size_t dead_end = at;
   if (s.y_apart > 0) {
     p.y = take(int64_t(s.y_apart), 1);
@@ -57,6 +59,7 @@ ChunkPlan plan(const ChunkSizes& s) {
   p.accs = take(mul(s.threads, s.H), 4);
   p.sums1 = take(mul(s.P, s.groups1), 4);
   p.sums2 = take(mul(s.P, s.groups2), 4);
+  p.gs2 = take(mul(s.P, s.agroups2), 4);
   // After y: GEMM2 writes y while its kernels use this.
   p.kscratch = take(mul(s.threads, int64_t(s.kscratch)), 1);
   p.total = at;

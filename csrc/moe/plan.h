@@ -34,6 +34,9 @@ struct ChunkSizes {
   // Affine weights (int4_affine): group sums per GEMM1 / GEMM2 input row (Family::groups), 0
   // for the other formats.
   int64_t groups1 = 0, groups2 = 0;
+  // Activations quantized per group (ActQuant::group): scales per GEMM1 / GEMM2 input row
+  // (Family::act_groups), 0 for one scale per row.
+  int64_t agroups1 = 0, agroups2 = 0;
 };
 
 // Largest y (bytes) laid out apart for fuse_gemm2: decode and small batches, where the barrier
@@ -47,9 +50,11 @@ constexpr size_t kFusedGemm2MaxY = size_t(2) << 20;
 struct ChunkPlan {
   size_t count, first, fill, active, pos_of, token_of, route_end;
   size_t xq, xs, rows, row_scale, off1, lhs1, tasks1, h, qa, tmp;  // phases 1-5
+  size_t xgs, gs1;  // [tc, agroups1] / [P, agroups1] fp32 group scales: written in 1 / 3, read in 4
   size_t y;  // phases 6-7, over the above (or after them: y_apart)
   size_t sa, off2, lhs2, tasks2, accs;                              // written in 5 / 6, read after
   size_t sums1, sums2;  // [P, groups1] / [P, groups2] fp32: written in 3 / 5, read in 4 / 6
+  size_t gs2;           // [P, agroups2] fp32 group scales: written in 5, read in 6
   size_t kscratch;  // thread tid's kernel scratch at kscratch + tid * ChunkSizes::kscratch (4-6)
   size_t total;
 };

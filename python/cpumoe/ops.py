@@ -279,7 +279,7 @@ def _int_arg(name: str, v: Any, low: int) -> int:
 
 def prepack_int4(w13: Any, w2: Any, s13: Any, s2: Any, b13: Any = None, b2: Any = None, *,
                  group_size: int = 32, isa: Optional[str] = None,
-                 num_threads: Optional[int] = None) -> PackedMoeW4:
+                 num_threads: Optional[int] = None, act_quant: str = "row") -> PackedMoeW4:
     """Packs a layer's int4 expert weights (W4A8) once, for :func:`fused_moe_int8`.
 
     Args:
@@ -291,15 +291,28 @@ def prepack_int4(w13: Any, w2: Any, s13: Any, s2: Any, b13: Any = None, b2: Any 
       b13, b2: optional biases [E, 2I] / [E, H], any float dtype (kept as float32).
       group_size: g, a multiple of 32 dividing H and I, at most 65536.
       isa: cap the path, as in :func:`prepack`.
+      act_quant: how the op quantizes the int8 activations: "row" (one scale per token row,
+        the default) or "group" (one scale per g values of a row, aligned with the weight
+        groups: closer to the float layer where a row's magnitudes vary along k, for one more
+        multiply per group; ``packed.act_quant`` tells). See cpumoe.reference's module comment.
     The packed layer holds 4 bits per weight plus the scales. Each GEMM output is
     ``s_x * sum_g (exact int32 group sum) * s[n, g] + b[n]``, fp32 over the groups in order.
     """
-    return _prepack_int_groups("int4", w13, w2, s13, s2, b13, b2, group_size, isa, num_threads)
+    return _prepack_int_groups("int4", w13, w2, s13, s2, b13, b2, group_size, isa, num_threads,
+                               act_quant)
 
 
-def _prepack_int_groups(fmt, w13, w2, s13, s2, b13, b2, group_size, isa, num_threads):
+def _act_quant_arg(act_quant: Any) -> str:
+    if act_quant not in ("row", "group"):
+        raise ValueError(f"act_quant: must be 'row' or 'group', got {act_quant!r}")
+    return act_quant
+
+
+def _prepack_int_groups(fmt, w13, w2, s13, s2, b13, b2, group_size, isa, num_threads,
+                        act_quant):
     """prepack_int4 / prepack_int4_affine: values [E, N, K] and per-group scales [E, N, K / g]
     (int4_affine: [E, N, K / g, 2] (scale, min) pairs)."""
+    act_quant = _act_quant_arg(act_quant)
     w13, v13, v2, E, H, I = _expert_weights(w13, w2, "int8" if fmt == "int4" else "uint8", isa)
     g = _int_arg("group_size", group_size, 1)
     if g % 32:
@@ -316,12 +329,13 @@ def _prepack_int_groups(fmt, w13, w2, s13, s2, b13, b2, group_size, isa, num_thr
     check_shape(vs2, "s2", (E, H, I // g) + pair, f" (group_size {g})")
     keep, (b13a, b13d, b2a, b2d) = _w4_bias_and_isa(E, H, I, b13, b2, isa)
     return _C.prepack_w4(E, H, I, fmt, g, v13.address, v2.address, vs13.address, vs2.address,
-                         b13a, b13d, b2a, b2d, isa, _num_threads(num_threads, w13))
+                         b13a, b13d, b2a, b2d, isa, _num_threads(num_threads, w13), act_quant)
 
 
 def prepack_int4_affine(w13: Any, w2: Any, s13: Any, s2: Any, b13: Any = None, b2: Any = None,
                         *, group_size: int = 32, isa: Optional[str] = None,
-                        num_threads: Optional[int] = None) -> PackedMoeW4:
+                        num_threads: Optional[int] = None,
+                        act_quant: str = "row") -> PackedMoeW4:
     """Packs a layer's affine 4-bit expert weights (a scale and a min per group: AWQ, asymmetric
     GPTQ, GGUF Q4_1 / Q4_K) once, for :func:`fused_moe`; ``packed.weight_format`` is
     "int4_affine".
@@ -335,6 +349,7 @@ def prepack_int4_affine(w13: Any, w2: Any, s13: Any, s2: Any, b13: Any = None, b
       b13, b2: optional biases [E, 2I] / [E, H], any float dtype (kept as float32).
       group_size: g, a multiple of 32 dividing H and I, at most 65536.
       isa: cap the path, as in :func:`prepack`.
+      act_quant: "row" or "group", as in :func:`prepack_int4`.
     The packed layer holds 4 bits per weight plus 8 bytes per group. The kernels run the codes
     as int4 values ``code - 8`` with the group scale (the W4A8 kernels) and add the offsets
     ``o = fp32(min + 8 * scale)`` times the exact int32 sums of the int8 activations over each
@@ -342,12 +357,12 @@ def prepack_int4_affine(w13: Any, w2: Any, s13: Any, s2: Any, b13: Any = None, b
     (fp32, groups in order).
     """
     return _prepack_int_groups("int4_affine", w13, w2, s13, s2, b13, b2, group_size, isa,
-                               num_threads)
+                               num_threads, act_quant)
 
 
 def prepack_mxfp4(w13_blocks: Any, w13_scales: Any, w2_blocks: Any, w2_scales: Any,
                   b13: Any = None, b2: Any = None, *, isa: Optional[str] = None,
-                  num_threads: Optional[int] = None) -> PackedMoeW4:
+                  num_threads: Optional[int] = None, act_quant: str = "row") -> PackedMoeW4:
     """Packs a layer's MXFP4 expert weights (OCP MX, gpt-oss's layout) once, for
     :func:`fused_moe_int8`.
 
@@ -359,7 +374,10 @@ def prepack_mxfp4(w13_blocks: Any, w13_scales: Any, w2_blocks: Any, w2_scales: A
       w2_blocks: uint8 [E, H, I / 32, 16]; w2_scales: uint8 [E, H, I / 32].
       b13, b2: optional biases [E, 2I] / [E, H], any float dtype.
       isa: cap the path, as in :func:`prepack`.
+      act_quant: "row" or "group" (blocks of 32, as GGUF quantizes activations), as in
+        :func:`prepack_int4`.
     """
+    act_quant = _act_quant_arg(act_quant)
     w13_blocks = contiguous("w13_blocks", w13_blocks)
     w2_blocks = contiguous("w2_blocks", w2_blocks)
     w13_scales = contiguous("w13_scales", w13_scales)
@@ -383,7 +401,7 @@ def prepack_mxfp4(w13_blocks: Any, w13_scales: Any, w2_blocks: Any, w2_scales: A
     keep, (b13a, b13d, b2a, b2d) = _w4_bias_and_isa(E, H, I, b13, b2, isa)
     return _C.prepack_w4(E, H, I, "mxfp4", 32, v13.address, v2.address, vs13.address,
                          vs2.address, b13a, b13d, b2a, b2d, isa,
-                         _num_threads(num_threads, w13_blocks))
+                         _num_threads(num_threads, w13_blocks), act_quant)
 
 
 def _fp8_bits(name: str, obj: Any):

@@ -476,14 +476,19 @@ class QuantizedExperts:
     def intermediate(self) -> int:
         return self.w13.shape[1] // 2
 
-    def prepack(self, isa: Optional[str] = None, num_threads: Optional[int] = None):
-        """The packed layer (the format's prepack function of cpumoe.formats())."""
+    def prepack(self, isa: Optional[str] = None, num_threads: Optional[int] = None,
+                act_quant: Optional[str] = None):
+        """The packed layer (the format's prepack function of cpumoe.formats()); act_quant
+        ("row" / "group") for the formats with int8 activations that take it (the W4A8 ones)."""
         from . import ops
         io = _format_io(self.weight_format)
         fn = getattr(ops, next(r["prepack"] for r in ops.formats()
                                if r["name"] == self.weight_format))
+        kw = io.prepack_kw(self.group_size)
+        if act_quant is not None:
+            kw["act_quant"] = act_quant
         return fn(*io.prepack_args(self.w13, self.w2, self.s13, self.s2), self.b13, self.b2,
-                  isa=isa, num_threads=num_threads, **io.prepack_kw(self.group_size))
+                  isa=isa, num_threads=num_threads, **kw)
 
     def dequantized(self, experts: Any = slice(None)):
         """(w13, w2) float32 of the experts ``experts`` (an index or slice; default all)."""

@@ -32,6 +32,10 @@ offsets o[n, g] = float32(min + 8 * scale) (one rounding):
   h[n] = (above) + (sum over groups in increasing order, in fp32 from 0:
                     corr = corr + float32(asum_g) * o[n, g]) * s_t,
   asum_g = the exact int32 sum of q[k] over the group's k.
+With ``act_quant="group"`` the W4A8 ops quantize each GEMM input row per weight group (one scale
+a_g per g values, as the row's scale is computed), s_t = 1, and each group's term becomes
+float32(isum_g) * s[n, g] * a_g (two fp32 roundings, in that order); the affine offsets' asum_g
+becomes float32(asum_g) * a_g.
 
 The BF16 op (``ref_fused_moe_bf16``) is the same with no quantization: x is rounded to bf16,
 h = x_bf16 . w13[e]^T + b13[e] (products exact, summed here in float64, rounded once to fp32),
@@ -227,10 +231,11 @@ def ref_fused_moe_int8(x, w13, w2, s13, s2, topk_weights, topk_ids, activation="
 
 
 # ---------------------------------------------------------------------------- W4A8
-def _w4_linear(q, s, v, gs, g, b, offsets=None):
+def _w4_linear(q, s, v, gs, g, b, offsets=None, ga=None):
     """W4A8 GEMM epilogue: fp32 sum over groups of float32(exact group sum) * gs, then * s, + b;
     with ``offsets`` (float32 [N, K / g], int4_affine) then + (fp32 sum over groups of
-    float32(exact sum of q over the group) * offsets) * s.
+    float32(exact sum of q over the group) * offsets) * s. ``ga`` (float32 [M, K / g], the
+    activations' group scales, or None) multiplies each group's term and group sum.
     q int8 [M, K]; v int8 values [N, K]; gs float32 [N, K / g]."""
     M, K = q.shape
     acc = np.zeros((M, v.shape[0]), dtype=np.float32)
@@ -239,7 +244,8 @@ def _w4_linear(q, s, v, gs, g, b, offsets=None):
     with np.errstate(invalid="ignore", over="ignore"):
         for gi in range(K // g):
             part = (q64[:, gi * g:(gi + 1) * g] @ v64[:, gi * g:(gi + 1) * g].T).astype(np.float32)
-            acc = acc + part * gs[None, :, gi]
+            term = part * gs[None, :, gi]
+            acc = acc + (term if ga is None else term * ga[:, gi, None])
         y = acc * s[:, None]
         if b is not None:
             y = y + b[None, :]
@@ -247,40 +253,61 @@ def _w4_linear(q, s, v, gs, g, b, offsets=None):
             corr = np.zeros_like(y)
             for gi in range(K // g):
                 asum = q64[:, gi * g:(gi + 1) * g].sum(axis=1).astype(np.float32)
+                if ga is not None:
+                    asum = asum * ga[:, gi]
                 corr = corr + asum[:, None] * offsets[None, :, gi]
             y = y + corr * s[:, None]
     return y
 
 
+def _quantize_w4_input(rows, g, act_quant):
+    """(q, s, ga): one scale per row (ga None), or per group of g values (s = 1)."""
+    if act_quant == "row":
+        q, s = quantize_rows(rows, TOKEN_AMAX_FLOOR)
+        return q, s, None
+    M, K = rows.shape
+    q, ga = quantize_rows(np.asarray(rows, np.float32).reshape(M, K // g, g), TOKEN_AMAX_FLOOR)
+    return q.reshape(M, K), np.ones(M, np.float32), ga
+
+
+def _check_act_quant(act_quant):
+    if act_quant not in ("row", "group"):
+        raise ValueError(f"act_quant: must be 'row' or 'group', got {act_quant!r}")
+
+
 def ref_w4(x, v13, v2, gs13, gs2, g, topk_weights, topk_ids, activation, b13, b2,
-            skip_weighted, round_gemm1: Optional[str] = None, o13=None, o2=None):
+           skip_weighted, round_gemm1: Optional[str] = None, o13=None, o2=None,
+           act_quant: str = "row"):
     """The W4A8 op on 4-bit values and float32 group scales (and int4_affine's group offsets
     o13 / o2 when given). round_gemm1: a dtype each GEMM1 output is rounded to before the
-    activation (not cpumoe's op, which keeps fp32: the bench's model of vLLM's int4 kernel)."""
+    activation (not cpumoe's op, which keeps fp32: the bench's model of vLLM's int4 kernel).
+    act_quant: "row" or "group" (the module comment)."""
     _check_activation(activation)
+    _check_act_quant(act_quant)
     dtype_name = dtype_name_of(x)
     b13n = to_numpy(b13, float32=True)
     b2n = to_numpy(b2, float32=True)
 
     def ffn(e, x_rows, w13n, w2n):
         inter = w2n.shape[2]
-        qx, sx = quantize_rows(x_rows, TOKEN_AMAX_FLOOR)
+        qx, sx, gx = _quantize_w4_input(x_rows, g, act_quant)
         h = _w4_linear(qx, sx, w13n[e], gs13[e], g, None if b13n is None else b13n[e],
-                       None if o13 is None else o13[e])
+                       None if o13 is None else o13[e], gx)
         if round_gemm1 is not None:
             h = round_to_dtype(h, round_gemm1)
         a = round_to_dtype(gated_activation(activation, h, inter), dtype_name)
-        qa, sa = quantize_rows(a, TOKEN_AMAX_FLOOR)
+        qa, sa, ga = _quantize_w4_input(a, g, act_quant)
         return _w4_linear(qa, sa, w2n[e], gs2[e], g, None if b2n is None else b2n[e],
-                          None if o2 is None else o2[e])
+                          None if o2 is None else o2[e], ga)
 
     return _run_moe(x, v13, v2, topk_weights, topk_ids, skip_weighted, ffn)
 
 
 def ref_fused_moe_int4(x, w13, w2, s13, s2, topk_weights, topk_ids, activation="silu",
-                       b13=None, b2=None, skip_weighted=False, group_size=32):
+                       b13=None, b2=None, skip_weighted=False, group_size=32, act_quant="row"):
     """The W4A8 op on int4 weights, naively: w13 int8 [E, 2I, H] / w2 [E, H, I] holding values in
-    [-8, 7], s13 [E, 2I, H / g] / s2 [E, H, I / g] group scales; the rest as ref_fused_moe_int8."""
+    [-8, 7], s13 [E, 2I, H / g] / s2 [E, H, I / g] group scales; act_quant as the module comment
+    says; the rest as ref_fused_moe_int8."""
     v13 = to_numpy(w13)
     v2 = to_numpy(w2)
     if v13.dtype != np.int8 or v2.dtype != np.int8:
@@ -291,11 +318,12 @@ def ref_fused_moe_int4(x, w13, w2, s13, s2, topk_weights, topk_ids, activation="
     gs13 = to_numpy(s13, float32=True)
     gs2 = to_numpy(s2, float32=True)
     return ref_w4(x, v13, v2, gs13, gs2, group_size, topk_weights, topk_ids, activation, b13,
-                   b2, skip_weighted)
+                  b2, skip_weighted, act_quant=act_quant)
 
 
 def ref_fused_moe_int4_affine(x, w13, w2, s13, s2, topk_weights, topk_ids, activation="silu",
-                              b13=None, b2=None, skip_weighted=False, group_size=32):
+                              b13=None, b2=None, skip_weighted=False, group_size=32,
+                              act_quant="row"):
     """The W4A8 op on affine 4-bit weights, naively: w13 uint8 [E, 2I, H] / w2 [E, H, I] codes
     in [0, 15], s13 [E, 2I, H / g, 2] / s2 [E, H, I / g, 2] (scale, min) pairs (w = scale * code
     + min); the rest as ref_fused_moe_int8. See the module comment for the offsets' order."""
@@ -313,37 +341,40 @@ def ref_fused_moe_int4_affine(x, w13, w2, s13, s2, topk_weights, topk_ids, activ
     v13 = c13.astype(np.int8) - np.int8(8)
     v2 = c2.astype(np.int8) - np.int8(8)
     return ref_w4(x, v13, v2, p13[..., 0], p2[..., 0], group_size, topk_weights, topk_ids,
-                   activation, b13, b2, skip_weighted, o13=o13, o2=o2)
+                  activation, b13, b2, skip_weighted, o13=o13, o2=o2, act_quant=act_quant)
 
 
 def ref_fused_moe_mxfp4(x, w13_blocks, w13_scales, w2_blocks, w2_scales, topk_weights, topk_ids,
-                        activation="silu", b13=None, b2=None, skip_weighted=False):
+                        activation="silu", b13=None, b2=None, skip_weighted=False,
+                        act_quant="row"):
     """The W4A8 op on mxfp4 weights (gpt-oss's layout: blocks uint8 [E, N, K / 32, 16], E8M0
     scales uint8 [E, N, K / 32]), naively; the rest as ref_fused_moe_int8."""
     v13 = MXFP4_INT[mxfp4_codes(w13_blocks)]
     v2 = MXFP4_INT[mxfp4_codes(w2_blocks)]
     return ref_w4(x, v13, v2, e8m0_scale(w13_scales, True), e8m0_scale(w2_scales, True), 32,
-                   topk_weights, topk_ids, activation, b13, b2, skip_weighted)
+                  topk_weights, topk_ids, activation, b13, b2, skip_weighted, act_quant=act_quant)
 
 
 def ref_fused_moe_experts(x, experts, topk_weights, topk_ids, activation="silu",
-                          skip_weighted=False):
+                          skip_weighted=False, act_quant=None):
     """The op of ``experts`` (a :class:`cpumoe.quantize.QuantizedExperts`: any weight format)
-    naively: the format's reference above with its weights, scales and biases."""
+    naively: the format's reference above with its weights, scales and biases; act_quant
+    ("row" / "group") for the W4A8 formats, as their prepack took it."""
     q, fmt = experts, experts.weight_format
     bias = dict(b13=q.b13, b2=q.b2, skip_weighted=skip_weighted)
+    w4 = bias if act_quant is None else dict(bias, act_quant=act_quant)
     if fmt == "int8":
         return ref_fused_moe_int8(x, q.w13, q.w2, q.s13, q.s2, topk_weights, topk_ids,
                                   activation, **bias)
     if fmt == "int4":
         return ref_fused_moe_int4(x, q.w13, q.w2, q.s13, q.s2, topk_weights, topk_ids,
-                                  activation, group_size=q.group_size, **bias)
+                                  activation, group_size=q.group_size, **w4)
     if fmt == "int4_affine":
         return ref_fused_moe_int4_affine(x, q.w13, q.w2, q.s13, q.s2, topk_weights, topk_ids,
-                                         activation, group_size=q.group_size, **bias)
+                                         activation, group_size=q.group_size, **w4)
     if fmt == "mxfp4":
         return ref_fused_moe_mxfp4(x, q.w13, q.s13, q.w2, q.s2, topk_weights, topk_ids,
-                                   activation, **bias)
+                                   activation, **w4)
     if fmt == "bf16":
         return ref_fused_moe_bf16(x, q.w13, q.w2, topk_weights, topk_ids, activation, **bias)
     if fmt == "fp8":

@@ -106,24 +106,36 @@ void dequant_gemv(const int8_t* q, float s, const int8_t* w, const float* ws, co
 
 namespace {
 
-// The W8A8 pipeline around its two GEMVs, gemv13(e, q, s, h) and gemv2(e, q, s, y): each fills
-// the expert's dequantized outputs (biases included) for one quantized row.
+// The W8A8 pipeline around its two GEMVs, gemv13(e, q, s, gs, h) and gemv2(e, q, s, gs, y):
+// each fills the expert's dequantized outputs (biases included) for one quantized row. act_group
+// > 0 (ActQuant::group): the rows are quantized per act_group values, their scales in gs, s = 1;
+// else one scale s per row and gs nullptr.
 template <class Gemv13, class Gemv2>
 std::vector<float> int8_pipeline(int64_t E, int64_t H, int64_t I, const MoeInputs& in,
                                  ActivationFn act_override, const Gemv13& gemv13,
-                                 const Gemv2& gemv2) {
+                                 const Gemv2& gemv2, int64_t act_group = 0) {
+  std::vector<float> gx(act_group ? size_t(H / act_group) : 0),
+      ga(act_group ? size_t(I / act_group) : 0);
+  auto quantize = [&](const float* v, int64_t n, int8_t* q, std::vector<float>& gs) {
+    if (act_group == 0) return quantize_row(v, n, q);
+    for (int64_t gi = 0; gi < n / act_group; ++gi)
+      gs[size_t(gi)] = quantize_row(v + gi * act_group, act_group, q + gi * act_group);
+    return 1.0f;
+  };
+  float* gxp = act_group ? gx.data() : nullptr;
+  float* gap = act_group ? ga.data() : nullptr;
   const size_t h_sz = static_cast<size_t>(H), i_sz = static_cast<size_t>(I);
   std::vector<float> out(static_cast<size_t>(in.T * H), 0.0f);
   std::vector<float> xf(h_sz), h(2 * i_sz), a(i_sz), y(h_sz), acc(h_sz);
   std::vector<int8_t> qx(h_sz), qa(i_sz);
   for (int64_t t = 0; t < in.T; ++t) {
     for (int64_t c = 0; c < H; ++c) xf[size_t(c)] = load(in.x, in.dtype, t * in.x_stride + c);
-    const float sx = quantize_row(xf.data(), H, qx.data());
+    const float sx = quantize(xf.data(), H, qx.data(), gx);
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int64_t j = 0; j < in.k; ++j) {
       const int64_t e = in.topk_ids[t * in.ids_stride + j];
       if (e < 0 || e >= E) std::abort();  // the tests only give the oracle valid routes
-      gemv13(e, qx.data(), sx, h.data());
+      gemv13(e, qx.data(), sx, gxp, h.data());
       const bool interleaved = in.activation.kind == Activation::swigluoai;
       for (int64_t i = 0; i < I; ++i) {
         const float g = interleaved ? h[size_t(2 * i)] : h[size_t(i)];
@@ -132,8 +144,8 @@ std::vector<float> int8_pipeline(int64_t E, int64_t H, int64_t I, const MoeInput
                                      : float(activation(in.activation, g, u));
         a[size_t(i)] = round_to(v, in.dtype);
       }
-      const float sa = quantize_row(a.data(), I, qa.data());
-      gemv2(e, qa.data(), sa, y.data());
+      const float sa = quantize(a.data(), I, qa.data(), ga);
+      gemv2(e, qa.data(), sa, gap, y.data());
       const float w = in.skip_weighted ? 1.0f : in.topk_weights[t * in.weights_stride + j];
       for (int64_t c = 0; c < H; ++c) acc[size_t(c)] = acc[size_t(c)] + w * y[size_t(c)];
     }
@@ -148,11 +160,11 @@ std::vector<float> fused_moe(const MoeProblem& p, const MoeInputs& in, Activatio
   const int64_t H = p.H, I = p.I;
   return int8_pipeline(
       p.E, H, I, in, act_override,
-      [&](int64_t e, const int8_t* q, float s, float* h) {
+      [&](int64_t e, const int8_t* q, float s, const float*, float* h) {
         dequant_gemv(q, s, p.w13.data() + e * 2 * I * H, p.s13.data() + e * 2 * I,
                      p.b13.empty() ? nullptr : p.b13.data() + e * 2 * I, 2 * I, H, h);
       },
-      [&](int64_t e, const int8_t* q, float s, float* y) {
+      [&](int64_t e, const int8_t* q, float s, const float*, float* y) {
         dequant_gemv(q, s, p.w2.data() + e * H * I, p.s2.data() + e * H,
                      p.b2.empty() ? nullptr : p.b2.data() + e * H, H, I, y);
       });
@@ -176,7 +188,11 @@ float w4_scale(W4Format f, const void* scales, int64_t idx) {
 
 void gemm_w4(int64_t m, int64_t n, int64_t k, W4Format f, int64_t g, const int8_t* a, int64_t lda,
              const uint8_t* codes, int64_t ldc, const void* scales, int64_t lds,
-             const float* lhs_scale, const float* bias, float* dst, int64_t ldd) {
+             const float* lhs_scale, const float* bias, float* dst, int64_t ldd,
+             const float* lhs_group_scale) {
+  const int64_t groups = k / g;
+  // The activations' scale of row i, group g0 / g (1 and unused without group scales).
+  auto ga = [&](int64_t i, int64_t g0) { return lhs_group_scale[i * groups + g0 / g]; };
   int8_t value[16];  // the definition above, evaluated once per call
   for (int c = 0; c < 16; ++c) value[c] = w4_value(f, uint8_t(c));
   for (int64_t i = 0; i < m; ++i) {
@@ -186,7 +202,8 @@ void gemm_w4(int64_t m, int64_t n, int64_t k, W4Format f, int64_t g, const int8_
         int64_t isum = 0;
         for (int64_t x = g0; x < g0 + g; ++x)
           isum += int64_t(a[i * lda + x]) * value[codes[j * ldc + x] & 15];
-        acc = acc + float(isum) * w4_scale(f, scales, j * lds + g0 / g);
+        const float term = float(isum) * w4_scale(f, scales, j * lds + g0 / g);
+        acc = acc + (lhs_group_scale ? term * ga(i, g0) : term);
       }
       float v = acc * lhs_scale[i];
       if (bias != nullptr) v = v + bias[j];
@@ -197,7 +214,8 @@ void gemm_w4(int64_t m, int64_t n, int64_t k, W4Format f, int64_t g, const int8_
           int64_t asum = 0;
           for (int64_t x = g0; x < g0 + g; ++x) asum += a[i * lda + x];
           const float offset = pairs[2 * (g0 / g) + 1] + 8.0f * pairs[2 * (g0 / g)];
-          corr = corr + float(asum) * offset;
+          const float as = lhs_group_scale ? float(asum) * ga(i, g0) : float(asum);
+          corr = corr + as * offset;
         }
         v = v + corr * lhs_scale[i];
       }
@@ -212,16 +230,17 @@ std::vector<float> fused_moe_w4(const MoeProblemW4& p, const MoeInputs& in,
   const int64_t sb = p.format == W4Format::mxfp4 ? 1 : p.format == W4Format::int4_affine ? 8 : 4;
   return int8_pipeline(
       p.E, H, I, in, act_override,
-      [&](int64_t e, const int8_t* q, float s, float* h) {
+      [&](int64_t e, const int8_t* q, float s, const float* gs, float* h) {
         gemm_w4(1, 2 * I, H, p.format, g, q, H, p.w13.data() + e * 2 * I * H, H,
                 p.s13.data() + e * 2 * I * (H / g) * sb, H / g, &s,
-                p.b13.empty() ? nullptr : p.b13.data() + e * 2 * I, h, 2 * I);
+                p.b13.empty() ? nullptr : p.b13.data() + e * 2 * I, h, 2 * I, gs);
       },
-      [&](int64_t e, const int8_t* q, float s, float* y) {
+      [&](int64_t e, const int8_t* q, float s, const float* gs, float* y) {
         gemm_w4(1, H, I, p.format, g, q, I, p.w2.data() + e * H * I, I,
                 p.s2.data() + e * H * (I / g) * sb, I / g, &s,
-                p.b2.empty() ? nullptr : p.b2.data() + e * H, y, H);
-      });
+                p.b2.empty() ? nullptr : p.b2.data() + e * H, y, H, gs);
+      },
+      p.act_quant == cpumoe::ActQuant::group ? g : 0);
 }
 
 float e4m3(uint8_t code) {

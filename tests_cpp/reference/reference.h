@@ -11,6 +11,7 @@
 
 #include "cpumoe/activation.h"
 #include "cpumoe/dtype.h"
+#include "cpumoe/moe_weights.h"  // ActQuant
 #include "cpumoe/q4gemm.h"  // W4Format only
 
 namespace cpumoe_ref {
@@ -87,14 +88,17 @@ int8_t w4_value(W4Format f, uint8_t code);
 float w4_scale(W4Format f, const void* scales, int64_t idx);
 
 /// The W4A8 GEMM of q4gemm.h: for each (i, j), exact int32 sums per group of g k, then
-/// acc = acc + float(isum_g) * scale(j, g) in fp32 over g in order, dst = acc * lhs_scale[i]
+/// acc = acc + float(isum_g) * scale(j, g) in fp32 over g in order (with lhs_group_scale, row
+/// stride k / g: acc + (float(isum_g) * scale(j, g)) * lhs_group_scale[i][g], and the affine
+/// term's float(asum_g) becomes float(asum_g) * lhs_group_scale[i][g]), dst = acc * lhs_scale[i]
 /// (+ bias[j]). codes [n][k] one per byte (row stride ldc); scales [n][k / g] (row stride lds
 /// elements of the format's scale type; int4_affine: lds (scale, min) pairs); bias nullable.
 /// int4_affine then adds (sum_g float(asum_g) * (min_g + 8 * scale_g)) * lhs_scale[i], the sum
 /// fp32 from 0 over g in order, asum_g the exact sum of a's row over the group.
 void gemm_w4(int64_t m, int64_t n, int64_t k, W4Format f, int64_t g, const int8_t* a, int64_t lda,
              const uint8_t* codes, int64_t ldc, const void* scales, int64_t lds,
-             const float* lhs_scale, const float* bias, float* dst, int64_t ldd);
+             const float* lhs_scale, const float* bias, float* dst, int64_t ldd,
+             const float* lhs_group_scale = nullptr);
 
 /// A W4A8 MoE problem: codes [E, 2I, H] / [E, H, I] one per byte, scales [E, 2I, H / g] /
 /// [E, H, I / g] (fp32 for int4, E8M0 bytes for mxfp4, fp32 (scale, min) pairs for
@@ -103,12 +107,15 @@ struct MoeProblemW4 {
   int64_t E = 0, H = 0, I = 0;
   W4Format format = W4Format::int4;
   int64_t group = 32;
+  cpumoe::ActQuant act_quant = cpumoe::ActQuant::row;  // group: activations per weight group
   std::vector<uint8_t> w13, w2;
   std::vector<uint8_t> s13, s2;  // raw scale bytes
   std::vector<float> b13, b2;
 };
 
-/// The W4A8 op: the W8A8 op's pipeline with gemm_w4 for both GEMMs.
+/// The W4A8 op: the W8A8 op's pipeline with gemm_w4 for both GEMMs (ActQuant::group: each
+/// GEMM input row quantized per weight group, the scales as gemm_w4's lhs_group_scale, row
+/// scale 1).
 std::vector<float> fused_moe_w4(const MoeProblemW4& p, const MoeInputs& in,
                                 ActivationFn act_override = nullptr);
 

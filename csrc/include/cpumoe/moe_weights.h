@@ -14,6 +14,17 @@
 
 namespace cpumoe {
 
+/// How the W4A8 op quantizes its int8 activations (the GEMM inputs: the tokens, then the
+/// activated rows).
+enum class ActQuant : int32_t {
+  /// One scale per row: s = max|row| / 127.
+  row = 0,
+  /// One scale per row and weight group (the group_size consecutive k that share a weight
+  /// scale; GGUF's blocks of 32 at g = 32): s = max|block| / 127, closer values where a row's
+  /// magnitudes vary along k, for one more multiply per group in the kernels.
+  group = 1,
+};
+
 /// Plain (unpacked) int8 expert weights as given by a checkpoint; all arrays dense, row-major.
 struct MoeWeights {
   int64_t num_experts = 0;   ///< E
@@ -60,6 +71,7 @@ struct MoeWeightsW4 {
   DType b13_dtype = DType::f32;
   const void* b2 = nullptr;   ///< [E, H] or nullptr, of type b2_dtype
   DType b2_dtype = DType::f32;
+  ActQuant act_quant = ActQuant::row;  ///< the activations' quantization (kept by the packed layer)
 };
 
 /// Plain FP8 expert weights (W8A16): E4M3 codes with an fp32 scale per block of block_n output

@@ -124,6 +124,8 @@ class PackedMoeW4 : public PackedExperts<Q4GemmUkernel> {
   int64_t group_size() const { return layout_.group; }
   /// The kernel's layout (format w4_kernel_format(format())).
   const W4Layout& layout() const { return layout_; }
+  /// How the op quantizes this layer's activations (MoeWeightsW4::act_quant).
+  ActQuant act_quant() const { return act_quant_; }
   /// int4_affine: expert e's group offsets of w13 / w2 in RowOps::add_group_offsets' panels
   /// (group_offset_floats floats each); nullptr for the other formats.
   const float* o13(int64_t e) const {
@@ -138,6 +140,7 @@ class PackedMoeW4 : public PackedExperts<Q4GemmUkernel> {
  private:
   W4Layout layout_;
   W4Format format_;
+  ActQuant act_quant_;
   std::unique_ptr<float[]> offsets_;  // [E] w13 panels, then [E] w2 panels
   size_t o13_stride_ = 0, o2_stride_ = 0;
 };

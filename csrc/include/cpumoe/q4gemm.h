@@ -17,6 +17,8 @@
 ///   acc    = ((0 + float(isum_0) * s[j][0]) + float(isum_1) * s[j][1]) + ...
 ///            (fp32, g increasing, each product and sum rounded: no FMA)
 ///   dst    = acc * lhs_scale[i] + bias[j]                     (fp32, in that order)
+/// With activations quantized per group (Q4GemmEpilogue::lhs_group_scale, a scale a[i][g] per
+/// row and weight group), each term is (float(isum_g) * s[j][g]) * a[i][g] instead.
 /// so every kernel gives the same bits as the naive oracle.
 ///
 /// Kernel names: q4gemm_<lhs>_<rhs>_<mr>x<nr>_<isa> (csrc/ukernels/README.md); the lhs layouts are
@@ -116,6 +118,10 @@ struct Q4GemmEpilogue {
   /// overwrite (contents in and out undefined); may be nullptr when that is 0. The caller owns
   /// it: kernels never allocate.
   void* scratch = nullptr;
+  /// nullptr, or [m][k / group] (row stride k / group, from the first row of the call): the
+  /// activations' scale per row and weight group, multiplied into each group's term (file
+  /// comment); lhs_scale still applies after the sum (1.0 when these carry the whole scale).
+  const float* lhs_group_scale = nullptr;
 };
 
 /// One microkernel variant. Sizes in elements; pointers non-null where their size is non-zero.

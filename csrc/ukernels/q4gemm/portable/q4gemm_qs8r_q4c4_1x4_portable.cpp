@@ -57,10 +57,13 @@ void run_f32(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs
         float s[kNr];
         for (int64_t c = 0; c < kNr; ++c)
           s[c] = group_scale(grp + Packing::codes_bytes(w), c, w.format);
+        const float* gs = ep.lhs_group_scale;
         for (int64_t i = 0; i < mc; ++i) {
           const int8_t* ar = a + (i0 + i) * k + gi * g;
-          for (int64_t c = 0; c < kNr; ++c)
-            acc[i][c] = acc[i][c] + float(dot(ar, vals + c * g, g)) * s[c];
+          for (int64_t c = 0; c < kNr; ++c) {
+            const float term = float(dot(ar, vals + c * g, g)) * s[c];
+            acc[i][c] = acc[i][c] + (gs ? term * gs[(i0 + i) * groups + gi] : term);
+          }
         }
       }
       for (int64_t i = 0; i < mc; ++i)

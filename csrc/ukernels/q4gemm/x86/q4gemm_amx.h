@@ -21,6 +21,7 @@
 //      stored, converted and multiplied by the group's scales into the rows' fp32 accumulators
 //      (acc += float(isum) * s, in q4gemm.h's order: no FMA). A call of at most 16 rows (most
 //      experts' at prefill) configures only its rows and alternates two accumulator sets.
+// With lhs_group_scale each group's product also gets * the row's group scale.
 // After the last group each row gets * lhs_scale, + bias, and masked stores (nothing past n).
 // The int32 sums are exact (|sum| <= 128 * 12 * kW4MaxGroup < 2^31); the padding rows' results
 // are dropped. fp32 accumulators: one block's 32 columns for every row of the call, in registers
@@ -122,11 +123,12 @@ template <class Body>
   }
 }
 
-/// group_dots, then acc[i][0..32) += float(sum) * scale for the rows < m.
+/// group_dots, then acc[i][0..32) += float(sum) * scale (* gs[i][gi] when gs, the rows' group
+/// scales, row stride groups) for the rows < m.
 template <class Tiles, int RT, int S, bool Mx>
 inline void group_tiles(int64_t i0, int64_t m, const uint8_t* a, int64_t lda, const uint8_t* panel,
                         int64_t g, int64_t ks, const uint8_t* scales, int64_t hbytes, float* acc,
-                        int32_t (*buf)[16][16]) {
+                        int32_t (*buf)[16][16], const float* gs, int64_t groups, int64_t gi) {
   constexpr int C0 = 2 * S;
   amx::group_dots<Tiles, amx::DotS8, RT, S>(a, lda, panel, g, ks, buf);
   const __m512 slo = q4_vnni::load_scales<Mx>(scales);
@@ -135,8 +137,13 @@ inline void group_tiles(int64_t i0, int64_t m, const uint8_t* a, int64_t lda, co
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t t = C0 + 2 * (i / kMr), r = i % kMr;
     float* ar = acc + (i0 + i) * kNr;
-    const __m512 fl = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(buf[t][r])), slo);
-    const __m512 fh = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(buf[t + 1][r])), shi);
+    __m512 fl = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(buf[t][r])), slo);
+    __m512 fh = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(buf[t + 1][r])), shi);
+    if (gs) {
+      const __m512 ga = _mm512_set1_ps(gs[(i0 + i) * groups + gi]);
+      fl = _mm512_mul_ps(fl, ga);
+      fh = _mm512_mul_ps(fh, ga);
+    }
     _mm512_store_ps(ar, _mm512_add_ps(_mm512_load_ps(ar), fl));
     _mm512_store_ps(ar + 16, _mm512_add_ps(_mm512_load_ps(ar + 16), fh));
   }
@@ -150,7 +157,8 @@ inline void block_in_registers(int64_t m, int64_t j0, int64_t n, const uint8_t* 
                                int64_t gbytes, int64_t cbytes, int64_t hbytes,
                                uint8_t* const* panels,
                                const Unpack& up, int64_t bstride, int32_t (*buf)[16][16],
-                               const StoreF32Acc& store, const float* lhs_scale) {
+                               const StoreF32Acc& store, const float* lhs_scale,
+                               const float* gs) {
   __m512 lo[kRegRows], hi[kRegRows];
 #pragma GCC unroll 8
   for (int r = 0; r < kRegRows; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
@@ -166,10 +174,15 @@ inline void block_in_registers(int64_t m, int64_t j0, int64_t n, const uint8_t* 
 #pragma GCC unroll 8
     for (int r = 0; r < kRegRows; ++r) {
       if (r >= m) break;
-      const __m512 fl = _mm512_cvtepi32_ps(_mm512_load_si512(buf[c0][r]));
-      const __m512 fh = _mm512_cvtepi32_ps(_mm512_load_si512(buf[c0 + 1][r]));
-      lo[r] = _mm512_add_ps(lo[r], _mm512_mul_ps(fl, slo));
-      hi[r] = _mm512_add_ps(hi[r], _mm512_mul_ps(fh, shi));
+      __m512 fl = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(buf[c0][r])), slo);
+      __m512 fh = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(buf[c0 + 1][r])), shi);
+      if (gs) {  // the rows' group scales (lhs_group_scale), row stride groups
+        const __m512 ga = _mm512_set1_ps(gs[r * groups + gi]);
+        fl = _mm512_mul_ps(fl, ga);
+        fh = _mm512_mul_ps(fh, ga);
+      }
+      lo[r] = _mm512_add_ps(lo[r], fl);
+      hi[r] = _mm512_add_ps(hi[r], fh);
     }
   };
   each_group(up, blk, g, groups, gbytes, bstride, panels, body);
@@ -211,7 +224,8 @@ void run_tiles(int64_t m, int64_t n, int64_t k, const W4Layout& w, const uint8_t
     const uint8_t* blk = rhs + (j0 / kNr) * bstride;
     if (m <= kRegRows) {
       block_in_registers<Tiles, Mx>(m, j0, n, a, lda, blk, g, groups, ks, gbytes, cbytes, hbytes,
-                                    panels, up, bstride, buf, store, ep.lhs_scale);
+                                    panels, up, bstride, buf, store, ep.lhs_scale,
+                                    ep.lhs_group_scale);
       continue;
     }
     std::memset(acc, 0, size_t(m) * kNr * sizeof(float));
@@ -221,7 +235,8 @@ void run_tiles(int64_t m, int64_t n, int64_t k, const W4Layout& w, const uint8_t
       const uint8_t* sc = grp + cbytes;
       const auto tiles = [&](auto rt, auto set, int64_t i0) {
         group_tiles<Tiles, decltype(rt)::value, decltype(set)::value, Mx>(
-            i0, m, ag + i0 * lda, lda, panel, g, ks, sc, hbytes, acc, buf);
+            i0, m, ag + i0 * lda, lda, panel, g, ks, sc, hbytes, acc, buf, ep.lhs_group_scale,
+            groups, gi);
       };
       amx::group_row_tiles(m, gi, tiles);
     });

@@ -193,6 +193,7 @@ void Kernel<PfSmall>::tile(const Q4Call<Decode>& c, int64_t i0, int64_t jb) {
         }
       }
     }
+    const float* gs = c.ep.lhs_group_scale;  // per row and group, or none
 #pragma GCC unroll 4
     for (int b = 0; b < NB; ++b) {
       const uint8_t* sp = grp + b * bstride + cbytes;
@@ -201,8 +202,13 @@ void Kernel<PfSmall>::tile(const Q4Call<Decode>& c, int64_t i0, int64_t jb) {
       for (int r = 0; r < MR; ++r) {
         __m512i h = hi[r][b];
         if constexpr (!Mx) h = _mm512_srai_epi32(_mm512_sub_epi32(h, lo[r][b]), 4);
-        const __m512 fl = _mm512_mul_ps(_mm512_cvtepi32_ps(lo[r][b]), slo);
-        const __m512 fh = _mm512_mul_ps(_mm512_cvtepi32_ps(h), shi);
+        __m512 fl = _mm512_mul_ps(_mm512_cvtepi32_ps(lo[r][b]), slo);
+        __m512 fh = _mm512_mul_ps(_mm512_cvtepi32_ps(h), shi);
+        if (gs) {
+          const __m512 ga = _mm512_set1_ps(gs[(i0 + r) * groups + gi]);
+          fl = _mm512_mul_ps(fl, ga);
+          fh = _mm512_mul_ps(fh, ga);
+        }
         _mm512_store_ps(acc[r][b][0], _mm512_add_ps(_mm512_load_ps(acc[r][b][0]), fl));
         _mm512_store_ps(acc[r][b][1], _mm512_add_ps(_mm512_load_ps(acc[r][b][1]), fh));
       }

@@ -21,7 +21,7 @@
 // words broadcast, vpaddw, vpmaddwd, vpaddd; at the group end cvt, mul by the group scales and add
 // into the fp32 accumulators (the order of q4gemm.h: no FMA). The int32 accumulators (<= 8 ymm)
 // stay in registers; the fp32 ones, touched once per group, live in L1 (16 ymm are too few for
-// both). Epilogue: * lhs_scale, + bias, vpmaskmov at the tail (nothing past n is written).
+// both; with lhs_group_scale, one more mul by the row's group scale). Epilogue: * lhs_scale, + bias, vpmaskmov at the tail (nothing past n is written).
 // Features used: AVX2 (FMA is part of the level's contract, not used here).
 #if !defined(__x86_64__) || !defined(__AVX2__)
 #error "q4gemm_qs8rs_q4ci8x8_4x8_avx2.cpp needs -mavx2 -mfma (set per file by CMake)"
@@ -153,12 +153,14 @@ void Kernel::tile(const Q4Call<Decode>& c, int64_t i0, int64_t jb) {
         }
       }
     }
+    const float* gs = c.ep.lhs_group_scale;  // per row and group, or none
 #pragma GCC unroll 4
     for (int b = 0; b < NB; ++b) {
       const __m256 sc = load_scales<Mx>(grp + b * bstride + cbytes);
 #pragma GCC unroll 4
       for (int r = 0; r < MR; ++r) {
-        const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(isum[r][b]), sc);
+        __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(isum[r][b]), sc);
+        if (gs) f = _mm256_mul_ps(f, _mm256_set1_ps(gs[(i0 + r) * groups + gi]));
         _mm256_store_ps(acc[r][b], _mm256_add_ps(_mm256_load_ps(acc[r][b]), f));
       }
     }
