@@ -51,6 +51,15 @@ void q4_run_f32(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* 
   (w.format == W4Format::mxfp4 ? kMxfp4 : kInt4)(m, n, k, w, lhs, rhs, dst, dst_stride, ep);
 }
 
+/// A run_f32 that takes kGs (the loops' variant with per-group activation scales) when
+/// ep.lhs_group_scale is set and kPlain otherwise: one test per call, so the plain loops stay as
+/// they were.
+template <decltype(Q4GemmUkernel::run_f32) kPlain, decltype(Q4GemmUkernel::run_f32) kGs>
+void run_gs(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs, const void* rhs,
+            float* dst, int64_t dst_stride, const Q4GemmEpilogue& ep) {
+  (ep.lhs_group_scale != nullptr ? kGs : kPlain)(m, n, k, w, lhs, rhs, dst, dst_stride, ep);
+}
+
 /// Stores the 8 accumulated columns (f0: 0-3, f1: 4-7) of one row as acc * lhs_scale + bias
 /// (bias: nullptr or the block's first column), the first @p nc of them.
 inline void store_q4_row8(float* d, float32x4_t f0, float32x4_t f1, int64_t nc, float ls,

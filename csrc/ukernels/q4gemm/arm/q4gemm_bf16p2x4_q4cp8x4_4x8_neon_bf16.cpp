@@ -17,6 +17,10 @@
 // ([s_c s_c+1 s_c s_c+1], a dup .d of the 8 scales) and one fadd into the totals, the oracle's
 // acc + float(isum) * s in g order, no FMA. Groups longer than 8192 k (int4 only; rare) sum
 // 8192-k pieces in fp32, convert each to int32 (exact) and add them in int32 (long_groups()).
+// With Q4GemmEpilogue::lhs_group_scale, variants of the loops (template flag kGs, so the plain
+// ones are unchanged) build per group and row pair [a_r a_r a_r+1 a_r+1] of the rows' group
+// scales (two ld1r and a zip1) and multiply each scaled product by it before the fadd: the
+// oracle's (float(isum) * s) * a.
 //
 // Tiles, all groups in one asm: 1 row pair x 2 blocks (decode), 2 pairs x 1 block (4 rows: each
 // decoded operand feeds 2 BFMMLA), 1 x 1 for a last block; per (pair, column pair) one BFMMLA
@@ -77,7 +81,8 @@ struct Bf16Table {
 // Scratch: A pairs in v0, v1; a slice's codes in v2, the indices in v3, the looked-up bytes in v4
 // (low) and v5 (high), the 4 operands in v6-v9; mxfp4's scale constants in v10 (2^-127) and v11
 // (0.5); at a group end the 8 scales in v12 (columns 0-3) and v2 (4-7), the dup'ed pair scales in
-// v3, v4. Mask and tables are operands (v13-v15). Accumulator i = (p * NB + j) * 4 + c in X(i).
+// v3, v4, and (kGs) pair p's group scales in v(p), as its accumulators' lanes. Mask and tables are
+// operands (v13-v15). Accumulator i = (p * NB + j) * 4 + c in X(i).
 #define Q4B_DEC                                                                                \
   "and v3.16b, v2.16b, %[mask].16b\n\ttbl v4.16b, {%[tl].16b}, v3.16b\n\t"                     \
   "tbl v5.16b, {%[th].16b}, v3.16b\n\tzip1 v6.16b, v4.16b, v5.16b\n\tzip2 v7.16b, v4.16b, v5.16b\n\t" \
@@ -113,37 +118,56 @@ struct Bf16Table {
   "shll v12.4s, v12.4h, #16\n\tumax v12.4s, v12.4s, v10.4s\n\tumax v2.4s, v2.4s, v10.4s\n\t" \
   "fmul v5.4s, v12.4s, v11.4s\n\tfmul v6.4s, v2.4s, v11.4s\n\t"                            \
   "fsub v12.4s, v12.4s, v5.4s\n\tfsub v2.4s, v2.4s, v6.4s\n\t"
-#define Q4B_FA(acc, tot, sc) \
+// acc * sc (then, G = 1, * the pair's group scales ga) into tot.
+#define Q4B_FA0(acc, tot, sc, ga) \
   "fmul " acc ".4s, " acc ".4s, " sc ".4s\n\tfadd " tot ".4s, " tot ".4s, " acc ".4s\n\t"
-#define Q4B_END1(a0, a1, a2, a3, t0, t1, t2, t3)                                         \
-  "dup v3.2d, v12.d[0]\n\tdup v4.2d, v12.d[1]\n\t" Q4B_FA(a0, t0, "v3") Q4B_FA(a1, t1, "v4") \
-  "dup v3.2d, v2.d[0]\n\tdup v4.2d, v2.d[1]\n\t" Q4B_FA(a2, t2, "v3") Q4B_FA(a3, t3, "v4")
-#define Q4B_END2(SC)                                                                        \
-  SC("%[b]") "dup v3.2d, v12.d[0]\n\tdup v4.2d, v12.d[1]\n\t"                               \
-  Q4B_FA("v16", "v24", "v3") Q4B_FA("v17", "v25", "v4") Q4B_FA("v20", "v28", "v3")          \
-  Q4B_FA("v21", "v29", "v4") "dup v3.2d, v2.d[0]\n\tdup v4.2d, v2.d[1]\n\t"                \
-  Q4B_FA("v18", "v26", "v3") Q4B_FA("v19", "v27", "v4") Q4B_FA("v22", "v30", "v3")          \
-  Q4B_FA("v23", "v31", "v4")
-#define Q4B_ENDS_1x1(SC) SC("%[b]") Q4B_END1("v16", "v17", "v18", "v19", "v24", "v25", "v26", "v27")
-#define Q4B_ENDS_1x2(SC)                                                                    \
-  Q4B_ENDS_1x1(SC) "add %[s], %[b], %[bs]\n\t" SC("%[s]")                                   \
-  Q4B_END1("v20", "v21", "v22", "v23", "v28", "v29", "v30", "v31")
-#define Q4B_ENDS_2x1(SC) Q4B_END2(SC)
+#define Q4B_FA1(acc, tot, sc, ga)                                                         \
+  "fmul " acc ".4s, " acc ".4s, " sc ".4s\n\tfmul " acc ".4s, " acc ".4s, " ga ".4s\n\t"    \
+  "fadd " tot ".4s, " tot ".4s, " acc ".4s\n\t"
+#define Q4B_END1(G, a0, a1, a2, a3, t0, t1, t2, t3)                                      \
+  "dup v3.2d, v12.d[0]\n\tdup v4.2d, v12.d[1]\n\t"                                         \
+  Q4B_FA##G(a0, t0, "v3", "v0") Q4B_FA##G(a1, t1, "v4", "v0")                             \
+  "dup v3.2d, v2.d[0]\n\tdup v4.2d, v2.d[1]\n\t"                                           \
+  Q4B_FA##G(a2, t2, "v3", "v0") Q4B_FA##G(a3, t3, "v4", "v0")
+#define Q4B_END2(SC, G)                                                                     \
+  SC("%[b]") Q4B_GL2_##G "dup v3.2d, v12.d[0]\n\tdup v4.2d, v12.d[1]\n\t"                    \
+  Q4B_FA##G("v16", "v24", "v3", "v0") Q4B_FA##G("v17", "v25", "v4", "v0")                   \
+  Q4B_FA##G("v20", "v28", "v3", "v1") Q4B_FA##G("v21", "v29", "v4", "v1")                   \
+  "dup v3.2d, v2.d[0]\n\tdup v4.2d, v2.d[1]\n\t"                                             \
+  Q4B_FA##G("v18", "v26", "v3", "v0") Q4B_FA##G("v19", "v27", "v4", "v0")                   \
+  Q4B_FA##G("v22", "v30", "v3", "v1") Q4B_FA##G("v23", "v31", "v4", "v1")
+#define Q4B_ENDS_1x1(SC, G) \
+  SC("%[b]") Q4B_GL1_##G Q4B_END1(G, "v16", "v17", "v18", "v19", "v24", "v25", "v26", "v27")
+#define Q4B_ENDS_1x2(SC, G)                                                                 \
+  Q4B_ENDS_1x1(SC, G) "add %[s], %[b], %[bs]\n\t" SC("%[s]")                                \
+  Q4B_END1(G, "v20", "v21", "v22", "v23", "v28", "v29", "v30", "v31")
+#define Q4B_ENDS_2x1(SC, G) Q4B_END2(SC, G)
+// kGs: pair 0's group scales [a0 a0 a1 a1] into v0 (pair 1's into v1: rows g2, g3), after SC
+// (whose mxfp4 decode uses v5). The pointers step one float per group; a padded row's points at
+// its pair's other row.
+#define Q4B_GL(v, ga, gb) \
+  "ld1r {" v ".2s}, [%[" ga "]], #4\n\tld1r {v5.2s}, [%[" gb "]], #4\n\tzip1 " v ".2d, " v ".2d, v5.2d\n\t"
+#define Q4B_GL1_0 ""
+#define Q4B_GL2_0 ""
+#define Q4B_GL1_1 Q4B_GL("v0", "g0", "g1")
+#define Q4B_GL2_1 Q4B_GL1_1 Q4B_GL("v1", "g2", "g3")
+#define Q4B_GOPS_0
+#define Q4B_GOPS_1 , [g0] "+r"(g0), [g1] "+r"(g1), [g2] "+r"(g2), [g3] "+r"(g3)
 #define Q4B_INIT_I4 ""
 #define Q4B_INIT_MX "movi v10.4s, #0x40, lsl #16\n\tfmov v11.4s, #0.5\n\t"
 #define Q4B_Z "ld1 {v16.4s-v19.4s}, [%[z]]\n\tld1 {v20.4s-v23.4s}, [%[z]]\n\t"
 #define Q4B_CLOB \
   "v0", "v1", "v2", "v3", "v4", "v5", "v6", "v7", "v8", "v9", "v10", "v11", "v12", "cc", "memory"
-#define Q4B_ASM(SHAPE, SC, INIT)                                                            \
+#define Q4B_ASM(SHAPE, SC, INIT, G)                                                         \
   __asm__ volatile(                                                                         \
       Q4B_Z "ld1 {v24.4s-v27.4s}, [%[z]]\n\tld1 {v28.4s-v31.4s}, [%[z]]\n\t" INIT           \
       "2:\n\tmov %[n], %[ns2]\n\t"                                                          \
       "1:\n\t" Q4B_S##SHAPE(Q4B_V) Q4B_S##SHAPE(Q4B_V) "subs %[n], %[n], #1\n\tb.ne 1b\n\t" \
-      Q4B_ENDS_##SHAPE(SC) "add %[b], %[b], %[sb]\n\t" Q4B_Z                               \
+      Q4B_ENDS_##SHAPE(SC, G) "add %[b], %[b], %[sb]\n\t" Q4B_Z                            \
       "subs %[gn], %[gn], #1\n\tb.ne 2b\n\t"                                                \
       "st1 {v24.4s-v27.4s}, [%[o]], #64\n\tst1 {v28.4s-v31.4s}, [%[o]]\n\t"                 \
       : [a0] "+r"(a0), [a1] "+r"(a1), [b] "+r"(b), [gn] "+r"(gn), [n] "=&r"(n),             \
-        [s] "=&r"(s), [o] "+r"(o)                                                           \
+        [s] "=&r"(s), [o] "+r"(o) Q4B_GOPS_##G                                              \
       : [ns2] "r"(ns2), [bs] "r"(bs), [back] "r"(back), [sb] "r"(sb), [mask] "w"(mask),     \
         [tl] "w"(tl), [th] "w"(th), [z] "r"(kZeros)                                         \
       : Q4B_CLOB, "v16", "v17", "v18", "v19", "v20", "v21", "v22", "v23", "v24", "v25",     \
@@ -159,9 +183,10 @@ struct Call {
 
 // The fp32 totals of an NP x NB tile (g <= kExactK): A pair 0 at a (pairs 4 k bytes apart), B
 // block 0 at b (blocks block_bytes apart). o: accumulator i = (p * NB + j) * 4 + c at o + 4 i,
-// lanes [r0 c, r0 c+1, r1 c, r1 c+1] of column pair c.
-template <int NP, int NB, W4Format F>
-void tile_sums(const Call& cl, const uint8_t* a, const uint8_t* b, float* o) {
+// lanes [r0 c, r0 c+1, r1 c, r1 c+1] of column pair c. kGs: gr[r] is row r's group scales.
+template <int NP, int NB, W4Format F, bool kGs>
+void tile_sums(const Call& cl, const uint8_t* a, const uint8_t* b, float* o,
+               const float* const* gr) {
   const uint8_t *a0 = a, *a1 = NP > 1 ? a + 4 * cl.k : a;
   uint64_t gn = uint64_t(cl.k / cl.g), n;
   const uint64_t ns2 = uint64_t(cl.g) / 8;  // two 4-k slices per iteration
@@ -169,14 +194,28 @@ void tile_sums(const Call& cl, const uint8_t* a, const uint8_t* b, float* o) {
   const int64_t sb = cl.group_bytes - cl.codes_bytes;
   const uint8x16_t mask = vdupq_n_u8(0x0f), tl = cl.tab.lo, th = cl.tab.hi;
   const uint8_t* s;
-  if constexpr (F == W4Format::int4) {
-    if constexpr (NP == 2) Q4B_ASM(2x1, Q4B_SC_I4, Q4B_INIT_I4);
-    else if constexpr (NB == 2) Q4B_ASM(1x2, Q4B_SC_I4, Q4B_INIT_I4);
-    else Q4B_ASM(1x1, Q4B_SC_I4, Q4B_INIT_I4);
+  if constexpr (kGs) {
+    const float *g0 = gr[0], *g1 = gr[1], *g2 = gr[2], *g3 = gr[3];
+    if constexpr (F == W4Format::int4) {
+      if constexpr (NP == 2) Q4B_ASM(2x1, Q4B_SC_I4, Q4B_INIT_I4, 1);
+      else if constexpr (NB == 2) Q4B_ASM(1x2, Q4B_SC_I4, Q4B_INIT_I4, 1);
+      else Q4B_ASM(1x1, Q4B_SC_I4, Q4B_INIT_I4, 1);
+    } else {
+      if constexpr (NP == 2) Q4B_ASM(2x1, Q4B_SC_MX, Q4B_INIT_MX, 1);
+      else if constexpr (NB == 2) Q4B_ASM(1x2, Q4B_SC_MX, Q4B_INIT_MX, 1);
+      else Q4B_ASM(1x1, Q4B_SC_MX, Q4B_INIT_MX, 1);
+    }
   } else {
-    if constexpr (NP == 2) Q4B_ASM(2x1, Q4B_SC_MX, Q4B_INIT_MX);
-    else if constexpr (NB == 2) Q4B_ASM(1x2, Q4B_SC_MX, Q4B_INIT_MX);
-    else Q4B_ASM(1x1, Q4B_SC_MX, Q4B_INIT_MX);
+    if constexpr (F == W4Format::int4) {
+      if constexpr (NP == 2) Q4B_ASM(2x1, Q4B_SC_I4, Q4B_INIT_I4, 0);
+      else if constexpr (NB == 2) Q4B_ASM(1x2, Q4B_SC_I4, Q4B_INIT_I4, 0);
+      else Q4B_ASM(1x1, Q4B_SC_I4, Q4B_INIT_I4, 0);
+    } else {
+      if constexpr (NP == 2) Q4B_ASM(2x1, Q4B_SC_MX, Q4B_INIT_MX, 0);
+      else if constexpr (NB == 2) Q4B_ASM(1x2, Q4B_SC_MX, Q4B_INIT_MX, 0);
+      else Q4B_ASM(1x1, Q4B_SC_MX, Q4B_INIT_MX, 0);
+    }
+    (void)gr;
   }
   (void)n;
   (void)s;
@@ -184,8 +223,11 @@ void tile_sums(const Call& cl, const uint8_t* a, const uint8_t* b, float* o) {
 
 // Groups longer than kExactK (int4): one pair x one block, the group in pieces of at most
 // kExactK k (BFMMLA's exact fp32 sums, in asm), each converted to int32 and added; then the
-// group end as in the asm (float(isum) * scales, added to the totals). Same output as tile_sums.
-void long_groups(const Call& cl, const uint8_t* a, const uint8_t* b, float* o) {
+// group end as in the asm (float(isum) * scales, kGs: then * [a0 a0 a1 a1] of the pair's rows'
+// group scales at ga0, ga1, added to the totals). Same output as tile_sums.
+template <bool kGs>
+void long_groups(const Call& cl, const uint8_t* a, const uint8_t* b, float* o, const float* ga0,
+                 const float* ga1) {
   const uint8_t* a0 = a;
   const int64_t back = 16;
   const uint8x16_t mask = vdupq_n_u8(0x0f), tl = cl.tab.lo, th = cl.tab.hi;
@@ -205,10 +247,14 @@ void long_groups(const Call& cl, const uint8_t* a, const uint8_t* b, float* o) {
       for (int c = 0; c < 4; ++c) isum[c] = vaddq_s32(isum[c], vcvtq_s32_f32(x[c]));
     }
     const auto* sc = reinterpret_cast<const float*>(b);  // int4: the 8 fp32 scales
+    float32x4_t ga = vdupq_n_f32(1.0f);
+    if constexpr (kGs) ga = vcombine_f32(vdup_n_f32(*ga0++), vdup_n_f32(*ga1++));
     for (int c = 0; c < 4; ++c) {
       const auto* pair = reinterpret_cast<const uint64_t*>(sc + 2 * c);  // [s_c s_c+1] twice
       const float32x4_t s = vreinterpretq_f32_u64(vld1q_dup_u64(pair));
-      tot[c] = vaddq_f32(tot[c], vmulq_f32(vcvtq_f32_s32(isum[c]), s));
+      float32x4_t term = vmulq_f32(vcvtq_f32_s32(isum[c]), s);
+      if constexpr (kGs) term = vmulq_f32(term, ga);
+      tot[c] = vaddq_f32(tot[c], term);
     }
     b += cl.group_bytes - cl.codes_bytes;
   }
@@ -227,7 +273,8 @@ inline void store_pair(const float* t, float* d, int64_t stride, bool two, int64
                   vreinterpretq_f32_f64(vzip2q_f64(pr(2), pr(3))), nc, ls[1], bias);
 }
 
-template <W4Format F>
+// kGs: with ep.lhs_group_scale.
+template <W4Format F, bool kGs>
 void run(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs, const void* rhs,
          float* dst, int64_t stride, const Q4GemmEpilogue& ep) {
   const Call cl{k,
@@ -251,22 +298,28 @@ void run(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs, co
       const uint8_t* ai = a + i0 * 2 * cl.k;
       float* d = dst + i0 * stride + jb * kNr;
       const float* ls = ep.lhs_scale + i0;
+      // kGs: the tile's rows' group scales; rows past m read the last row (a padded row of a
+      // pair its first row), never past the m rows given.
+      const float* gr[4] = {};
+      if constexpr (kGs)
+        for (int64_t r = 0; r < 4; ++r)
+          gr[r] = ep.lhs_group_scale + (i0 + std::min(r, rows - 1)) * (k / cl.g);
       if (cl.g > kExactK) {
         for (int64_t p = 0; 2 * p < rows; ++p) {
-          long_groups(cl, ai + p * 4 * cl.k, bj, t);
+          long_groups<kGs>(cl, ai + p * 4 * cl.k, bj, t, gr[2 * p], gr[2 * p + 1]);
           store_pair(t, d + 2 * p * stride, stride, 2 * p + 1 < rows, nc_of(jb), ls + 2 * p,
                      bias_of(jb));
         }
       } else if (rows > 2) {
-        tile_sums<2, 1, F>(cl, ai, bj, t);
+        tile_sums<2, 1, F, kGs>(cl, ai, bj, t, gr);
         store_pair(t, d, stride, true, nc_of(jb), ls, bias_of(jb));
         store_pair(t + 16, d + 2 * stride, stride, rows == 4, nc_of(jb), ls + 2, bias_of(jb));
       } else if (nb == 2) {
-        tile_sums<1, 2, F>(cl, ai, bj, t);
+        tile_sums<1, 2, F, kGs>(cl, ai, bj, t, gr);
         store_pair(t, d, stride, rows == 2, kNr, ls, bias_of(jb));
         store_pair(t + 16, d + kNr, stride, rows == 2, nc_of(jb + 1), ls, bias_of(jb + 1));
       } else {
-        tile_sums<1, 1, F>(cl, ai, bj, t);
+        tile_sums<1, 1, F, kGs>(cl, ai, bj, t, gr);
         store_pair(t, d, stride, rows == 2, nc_of(jb), ls, bias_of(jb));
       }
     }
@@ -279,6 +332,7 @@ void run(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs, co
 extern const Q4GemmUkernel q4gemm_bf16p2x4_q4cp8x4_4x8_neon_bf16 = make_q4gemm<LhsPacking, Packing>(
     "q4gemm_bf16p2x4_q4cp8x4_4x8_neon_bf16", Isa::neon_bf16, kMr, bf16p2x4_pack<FromInt8>,
     pack_rhs_q4<Packing, PairSlices4>,
-    q4_run_f32<run<W4Format::int4>, run<W4Format::mxfp4>>);
+    q4_run_f32<run_gs<run<W4Format::int4, false>, run<W4Format::int4, true>>,
+               run_gs<run<W4Format::mxfp4, false>, run<W4Format::mxfp4, true>>>);
 
 }  // namespace cpumoe

@@ -31,6 +31,10 @@
 // 2 rows: 1x2 (likewise); 3-8 rows: 2x1, 3x1, 4x1 (one whole A block
 // per column block: the unpacking of each B register serves up to 4 row pairs; the totals in a
 // small stack array, one ld1 and st1 per pair and group).
+// With Q4GemmEpilogue::lhs_group_scale, variants of every tile's asm (template flag kGs, so the
+// plain ones are unchanged) load per group the rows' group scales in the accumulators' lane order
+// (one-row tiles: a0 in all lanes, one ldr s; row pairs: [a_r a_r a_r+1 a_r+1], two loads and a
+// zip1) and multiply each scaled product by it before the fadd: the oracle's (float(isum) * s) * a.
 // Instruction counts (qemu, tests_cpp/bench/q4gemm_insn_bench.cpp): see the README's W4A8 table.
 //
 // Walk: a call of one row tile (m <= 8: decode and most experts) passes over its columns once,
@@ -223,38 +227,55 @@ const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a, void*
 #define Q4_B0(F) "[%[b]], " Q4_SB_##F
 #define Q4_INIT1 "ld1 {v16.4s-v19.4s}, [%[c]], %[cs]\n\t"
 #define Q4_INIT2 "ld1 {v16.4s-v19.4s}, [%[c]]\n\tld1 {v20.4s-v23.4s}, [%[c]], %[cs]\n\t"
-#define Q4_R2_HALF(CV, sc, a0, a1, f0, f1)                                              \
+// kGs (G = 1): the scaled products x0, x1 times the group scales ga, lanes as theirs.
+#define Q4_GS0(x0, x1, ga) ""
+#define Q4_GS1(x0, x1, ga) \
+  "fmul " x0 ".4s, " x0 ".4s, " ga "\n\tfmul " x1 ".4s, " x1 ".4s, " ga "\n\t"
+// kGs: a two-row tile's [a0 a0 a1 a1] into v0 (free at the group end; v4 a temporary).
+#define Q4_GLP0 ""
+#define Q4_GLP1 \
+  "ld1r {v0.2s}, [%[g0]], #4\n\tld1r {v4.2s}, [%[g1]], #4\n\tzip1 v0.2d, v0.2d, v4.2d\n\t"
+#define Q4_R2_HALF(CV, G, sc, a0, a1, f0, f1)                                           \
   "dup v3.2d, " sc ".d[0]\n\tdup v5.2d, " sc ".d[1]\n\t" CV(a0) CV(a1)                 \
   "fmul " a0 ".4s, " a0 ".4s, v3.4s\n\tfmul " a1 ".4s, " a1 ".4s, v5.4s\n\t"            \
+  Q4_GS##G(a0, a1, "v0.4s")                                                             \
   "fadd " f0 ".4s, " f0 ".4s, " a0 ".4s\n\tfadd " f1 ".4s, " f1 ".4s, " a1 ".4s\n\t"
-#define Q4_R2_END(F, addr, a0, a1, a2, a3, f0, f1, f2, f3)                               \
+#define Q4_R2_END(F, G, addr, a0, a1, a2, a3, f0, f1, f2, f3)                            \
   Q4_SC_##F(addr) Q4_SUB_##F(a2, a0) Q4_SUB_##F(a3, a1)                                  \
-  Q4_R2_HALF(Q4_CVL, "v1", a0, a1, f0, f1) Q4_R2_HALF(Q4_CVH_##F, "v2", a2, a3, f2, f3)
-#define Q4_R2_ENDS_1(F)                                                                 \
-  Q4_R2_END(F, Q4_B0(F), "v16", "v17", "v18", "v19", "v24", "v25", "v26", "v27") Q4_INIT1
-#define Q4_R2_ENDS_2(F)                                                                 \
-  Q4_R2_END(F, Q4_B0(F), "v16", "v17", "v18", "v19", "v24", "v25", "v26", "v27")        \
+  Q4_R2_HALF(Q4_CVL, G, "v1", a0, a1, f0, f1)                                            \
+  Q4_R2_HALF(Q4_CVH_##F, G, "v2", a2, a3, f2, f3)
+#define Q4_R2_ENDS_1(F, G)                                                              \
+  Q4_GLP##G Q4_R2_END(F, G, Q4_B0(F), "v16", "v17", "v18", "v19", "v24", "v25", "v26", "v27") \
+  Q4_INIT1
+#define Q4_R2_ENDS_2(F, G)                                                              \
+  Q4_GLP##G Q4_R2_END(F, G, Q4_B0(F), "v16", "v17", "v18", "v19", "v24", "v25", "v26", "v27") \
   "add %[s], %[b], %[bsc]\n\t"                                                          \
-  Q4_R2_END(F, "[%[s]]", "v20", "v21", "v22", "v23", "v28", "v29", "v30", "v31") Q4_INIT2
+  Q4_R2_END(F, G, "[%[s]]", "v20", "v21", "v22", "v23", "v28", "v29", "v30", "v31") Q4_INIT2
+// kGs: the group scale pointers of rows 0 and 1 (one float per group).
+#define Q4_GOPS_P0
+#define Q4_GOPS_P1 , [g0] "+r"(g0), [g1] "+r"(g1)
 // One pass of a one-pair tile over all groups: zeroed totals (v24-v31), the accumulators'
 // start values (INIT), per group the k steps (BODY) and the group end (ENDS), then the store.
-#define Q4_PAIR_ASM(INIT, BODY, ENDS, ST)                                                \
+#define Q4_PAIR_ASM(INIT, BODY, ENDS, ST, G)                                             \
   __asm__ volatile(                                                                      \
       "ld1 {v24.4s-v27.4s}, [%[z]]\n\tld1 {v28.4s-v31.4s}, [%[z]]\n\t" INIT                \
       "2:\n\t" BODY ENDS "subs %[gn], %[gn], #1\n\tb.ne 2b\n\t" ST                        \
       : [a] "+r"(a), [b] "+r"(b), [gn] "+r"(gn), [n] "=&r"(n), [s] "=&r"(s), [o] "+r"(o), \
-        [c] "+r"(c)                                                                      \
+        [c] "+r"(c) Q4_GOPS_P##G                                                         \
       : [np2] "r"(np2), [s64] "r"(s64), [bs] "r"(bs), [back] "r"(back), [bsc] "r"(bsc),  \
         [cs] "r"(cs), [mask] "w"(mask), [tab] "w"(tab), [z] "r"(kZeros)                  \
       : Q4_CLOB, "v16", "v17", "v18", "v19", "v20", "v21", "v22", "v23", "v24", "v25",   \
         "v26", "v27", "v28", "v29", "v30", "v31")
-#define Q4_P1_ASM(NB_, F, LOOP, ST) \
-  Q4_PAIR_ASM(Q4_INIT##NB_, LOOP(Q4_S1x##NB_(Q4_UNP_##F)), Q4_R2_ENDS_##NB_(F), ST)
-// The format / group-size variants of a one-pair tile (ASM: Q4_P1_ASM or Q4_O_ASM).
-#define Q4_PAIR_FMT(ASM, NB_, ST)                                       \
-  if constexpr (F == W4Format::mxfp4) ASM(NB_, MX, Q4_LOOP_G32, ST);     \
-  else if constexpr (kG32) ASM(NB_, I4, Q4_LOOP_G32, ST);               \
-  else ASM(NB_, I4, Q4_LOOP, ST);
+#define Q4_P1_ASM(NB_, F, LOOP, ST, G) \
+  Q4_PAIR_ASM(Q4_INIT##NB_, LOOP(Q4_S1x##NB_(Q4_UNP_##F)), Q4_R2_ENDS_##NB_(F, G), ST, G)
+// The format / group-size / kGs variants of a one-pair tile (ASM: Q4_P1_ASM or Q4_O_ASM).
+#define Q4_PAIR_FMT_G(ASM, NB_, ST, G)                                     \
+  if constexpr (F == W4Format::mxfp4) ASM(NB_, MX, Q4_LOOP_G32, ST, G);     \
+  else if constexpr (kG32) ASM(NB_, I4, Q4_LOOP_G32, ST, G);               \
+  else ASM(NB_, I4, Q4_LOOP, ST, G);
+#define Q4_PAIR_FMT(ASM, NB_, ST)                     \
+  if constexpr (kGs) { Q4_PAIR_FMT_G(ASM, NB_, ST, 1) } \
+  else { Q4_PAIR_FMT_G(ASM, NB_, ST, 0) }
 #define Q4_ST1 "st1 {v24.4s-v25.4s}, [%[o]]\n\t"
 #define Q4_ST2 "st1 {v24.4s-v27.4s}, [%[o]]\n\t"
 #define Q4_ST3 "st1 {v24.4s-v27.4s}, [%[o]], #64\n\tst1 {v28.4s-v29.4s}, [%[o]]\n\t"
@@ -281,24 +302,31 @@ const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a, void*
 #define Q4_O_S4(U)                                                                            \
   Q4_O_LDA Q4_LDB(bs) Q4_O_BLK(U, 0, 1) Q4_LDB(bs) Q4_O_BLK(U, 2, 3) Q4_LDB(bs)              \
       Q4_O_BLK(U, 4, 5) Q4_LDB(back) Q4_O_BLK(U, 6, 7)
-#define Q4_O_END(F, addr, l, h, f0, f1)                                                     \
+// kGs: row 0's group scale in lane 0 of v0 (free at the group end), by element.
+#define Q4_O_END(F, G, addr, l, h, f0, f1)                                                  \
   Q4_SC_##F(addr) Q4_SUB_##F(h, l) Q4_CVL(l) Q4_CVH_##F(h)                                  \
   "fmul " l ".4s, " l ".4s, v1.4s\n\tfmul " h ".4s, " h ".4s, v2.4s\n\t"                    \
+  Q4_GS##G(l, h, "v0.s[0]")                                                                 \
   "fadd " f0 ".4s, " f0 ".4s, " l ".4s\n\tfadd " f1 ".4s, " f1 ".4s, " h ".4s\n\t"
-#define Q4_O_E0(F) Q4_O_END(F, Q4_B0(F), "v16", "v17", "v24", "v25")
-#define Q4_O_E1(F) "add %[s], %[b], %[bsc]\n\t" Q4_O_END(F, "[%[s]]", "v18", "v19", "v26", "v27")
-#define Q4_O_E2(F) "add %[s], %[s], %[bs]\n\t" Q4_O_END(F, "[%[s]]", "v20", "v21", "v28", "v29")
-#define Q4_O_E3(F) "add %[s], %[s], %[bs]\n\t" Q4_O_END(F, "[%[s]]", "v22", "v23", "v30", "v31")
-#define Q4_O_ENDS_1(F) Q4_O_E0(F) Q4_INIT1
-#define Q4_O_ENDS_2(F) Q4_O_E0(F) Q4_O_E1(F) Q4_INIT1
-#define Q4_O_ENDS_3(F) Q4_O_E0(F) Q4_O_E1(F) Q4_O_E2(F) Q4_INIT2
-#define Q4_O_ENDS_4(F) Q4_O_E0(F) Q4_O_E1(F) Q4_O_E2(F) Q4_O_E3(F) Q4_INIT2
+#define Q4_O_GL0 ""
+#define Q4_O_GL1 "ldr s0, [%[g0]], #4\n\t"
+#define Q4_O_E0(F, G) Q4_O_GL##G Q4_O_END(F, G, Q4_B0(F), "v16", "v17", "v24", "v25")
+#define Q4_O_E1(F, G) \
+  "add %[s], %[b], %[bsc]\n\t" Q4_O_END(F, G, "[%[s]]", "v18", "v19", "v26", "v27")
+#define Q4_O_E2(F, G) \
+  "add %[s], %[s], %[bs]\n\t" Q4_O_END(F, G, "[%[s]]", "v20", "v21", "v28", "v29")
+#define Q4_O_E3(F, G) \
+  "add %[s], %[s], %[bs]\n\t" Q4_O_END(F, G, "[%[s]]", "v22", "v23", "v30", "v31")
+#define Q4_O_ENDS_1(F, G) Q4_O_E0(F, G) Q4_INIT1
+#define Q4_O_ENDS_2(F, G) Q4_O_E0(F, G) Q4_O_E1(F, G) Q4_INIT1
+#define Q4_O_ENDS_3(F, G) Q4_O_E0(F, G) Q4_O_E1(F, G) Q4_O_E2(F, G) Q4_INIT2
+#define Q4_O_ENDS_4(F, G) Q4_O_E0(F, G) Q4_O_E1(F, G) Q4_O_E2(F, G) Q4_O_E3(F, G) Q4_INIT2
 #define Q4_O_INIT_1 Q4_INIT1
 #define Q4_O_INIT_2 Q4_INIT1
 #define Q4_O_INIT_3 Q4_INIT2
 #define Q4_O_INIT_4 Q4_INIT2
-#define Q4_O_ASM(NB_, F, LOOP, ST) \
-  Q4_PAIR_ASM(Q4_O_INIT_##NB_, LOOP(Q4_O_S##NB_(Q4_UNP_##F)), Q4_O_ENDS_##NB_(F), ST)
+#define Q4_O_ASM(NB_, F, LOOP, ST, G) \
+  Q4_PAIR_ASM(Q4_O_INIT_##NB_, LOOP(Q4_O_S##NB_(Q4_UNP_##F)), Q4_O_ENDS_##NB_(F, G), ST, G)
 
 // Tiles of 2-4 pairs x 1 block: the totals in memory at t (4 per pair: one ld1 and one st1 per
 // pair and group, as the accumulators take v16..v31). Group end: the 8 scales into v8, v9 (as in
@@ -309,33 +337,56 @@ const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a, void*
   "ldr q8, [%[b]], " Q4_SB_MX "\n\tshll2 v9.4s, v8.8h, #16\n\tshll v8.4s, v8.4h, #16\n\t"
 #define Q4_M_DUP \
   "dup v10.2d, v8.d[0]\n\tdup v11.2d, v8.d[1]\n\tdup v12.2d, v9.d[0]\n\tdup v13.2d, v9.d[1]\n\t"
-#define Q4_M_ACC(CV, x, t, sc) \
-  CV(x) "fmul " x ".4s, " x ".4s, " sc ".4s\n\tfadd " t ".4s, " t ".4s, " x ".4s\n\t"
-#define Q4_M_PAIR(F, x0, x1, x2, x3)                                                        \
-  Q4_SUB_##F(x2, x0) Q4_SUB_##F(x3, x1) "ld1 {v0.4s-v3.4s}, [%[t]]\n\t"                     \
-  Q4_M_ACC(Q4_CVL, x0, "v0", "v10") Q4_M_ACC(Q4_CVL, x1, "v1", "v11")                        \
-  Q4_M_ACC(Q4_CVH_##F, x2, "v2", "v12") Q4_M_ACC(Q4_CVH_##F, x3, "v3", "v13")                \
+#define Q4_M_ACC(CV, G, x, t, sc)                                                           \
+  CV(x) "fmul " x ".4s, " x ".4s, " sc ".4s\n\t" Q4_M_GS##G(x)                              \
+  "fadd " t ".4s, " t ".4s, " x ".4s\n\t"
+// kGs: pair p's [a_r a_r a_r+1 a_r+1] into v4 (v4-v7 are free at the group end): row r from its
+// pointer gp, row r + 1 at gp + gsx bytes (gsx: gst, or for the last pair gsl, 0 when its second
+// row is padding: no read past the m rows).
+#define Q4_M_GS0(x) ""
+#define Q4_M_GS1(x) "fmul " x ".4s, " x ".4s, v4.4s\n\t"
+#define Q4_M_GL0(gp, gsx) ""
+#define Q4_M_GL1(gp, gsx)                                                                   \
+  "ldr s5, [%[" gp "], %[" gsx "]]\n\tld1r {v4.2s}, [%[" gp "]], #4\n\t"                    \
+  "dup v5.2s, v5.s[0]\n\tzip1 v4.2d, v4.2d, v5.2d\n\t"
+#define Q4_M_PAIR(F, G, x0, x1, x2, x3, gp, gsx)                                            \
+  Q4_SUB_##F(x2, x0) Q4_SUB_##F(x3, x1) Q4_M_GL##G(gp, gsx) "ld1 {v0.4s-v3.4s}, [%[t]]\n\t"  \
+  Q4_M_ACC(Q4_CVL, G, x0, "v0", "v10") Q4_M_ACC(Q4_CVL, G, x1, "v1", "v11")                  \
+  Q4_M_ACC(Q4_CVH_##F, G, x2, "v2", "v12") Q4_M_ACC(Q4_CVH_##F, G, x3, "v3", "v13")          \
   "st1 {v0.4s-v3.4s}, [%[t]], #64\n\t"
-#define Q4_M_END2(F) Q4_M_PAIR(F, "v16", "v17", "v18", "v19") Q4_M_PAIR(F, "v20", "v21", "v22", "v23")
-#define Q4_M_END3(F) Q4_M_END2(F) Q4_M_PAIR(F, "v24", "v25", "v26", "v27")
-#define Q4_M_END4(F) Q4_M_END3(F) Q4_M_PAIR(F, "v28", "v29", "v30", "v31")
+#define Q4_M_P0(F, G, gsx) Q4_M_PAIR(F, G, "v16", "v17", "v18", "v19", "g0", gsx)
+#define Q4_M_P1(F, G, gsx) Q4_M_PAIR(F, G, "v20", "v21", "v22", "v23", "g1", gsx)
+#define Q4_M_P2(F, G, gsx) Q4_M_PAIR(F, G, "v24", "v25", "v26", "v27", "g2", gsx)
+#define Q4_M_P3(F, G, gsx) Q4_M_PAIR(F, G, "v28", "v29", "v30", "v31", "g3", gsx)
+#define Q4_M_END2(F, G) Q4_M_P0(F, G, "gst") Q4_M_P1(F, G, "gsl")
+#define Q4_M_END3(F, G) Q4_M_P0(F, G, "gst") Q4_M_P1(F, G, "gst") Q4_M_P2(F, G, "gsl")
+#define Q4_M_END4(F, G) \
+  Q4_M_P0(F, G, "gst") Q4_M_P1(F, G, "gst") Q4_M_P2(F, G, "gst") Q4_M_P3(F, G, "gsl")
+#define Q4_GOUT_M0
+#define Q4_GOUT_M1 , [g0] "+r"(g0), [g1] "+r"(g1), [g2] "+r"(g2), [g3] "+r"(g3)
+#define Q4_GIN_M0
+#define Q4_GIN_M1 , [gst] "r"(gst), [gsl] "r"(gsl)
 #define Q4_M_Z2 "ld1 {v16.4s-v19.4s}, [%[c]], %[cs]\n\tld1 {v20.4s-v23.4s}, [%[c]], %[cs]\n\t"
 #define Q4_M_Z3 Q4_M_Z2 "ld1 {v24.4s-v27.4s}, [%[c]], %[cs]\n\t"
 #define Q4_M_Z4 Q4_M_Z3 "ld1 {v28.4s-v31.4s}, [%[c]], %[cs]\n\t"
-#define Q4_M_ASM(NP_, F, LOOP)                                                             \
+#define Q4_M_ASM(NP_, F, LOOP, G)                                                          \
   __asm__ volatile(                                                                        \
       Q4_M_Z##NP_ "2:\n\tmov %[t], %[tb]\n\t"                                               \
-      LOOP(Q4_S##NP_##x1(Q4_UNP_##F)) Q4_M_SC_##F Q4_M_DUP Q4_M_END##NP_(F) Q4_M_Z##NP_     \
+      LOOP(Q4_S##NP_##x1(Q4_UNP_##F)) Q4_M_SC_##F Q4_M_DUP Q4_M_END##NP_(F, G) Q4_M_Z##NP_  \
       "subs %[gn], %[gn], #1\n\tb.ne 2b\n\t"                                                \
-      : [a] "+r"(a), [b] "+r"(b), [gn] "+r"(gn), [n] "=&r"(n), [t] "=&r"(t), [c] "+r"(c)   \
+      : [a] "+r"(a), [b] "+r"(b), [gn] "+r"(gn), [n] "=&r"(n), [t] "=&r"(t),                \
+        [c] "+r"(c) Q4_GOUT_M##G                                                           \
       : [np2] "r"(np2), [s64] "r"(s64), [back] "r"(back), [cs] "r"(cs),                    \
-        [mask] "w"(mask), [tab] "w"(tab), [tb] "r"(o)                                      \
+        [mask] "w"(mask), [tab] "w"(tab), [tb] "r"(o) Q4_GIN_M##G                          \
       : Q4_CLOB, "v16", "v17", "v18", "v19", "v20", "v21", "v22", "v23", "v24", "v25",     \
         "v26", "v27", "v28", "v29", "v30", "v31")
-#define Q4_M_FMT(NP_)                                              \
-  if constexpr (F == W4Format::mxfp4) Q4_M_ASM(NP_, MX, Q4_LOOP_G32);  \
-  else if constexpr (kG32) Q4_M_ASM(NP_, I4, Q4_LOOP_G32);        \
-  else Q4_M_ASM(NP_, I4, Q4_LOOP);
+#define Q4_M_FMT_G(NP_, G)                                              \
+  if constexpr (F == W4Format::mxfp4) Q4_M_ASM(NP_, MX, Q4_LOOP_G32, G);  \
+  else if constexpr (kG32) Q4_M_ASM(NP_, I4, Q4_LOOP_G32, G);        \
+  else Q4_M_ASM(NP_, I4, Q4_LOOP, G);
+#define Q4_M_FMT(NP_)                        \
+  if constexpr (kGs) { Q4_M_FMT_G(NP_, 1) } \
+  else { Q4_M_FMT_G(NP_, 0) }
 
 // The fp32 totals of an NP x NB tile (one row: NB <= 4; two rows: NB <= 2; NP > 1: NB == 1)
 // over all groups: a at
@@ -343,9 +394,11 @@ const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a, void*
 // o: kOneRow: the 8 NB sums of row 0 (block j's columns at 8 j);
 // otherwise (pair p, block j)'s 4 column-pair totals [r c, r c+1, r+1 c, r+1 c+1] at
 // 16 (p NB + j) (o zeroed by the caller when NP > 1). kG32: int4 groups of 32 k (one slice pair
-// per group: no k loop); mxfp4 always is.
-template <int NP, int NB, W4Format F, bool kOneRow, bool kG32>
-void tile_sums(const Call& cl, const int8_t* a, const uint8_t* b, const int32_t* c, float* o) {
+// per group: no k loop); mxfp4 always is. kGs: gs is row 0's group scales (rows groups apart),
+// rows the tile's rows that exist.
+template <int NP, int NB, W4Format F, bool kOneRow, bool kG32, bool kGs>
+void tile_sums(const Call& cl, const int8_t* a, const uint8_t* b, const int32_t* c, float* o,
+               const float* gs, int64_t rows) {
   static_assert((NP == 1 && NB <= (kOneRow ? 4 : 2)) || (NP <= 4 && NB == 1), "no such tile");
   const int64_t bs = int64_t(cl.block_bytes), s64 = 64, back = 64 - (NB - 1) * bs;
   // The scales' bytes per group (Packing::scales_bytes: 8 fp32 or bf16), the asm's post-index
@@ -355,6 +408,17 @@ void tile_sums(const Call& cl, const int8_t* a, const uint8_t* b, const int32_t*
   uint64_t gn = uint64_t(cl.groups), n;
   const uint8x16_t mask = vdupq_n_u8(0x0f);
   const int8x16_t tab = vld1q_s8(cl.table);
+  // kGs: pair p's first row's pointer (pairs past NP: row 0, unread); its second row gst bytes
+  // on, for the last pair gsl (0 when that row is padding, so it rereads the first).
+  const int64_t gst = cl.groups * int64_t(sizeof(float)), gsl = rows % 2 == 0 ? gst : 0;
+  const float *g0 = gs, *g1 = gs, *g2 = gs, *g3 = gs;
+  if constexpr (NP == 1) {
+    if (rows > 1) g1 = gs + cl.groups;  // the one-pair asm takes rows 0 and 1 as g0, g1
+  } else {
+    g1 = gs + 2 * cl.groups;
+    if (NP > 2) g2 = gs + 4 * cl.groups;
+    if (NP > 3) g3 = gs + 6 * cl.groups;
+  }
   if constexpr (NP == 1) {
     const uint8_t* s;
     if constexpr (kOneRow && NB == 1) { Q4_PAIR_FMT(Q4_O_ASM, 1, Q4_ST1) }
@@ -374,19 +438,20 @@ void tile_sums(const Call& cl, const int8_t* a, const uint8_t* b, const int32_t*
   }
   (void)n;
   (void)np2;
+  (void)g0, (void)g1, (void)g2, (void)g3, (void)gsl;
 }
 
 // One tile: NP row pairs (rows valid rows, NP = (rows + 1) / 2; kOneRow: rows == 1) x NB blocks
 // (full or padded) over all groups. a: row pair 0's slice 0 (an A block start); b: block 0; out:
 // row 0, column 0 of the tile; c: the row tile's start values; nc: columns of the tile's last
 // block inside n (1..8).
-template <int NP, int NB, W4Format F, bool kOneRow, bool kG32>
+template <int NP, int NB, W4Format F, bool kOneRow, bool kG32, bool kGs>
 void tile(const Call& cl, const int8_t* a, const uint8_t* b, const int32_t* c, float* out,
           int64_t stride,
-          int64_t rows, int64_t nc, const float* ls, const float* bias) {
+          int64_t rows, int64_t nc, const float* ls, const float* bias, const float* gs) {
   static_assert(!kOneRow || NP == 1, "one-row tiles have one row pair");
   alignas(16) float sums[16 * NP * NB] = {};
-  tile_sums<NP, NB, F, kOneRow, kG32>(cl, a, b, c, sums);
+  tile_sums<NP, NB, F, kOneRow, kG32, kGs>(cl, a, b, c, sums, gs, rows);
   for (int j = 0; j < NB; ++j) {
     const int64_t jc = j == NB - 1 ? nc : kNr;
     const float* bj = bias != nullptr ? bias + j * kNr : nullptr;
@@ -410,38 +475,43 @@ void tile(const Call& cl, const int8_t* a, const uint8_t* b, const int32_t* c, f
 
 // Blocks [jb, jb + nb) of the row tile at A block `a` (rows valid rows; c: its start values):
 // tiles of NB blocks, then the rest with NB - 1, ... 1.
-template <int NP, int NB, W4Format F, bool kOneRow, bool kG32>
+template <int NP, int NB, W4Format F, bool kOneRow, bool kG32, bool kGs>
 void blocks(const Call& cl, const int8_t* a, const int32_t* c, const uint8_t* b, int64_t jb,
             int64_t nb, int64_t n, float* d, int64_t stride, int64_t rows, const float* ls,
-            const float* bias) {
+            const float* bias, const float* gs) {
   for (; nb >= NB; nb -= NB, jb += NB) {
     const int64_t j0 = jb * kNr;
     const int64_t nc = std::min<int64_t>(kNr, n - (j0 + (NB - 1) * kNr));
-    tile<NP, NB, F, kOneRow, kG32>(cl, a, b + size_t(jb) * cl.block_bytes, c, d + j0, stride, rows,
-                             nc, ls, bias != nullptr ? bias + j0 : nullptr);
+    tile<NP, NB, F, kOneRow, kG32, kGs>(cl, a, b + size_t(jb) * cl.block_bytes, c, d + j0, stride,
+                                        rows, nc, ls, bias != nullptr ? bias + j0 : nullptr, gs);
   }
   if constexpr (NB > 1) {
     if (nb > 0)
-      blocks<NP, NB - 1, F, kOneRow, kG32>(cl, a, c, b, jb, nb, n, d, stride, rows, ls, bias);
+      blocks<NP, NB - 1, F, kOneRow, kG32, kGs>(cl, a, c, b, jb, nb, n, d, stride, rows, ls, bias,
+                                                gs);
   }
 }
 
-template <W4Format F, bool kG32>
+template <W4Format F, bool kG32, bool kGs>
 void row_tile(const Call& cl, const int8_t* a, const int32_t* c, const uint8_t* b, int64_t jb,
               int64_t nb, int64_t n, float* d, int64_t stride, int64_t rows, const float* ls,
-              const float* bias) {
+              const float* bias, const float* gs) {
+#define Q4_BLOCKS(NP_, NB_, ONE) \
+  blocks<NP_, NB_, F, ONE, kG32, kGs>(cl, a, c, b, jb, nb, n, d, stride, rows, ls, bias, gs)
   switch ((rows + 1) / 2) {
-    case 4: blocks<4, 1, F, false, kG32>(cl, a, c, b, jb, nb, n, d, stride, rows, ls, bias); break;
-    case 3: blocks<3, 1, F, false, kG32>(cl, a, c, b, jb, nb, n, d, stride, rows, ls, bias); break;
-    case 2: blocks<2, 1, F, false, kG32>(cl, a, c, b, jb, nb, n, d, stride, rows, ls, bias); break;
+    case 4: Q4_BLOCKS(4, 1, false); break;
+    case 3: Q4_BLOCKS(3, 1, false); break;
+    case 2: Q4_BLOCKS(2, 1, false); break;
     default:
-      if (rows == 1) blocks<1, 4, F, true, kG32>(cl, a, c, b, jb, nb, n, d, stride, rows, ls, bias);
-      else blocks<1, 2, F, false, kG32>(cl, a, c, b, jb, nb, n, d, stride, rows, ls, bias);
+      if (rows == 1) Q4_BLOCKS(1, 4, true);
+      else Q4_BLOCKS(1, 2, false);
       break;
   }
+#undef Q4_BLOCKS
 }
 
-template <W4Format F, bool kG32>
+// kGs: with ep.lhs_group_scale.
+template <W4Format F, bool kG32, bool kGs>
 void run(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs, const void* rhs,
          float* dst, int64_t stride, const Q4GemmEpilogue& ep) {
   constexpr bool kInt4 = F == W4Format::int4;
@@ -456,16 +526,19 @@ void run(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs, co
   for (int64_t jb = 0; jb < nblocks; jb += step) {
     const int64_t nb = std::min(step, nblocks - jb);
     for (int64_t i0 = 0; i0 < m; i0 += kMr)
-      row_tile<F, kG32>(cl, a + i0 * k, kInt4 ? init + (i0 / kMr) * groups * 64 : init, b, jb, nb, n,
-                  dst + i0 * stride, stride, std::min(kMr, m - i0), ep.lhs_scale + i0, ep.bias);
+      row_tile<F, kG32, kGs>(cl, a + i0 * k, kInt4 ? init + (i0 / kMr) * groups * 64 : init, b, jb,
+                             nb, n, dst + i0 * stride, stride, std::min(kMr, m - i0),
+                             ep.lhs_scale + i0, ep.bias,
+                             kGs ? ep.lhs_group_scale + i0 * groups : nullptr);
   }
 }
 
 // The int4 loops, with or without the k loop.
+template <bool kGs>
 void run_int4(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs, const void* rhs,
               float* dst, int64_t stride, const Q4GemmEpilogue& ep) {
-  if (w.group == 32) run<W4Format::int4, true>(m, n, k, w, lhs, rhs, dst, stride, ep);
-  else run<W4Format::int4, false>(m, n, k, w, lhs, rhs, dst, stride, ep);
+  if (w.group == 32) run<W4Format::int4, true, kGs>(m, n, k, w, lhs, rhs, dst, stride, ep);
+  else run<W4Format::int4, false, kGs>(m, n, k, w, lhs, rhs, dst, stride, ep);
 }
 
 }  // namespace
@@ -473,7 +546,9 @@ void run_int4(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lh
 extern const Q4GemmUkernel q4gemm_qs8p8x8_q4cpo8x8_8x8_neon_i8mm =
     make_q4gemm<LhsPacking, Packing>("q4gemm_qs8p8x8_q4cpo8x8_8x8_neon_i8mm", Isa::neon_i8mm, kMr,
                                      pack_lhs, pack_rhs_q4<Packing, PairNibbles, OffsetLowInt4>,
-                                     q4_run_f32<run_int4, run<W4Format::mxfp4, true>>,
+                                     q4_run_f32<run_gs<run_int4<false>, run_int4<true>>,
+                                                run_gs<run<W4Format::mxfp4, true, false>,
+                                                       run<W4Format::mxfp4, true, true>>>,
                                      scratch_bytes);
 
 }  // namespace cpumoe

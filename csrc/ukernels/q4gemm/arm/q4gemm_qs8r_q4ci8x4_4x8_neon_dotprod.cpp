@@ -21,7 +21,11 @@
 // unpacking instructions and 8 R SDOT by element (lane q of the A register). At a group end,
 // (int4: X - Y), per accumulator scvtf, fmul by the group's scales (the lanes are the columns: the
 // 8 scales as stored, no shuffle), fadd: the oracle's acc + float(isum) * s in g order, no FMA;
-// then the int32 accumulators get the next group's start values (one ld1 per row). Walk: blocks outer, row tiles of 4 inner (a block's packed B,
+// then the int32 accumulators get the next group's start values (one ld1 per row). With
+// Q4GemmEpilogue::lhs_group_scale a variant of the asm (template flag kGs, so the plain one is
+// unchanged) loads each row's group scale at the group end (one ldr s per row) and multiplies
+// both scaled products of the row by it (fmul by element) before the fadd: the oracle's
+// (float(isum) * s) * a. Walk: blocks outer, row tiles of 4 inner (a block's packed B,
 // 4 k + 32 bytes per group, stays in L1 across the row tiles); decode (m <= 4) reads each weight
 // byte once per call.
 // @pre m, n >= 0, k % group == 0, group % 32 == 0, group <= kW4MaxGroup (|X| <= g * 128 * 136
@@ -84,7 +88,8 @@ const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a, void*
 // Scratch: A rows in v0-v3, the 4 code registers in v4-v7, the two unpacked operands in v8
 // (columns 0-3) and v9 (columns 4-7), mxfp4's scale constants in v10 (2^-127) and v11 (0.5), the
 // group's scales in v12, v13; mask and table are operands (v14, v15). Row i: int32 accumulators
-// v(16 + 2i), v(17 + 2i); fp32 ones v(24 + 2i), v(25 + 2i).
+// v(16 + 2i), v(17 + 2i); fp32 ones v(24 + 2i), v(25 + 2i); at a group end (kGs) its group scale
+// in lane 0 of v(4 + i) (free there).
 #define Q4D_UNP_I4(r) "and v8.16b, " r ".16b, %[mask].16b\n\t"
 #define Q4D_UNP_I4_HI(r) r
 #define Q4D_UNP_MX(r)                                                              \
@@ -118,14 +123,35 @@ const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a, void*
 #define Q4D_CVL(r) "scvtf " r ".4s, " r ".4s\n\t"
 #define Q4D_CVH_I4(r) "scvtf " r ".4s, " r ".4s, #4\n\t"
 #define Q4D_CVH_MX(r) Q4D_CVL(r)
-#define Q4D_ROW_END(F, lo, hi, flo, fhi)                                                 \
+// The row's group scale (lane 0 of ga) times the scaled products: G = 1 (kGs), or nothing.
+#define Q4D_GS0(lo, hi, ga) ""
+#define Q4D_GS1(lo, hi, ga) \
+  "fmul " lo ".4s, " lo ".4s, " ga ".s[0]\n\tfmul " hi ".4s, " hi ".4s, " ga ".s[0]\n\t"
+#define Q4D_ROW_END(F, G, lo, hi, flo, fhi, ga)                                          \
   Q4D_SUB_##F(hi, lo) Q4D_CVL(lo) Q4D_CVH_##F(hi)                                        \
   "fmul " lo ".4s, " lo ".4s, v12.4s\n\tfmul " hi ".4s, " hi ".4s, v13.4s\n\t"             \
+  Q4D_GS##G(lo, hi, ga)                                                                  \
   "fadd " flo ".4s, " flo ".4s, " lo ".4s\n\tfadd " fhi ".4s, " fhi ".4s, " hi ".4s\n\t"
-#define Q4D_END1(F) Q4D_ROW_END(F, "v16", "v17", "v24", "v25")
-#define Q4D_END2(F) Q4D_END1(F) Q4D_ROW_END(F, "v18", "v19", "v26", "v27")
-#define Q4D_END3(F) Q4D_END2(F) Q4D_ROW_END(F, "v20", "v21", "v28", "v29")
-#define Q4D_END4(F) Q4D_END3(F) Q4D_ROW_END(F, "v22", "v23", "v30", "v31")
+#define Q4D_END1(F, G) Q4D_ROW_END(F, G, "v16", "v17", "v24", "v25", "v4")
+#define Q4D_END2(F, G) Q4D_END1(F, G) Q4D_ROW_END(F, G, "v18", "v19", "v26", "v27", "v5")
+#define Q4D_END3(F, G) Q4D_END2(F, G) Q4D_ROW_END(F, G, "v20", "v21", "v28", "v29", "v6")
+#define Q4D_END4(F, G) Q4D_END3(F, G) Q4D_ROW_END(F, G, "v22", "v23", "v30", "v31", "v7")
+// kGs: the group scales of rows 0..R-1 into v4.. from one pointer gp (row 0, gst bytes per row,
+// rows 2, 3 by way of n, free there), then gp to the next group. One pointer, o an input and the
+// last store through n keep the asm within GCC's 30 operands.
+#define Q4D_G1 "ldr s4, [%[gp]], #4\n\t"
+#define Q4D_G2 "ldr s5, [%[gp], %[gst]]\n\t" Q4D_G1
+#define Q4D_G3 "add %[n], %[gp], %[gst], lsl #1\n\tldr s6, [%[n]]\n\t" Q4D_G2
+#define Q4D_G4 "add %[n], %[gp], %[gst], lsl #1\n\tldr s6, [%[n]]\n\tldr s7, [%[n], %[gst]]\n\t" Q4D_G2
+#define Q4D_GLD0(R) ""
+#define Q4D_GLD1(R) Q4D_G##R
+#define Q4D_ST0 "st1 {v24.4s-v27.4s}, [%[o]], #64\n\tst1 {v28.4s-v31.4s}, [%[o]]\n\t"
+#define Q4D_ST1 \
+  "st1 {v24.4s-v27.4s}, [%[o]]\n\tadd %[n], %[o], #64\n\tst1 {v28.4s-v31.4s}, [%[n]]\n\t"
+#define Q4D_OOUT0 , [o] "+r"(o)
+#define Q4D_OOUT1 , [gp] "+r"(gp)
+#define Q4D_OIN0
+#define Q4D_OIN1 , [o] "r"(o), [gst] "r"(gst)
 #define Q4D_INIT_I4 ""
 #define Q4D_INIT_MX "movi v10.4s, #0x40, lsl #16\n\tfmov v11.4s, #0.5\n\t"
 // The next group's start values of rows 0..R-1 (pointers c0.., stepping cs bytes).
@@ -133,30 +159,36 @@ const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a, void*
 #define Q4D_C2 Q4D_C1 "ld1 {v18.4s-v19.4s}, [%[c1]], %[cs]\n\t"
 #define Q4D_C3 Q4D_C2 "ld1 {v20.4s-v21.4s}, [%[c2]], %[cs]\n\t"
 #define Q4D_C4 Q4D_C3 "ld1 {v22.4s-v23.4s}, [%[c3]], %[cs]\n\t"
-#define Q4D_ASM(R, F)                                                                     \
+#define Q4D_ASM(R, F, G)                                                                  \
   __asm__ volatile(                                                                       \
       Q4D_C##R "ld1 {v24.4s-v27.4s}, [%[z]]\n\tld1 {v28.4s-v31.4s}, [%[z]]\n\t" Q4D_INIT_##F \
       "2:\n\tmov %[n], %[nc2]\n\t"                                                        \
       "1:\n\t" Q4D_CHUNK(R, Q4D_UNP_##F) Q4D_CHUNK(R, Q4D_UNP_##F)                         \
       "subs %[n], %[n], #1\n\tb.ne 1b\n\t"                                                 \
-      Q4D_SC_##F Q4D_END##R(F) Q4D_C##R "subs %[gn], %[gn], #1\n\tb.ne 2b\n\t"             \
-      "st1 {v24.4s-v27.4s}, [%[o]], #64\n\tst1 {v28.4s-v31.4s}, [%[o]]\n\t"               \
+      Q4D_SC_##F Q4D_GLD##G(R) Q4D_END##R(F, G) Q4D_C##R                                  \
+      "subs %[gn], %[gn], #1\n\tb.ne 2b\n\t"                                               \
+      Q4D_ST##G                                                                           \
       : [a0] "+r"(a0), [a1] "+r"(a1), [a2] "+r"(a2), [a3] "+r"(a3), [b] "+r"(b),          \
-        [gn] "+r"(gn), [n] "=&r"(n), [o] "+r"(o), [c0] "+r"(c0), [c1] "+r"(c1),           \
+        [gn] "+r"(gn), [n] "=&r"(n) Q4D_OOUT##G, [c0] "+r"(c0), [c1] "+r"(c1),            \
         [c2] "+r"(c2), [c3] "+r"(c3)                                                      \
-      : [nc2] "r"(nc2), [cs] "r"(cs), [mask] "w"(mask), [tab] "w"(tab), [z] "r"(kZeros)   \
+      : [nc2] "r"(nc2), [cs] "r"(cs), [mask] "w"(mask), [tab] "w"(tab),                   \
+        [z] "r"(kZeros) Q4D_OIN##G                                                        \
       : "v0", "v1", "v2", "v3", "v4", "v5", "v6", "v7", "v8", "v9", "v10", "v11", "v12",  \
         "v13", "v16", "v17", "v18", "v19", "v20", "v21", "v22", "v23", "v24", "v25", "v26", \
         "v27", "v28", "v29", "v30", "v31", "cc", "memory")
-#define Q4D_FMT(R)                                     \
-  if constexpr (F == W4Format::int4) Q4D_ASM(R, I4);   \
-  else Q4D_ASM(R, MX);
+#define Q4D_FMT(R, G)                                     \
+  if constexpr (F == W4Format::int4) Q4D_ASM(R, I4, G);   \
+  else Q4D_ASM(R, MX, G);
+#define Q4D_GFMT(R)                  \
+  if constexpr (kGs) { Q4D_FMT(R, 1) } \
+  else { Q4D_FMT(R, 0) }
 
 // The fp32 sums of R rows (A row 0 at a, rows k apart; c: row 0's start values, init_sums or
-// kZeros for mxfp4) x one block (b) over all groups g: row i's 8 columns at o + 8 i.
-template <int R, W4Format F>
+// kZeros for mxfp4) x one block (b) over all groups g: row i's 8 columns at o + 8 i. kGs: gs is
+// row 0's group scales (rows k / g apart).
+template <int R, W4Format F, bool kGs>
 void tile_sums(const int8_t* a, const int32_t* c, int64_t k, int64_t g, const uint8_t* b,
-               const int8_t* table, float* o) {
+               const int8_t* table, float* o, const float* gs) {
   // Rows past R are never read: their pointers stay at row 0 (inside the buffer).
   const int8_t *a0 = a, *a1 = R > 1 ? a + k : a, *a2 = R > 2 ? a + 2 * k : a;
   const int8_t* a3 = R > 3 ? a + 3 * k : a;
@@ -168,24 +200,29 @@ void tile_sums(const int8_t* a, const int32_t* c, int64_t k, int64_t g, const ui
   const uint64_t nc2 = uint64_t(g) / 32;  // two 16-k chunks per iteration
   const uint8x16_t mask = vdupq_n_u8(0x0f);
   const int8x16_t tab = vld1q_s8(table);
-  if constexpr (R == 1) { Q4D_FMT(1) }
-  else if constexpr (R == 2) { Q4D_FMT(2) }
-  else if constexpr (R == 3) { Q4D_FMT(3) }
-  else { Q4D_FMT(4) }
+  const float* gp = gs;  // kGs: row i's group scales at gp + i * gst bytes (only rows < R read)
+  const int64_t gst = (k / g) * int64_t(sizeof(float));
+  if constexpr (R == 1) { Q4D_GFMT(1) }
+  else if constexpr (R == 2) { Q4D_GFMT(2) }
+  else if constexpr (R == 3) { Q4D_GFMT(3) }
+  else { Q4D_GFMT(4) }
   (void)n;
+  (void)gp, (void)gst;
 }
 
-template <int R, W4Format F>
+template <int R, W4Format F, bool kGs>
 void tile(const int8_t* a, const int32_t* c, int64_t k, const W4Layout& w, const uint8_t* b,
-          float* d, int64_t stride, int64_t nc, const float* ls, const float* bias) {
+          float* d, int64_t stride, int64_t nc, const float* ls, const float* bias,
+          const float* gs) {
   alignas(16) float sums[32];
-  tile_sums<R, F>(a, c, k, w.group, b, w4_decode_table(w.format), sums);
+  tile_sums<R, F, kGs>(a, c, k, w.group, b, w4_decode_table(w.format), sums, gs);
   for (int i = 0; i < R; ++i)
     store_q4_row8(d + i * stride, vld1q_f32(sums + 8 * i), vld1q_f32(sums + 8 * i + 4), nc, ls[i],
                   bias);
 }
 
-template <W4Format F>
+// kGs: with ep.lhs_group_scale.
+template <W4Format F, bool kGs>
 void run(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs, const void* rhs,
          float* dst, int64_t stride, const Q4GemmEpilogue& ep) {
   const auto* a = static_cast<const int8_t*>(lhs);
@@ -201,11 +238,12 @@ void run(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs, co
       const int32_t* ci = kInt4 ? init + i0 * (k / w.group) * 8 : init;
       float* d = dst + i0 * stride + j0;
       const float* ls = ep.lhs_scale + i0;
+      const float* gs = kGs ? ep.lhs_group_scale + i0 * (k / w.group) : nullptr;
       switch (std::min(kMr, m - i0)) {
-        case 4: tile<4, F>(ai, ci, k, w, blk, d, stride, nc, ls, bias); break;
-        case 3: tile<3, F>(ai, ci, k, w, blk, d, stride, nc, ls, bias); break;
-        case 2: tile<2, F>(ai, ci, k, w, blk, d, stride, nc, ls, bias); break;
-        default: tile<1, F>(ai, ci, k, w, blk, d, stride, nc, ls, bias); break;
+        case 4: tile<4, F, kGs>(ai, ci, k, w, blk, d, stride, nc, ls, bias, gs); break;
+        case 3: tile<3, F, kGs>(ai, ci, k, w, blk, d, stride, nc, ls, bias, gs); break;
+        case 2: tile<2, F, kGs>(ai, ci, k, w, blk, d, stride, nc, ls, bias, gs); break;
+        default: tile<1, F, kGs>(ai, ci, k, w, blk, d, stride, nc, ls, bias, gs); break;
       }
     }
   }
@@ -216,6 +254,8 @@ void run(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs, co
 extern const Q4GemmUkernel q4gemm_qs8r_q4ci8x4_4x8_neon_dotprod = make_q4gemm<LhsPacking, Packing>(
     "q4gemm_qs8r_q4ci8x4_4x8_neon_dotprod", Isa::neon_dotprod, kMr, pack_lhs_qs8r<LhsPacking>,
     pack_rhs_q4<Packing, Interleaved4, OffsetLowInt4>,
-    q4_run_f32<run<W4Format::int4>, run<W4Format::mxfp4>>, scratch_bytes);
+    q4_run_f32<run_gs<run<W4Format::int4, false>, run<W4Format::int4, true>>,
+               run_gs<run<W4Format::mxfp4, false>, run<W4Format::mxfp4, true>>>,
+    scratch_bytes);
 
 }  // namespace cpumoe
