@@ -308,6 +308,14 @@ def test_file_refusals(tmp_path):
     bad.write_bytes(struct.pack("<Q", 10) + b"not json!!")
     with pytest.raises(ck.UnsupportedCheckpoint, match="header"):
         ck.Checkpoint(bad)
+    # A key twice (json keeps the last; the safetensors package parses, and here refuses, the
+    # first): ambiguous, refused (found by tests_py/fuzz_checkpoint.py).
+    for h in (b'{"x":{"dtype":"I8","shape":[4],"data_offsets":[0]},'
+              b'"x":{"dtype":"I8","shape":[4],"data_offsets":[0,4]}}',
+              b'{"x":{"dtype":"I8","shape":[4],"data_offsets":[0],"data_offsets":[0,4]}}'):
+        bad.write_bytes(struct.pack("<Q", len(h)) + h + bytes(4))
+        with pytest.raises(ck.UnsupportedCheckpoint, match="duplicate key 'x'|duplicate key 'data"):
+            ck.Checkpoint(bad)
     trunc = tmp_path / "trunc.safetensors"
     _write_minimal(trunc, {"x": np.zeros(64, np.int8)})
     trunc.write_bytes(trunc.read_bytes()[:-10])

@@ -117,6 +117,17 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")  # Python's json takes NaN / Infinity; JSON does not
 
 
+def _unique_keys(pairs: list) -> dict:
+    """A JSON object whose keys are all different: json keeps the last of duplicates, the
+    safetensors package parses (and may refuse) each, so a header with two is ambiguous."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"duplicate key {dup!r}")
+    return out
+
+
 def _check_strings(v: Any) -> None:
     """Every string of a parsed header is valid Unicode (json takes lone surrogates)."""
     if isinstance(v, str):
@@ -157,7 +168,8 @@ class _SafetensorsFile:
                 text = f.read(n).decode("utf-8")
                 if not text.startswith("{"):
                     raise ValueError("does not start with '{'")
-                header = json.loads(text, parse_constant=_no_constant)
+                header = json.loads(text, parse_constant=_no_constant,
+                                    object_pairs_hook=_unique_keys)
                 _check_strings(header)
             except (UnicodeDecodeError, ValueError, RecursionError) as e:
                 raise UnsupportedCheckpoint(f"{path}: bad safetensors header ({e})") from None
