@@ -501,7 +501,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("E"), py::arg("H"), py::arg("I"), py::arg("format"), py::arg("group"),
       py::arg("w13"), py::arg("w2"), py::arg("s13"), py::arg("s2"), py::arg("b13"),
       py::arg("b13_dtype"), py::arg("b2"), py::arg("b2_dtype"), py::arg("isa"),
-      py::arg("num_threads"), py::arg("act_quant") = "group",
+      py::arg("num_threads"), py::arg("act_quant") = "row",
       "Packs 4-bit expert weights of a q4gemm format (formats()) in its input form "
       "(addresses of contiguous buffers).");
 

@@ -135,8 +135,8 @@ void expect_oracle_bits(const std::vector<float>& got, const std::vector<float>&
 
 void check_all_w4_paths(const W4Data& w) {
   SCOPED_TRACE(testing::Message() << cpumoe::w4_format_name(w.ref.format) << " g=" << w.ref.group
-                                  << (w.ref.act_quant == cpumoe::ActQuant::row
-                                          ? " activations per row" : "")
+                                  << (w.ref.act_quant == cpumoe::ActQuant::group
+                                          ? " activations per group" : "")
                                   << " T=" << w.d.s.T << " E=" << w.d.s.E << " k=" << w.d.s.k
                                   << " H=" << w.d.s.H << " I=" << w.d.s.I << " act="
                                   << cpumoe_test::spec_name(w.d.act) << " dtype="
@@ -189,10 +189,9 @@ TEST(MoeW4, GridMatchesOracle) {
             << " kernels x 3 thread counts, bit for bit" << std::endl;
 }
 
-// Activations quantized per row (ActQuant::row; the other tests run the default, per weight
-// group): every format, each activation and dtype in turn, bias off and on, decode to a few row
-// tiles; bit for bit on every kernel.
-TEST(MoeW4, RowActivationsMatchOracle) {
+// Activations quantized per weight group (ActQuant::group): every format, each activation and
+// dtype in turn, bias off and on, decode to a few row tiles; bit for bit on every kernel.
+TEST(MoeW4, GroupActivationsMatchOracle) {
   const std::vector<cpumoe::ActivationSpec>& kActs = cpumoe_test::moe_activation_specs();
   constexpr DType kTypes[] = {DType::f32, DType::f16, DType::bf16};
   uint32_t n = 0;
@@ -202,7 +201,7 @@ TEST(MoeW4, RowActivationsMatchOracle) {
         const int64_t H = fm.g * (2 + n % 2), I = fm.g * (1 + (n / 2) % 2);
         W4Data w = make_w4({T, 4 + 4 * (n % 2), k, H, I}, fm.f, fm.g, kTypes[n % 3],
                            kActs[n % kActs.size()], n % 2 == 0, 900 + n);
-        w.ref.act_quant = cpumoe::ActQuant::row;
+        w.ref.act_quant = cpumoe::ActQuant::group;
         check_all_w4_paths(w);
         if (HasFatalFailure()) return;
         ++n;
@@ -216,8 +215,8 @@ TEST(MoeW4, FusedAndPhasedGiveTheOraclesBits) {
                         Fmt{W4Format::int4_affine, 64}, Fmt{W4Format::int4_affine, 32}}) {
     W4Data w = make_w4({700, 3, 2, 128, 256}, fm.f, fm.g, DType::bf16, Activation::swigluoai,
                        true, 23);
-    // The last one with its activations per row (the others: per group, the default).
-    if (fm.f == W4Format::int4_affine && fm.g == 32) w.ref.act_quant = cpumoe::ActQuant::row;
+    // The last one with its activations per group (the group scales through every phase).
+    if (fm.f == W4Format::int4_affine && fm.g == 32) w.ref.act_quant = cpumoe::ActQuant::group;
     const std::vector<float> exact =
         cpumoe_ref::fused_moe_w4(w.ref, w.d.ref_inputs(), cpumoe::vec::apply);
     for (const cpumoe::Q4GemmUkernel* kern : supported_w4_kernels()) {

@@ -49,7 +49,7 @@ def w4_weights(fmt, E, H, I, g=32, seed=0):
 
 class W4Problem:
     def __init__(self, backend, fmt, T, E, k, H, I, g=32, dtype="float32", activation="silu",
-                 bias=False, seed=0, act_quant="group"):
+                 bias=False, seed=0, act_quant="row"):
         self.B, self.fmt, self.g, self.activation = backend, fmt, g, activation
         self.act_quant = act_quant
         rng = np.random.default_rng([seed, T, E, k, H, I])
@@ -123,21 +123,20 @@ GROUP_CASES = [pytest.param(dict(fmt=f, g=g, T=s[0], E=s[1], k=s[2], H=s[3], I=s
 
 
 @pytest.mark.parametrize("case", GROUP_CASES)
-def test_row_activations_match_reference_on_every_path(backend, case):
-    """act_quant="row" (the others run the default, "group"): one scale per activation row,
-    against the reference of that mode, the same bits on every path; and not the group mode's
-    result."""
-    p = W4Problem(backend, act_quant="row", **case)
+def test_group_activations_match_reference_on_every_path(backend, case):
+    """act_quant="group": the activations quantized per weight group, against the reference
+    of that mode, the same bits on every path; and not the row mode's result."""
+    p = W4Problem(backend, act_quant="group", **case)
     packed = p.prepack()
-    assert packed.act_quant == "row"
+    assert packed.act_quant == "group"
     out = p.run(packed)
     assert_moe_close(backend, out, p.reference())
     for path in cpumoe.available_paths(case["fmt"])[1:]:
         other = p.run(p.prepack(isa=path))
         assert np.array_equal(backend.bits(other), backend.bits(out)), f"path {path} differs"
     if max(case["H"], case["I"]) > case["g"]:  # else one group per row: the row mode
-        by_group = p.run(p.prepack(act_quant="group"))
-        assert not np.array_equal(backend.bits(by_group), backend.bits(out))
+        by_row = p.run(p.prepack(act_quant="row"))
+        assert not np.array_equal(backend.bits(by_row), backend.bits(out))
 
 
 def test_group_activations_are_closer_to_the_float_layer(backend):
@@ -166,7 +165,7 @@ def test_act_quant_errors(backend):
     with pytest.raises(ValueError, match="act_quant"):
         R.ref_fused_moe_int4(np.ones((1, 128), np.float32), *p.weights, np.ones((1, 1),
                              np.float32), np.zeros((1, 1), np.int32), act_quant="col")
-    assert p.prepack().act_quant == "group"
+    assert p.prepack().act_quant == "row"
 
 
 @pytest.mark.skipif(bool(os.environ.get("QEMU_CPU")),

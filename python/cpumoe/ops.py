@@ -279,7 +279,7 @@ def _int_arg(name: str, v: Any, low: int) -> int:
 
 def prepack_int4(w13: Any, w2: Any, s13: Any, s2: Any, b13: Any = None, b2: Any = None, *,
                  group_size: int = 32, isa: Optional[str] = None,
-                 num_threads: Optional[int] = None, act_quant: str = "group") -> PackedMoeW4:
+                 num_threads: Optional[int] = None, act_quant: str = "row") -> PackedMoeW4:
     """Packs a layer's int4 expert weights (W4A8) once, for :func:`fused_moe_int8`.
 
     Args:
@@ -291,11 +291,10 @@ def prepack_int4(w13: Any, w2: Any, s13: Any, s2: Any, b13: Any = None, b2: Any 
       b13, b2: optional biases [E, 2I] / [E, H], any float dtype (kept as float32).
       group_size: g, a multiple of 32 dividing H and I, at most 65536.
       isa: cap the path, as in :func:`prepack`.
-      act_quant: how the op quantizes the int8 activations: "group" (the default: one scale
-        per g values of a row, aligned with the weight groups, as llama.cpp quantizes in blocks
-        of 32; closer to the float layer where a row's magnitudes vary along k, for one more
-        multiply per group) or "row" (one scale per row, as the W8A8 op);
-        ``packed.act_quant`` tells. See cpumoe.reference's module comment.
+      act_quant: how the op quantizes the int8 activations: "row" (one scale per token row,
+        the default) or "group" (one scale per g values of a row, aligned with the weight
+        groups: closer to the float layer where a row's magnitudes vary along k, for one more
+        multiply per group; ``packed.act_quant`` tells). See cpumoe.reference's module comment.
     The packed layer holds 4 bits per weight plus the scales. Each GEMM output is
     ``s_x * sum_g (exact int32 group sum) * s[n, g] + b[n]``, fp32 over the groups in order.
     """
@@ -336,7 +335,7 @@ def _prepack_int_groups(fmt, w13, w2, s13, s2, b13, b2, group_size, isa, num_thr
 def prepack_int4_affine(w13: Any, w2: Any, s13: Any, s2: Any, b13: Any = None, b2: Any = None,
                         *, group_size: int = 32, isa: Optional[str] = None,
                         num_threads: Optional[int] = None,
-                        act_quant: str = "group") -> PackedMoeW4:
+                        act_quant: str = "row") -> PackedMoeW4:
     """Packs a layer's affine 4-bit expert weights (a scale and a min per group: AWQ, asymmetric
     GPTQ, GGUF Q4_1 / Q4_K) once, for :func:`fused_moe`; ``packed.weight_format`` is
     "int4_affine".
@@ -363,7 +362,7 @@ def prepack_int4_affine(w13: Any, w2: Any, s13: Any, s2: Any, b13: Any = None, b
 
 def prepack_mxfp4(w13_blocks: Any, w13_scales: Any, w2_blocks: Any, w2_scales: Any,
                   b13: Any = None, b2: Any = None, *, isa: Optional[str] = None,
-                  num_threads: Optional[int] = None, act_quant: str = "group") -> PackedMoeW4:
+                  num_threads: Optional[int] = None, act_quant: str = "row") -> PackedMoeW4:
     """Packs a layer's MXFP4 expert weights (OCP MX, gpt-oss's layout) once, for
     :func:`fused_moe_int8`.
 

@@ -32,10 +32,10 @@ offsets o[n, g] = float32(min + 8 * scale) (one rounding):
   h[n] = (above) + (sum over groups in increasing order, in fp32 from 0:
                     corr = corr + float32(asum_g) * o[n, g]) * s_t,
   asum_g = the exact int32 sum of q[k] over the group's k.
-The above is ``act_quant="row"``. With ``act_quant="group"`` (the W4A8 ops' default) each GEMM
-input row is quantized per weight group (one scale a_g per g values, computed as the row's scale
-is), s_t = 1, and each group's term becomes float32(isum_g) * s[n, g] * a_g (two fp32 roundings,
-in that order); the affine offsets' asum_g becomes float32(asum_g) * a_g.
+With ``act_quant="group"`` the W4A8 ops quantize each GEMM input row per weight group (one scale
+a_g per g values, as the row's scale is computed), s_t = 1, and each group's term becomes
+float32(isum_g) * s[n, g] * a_g (two fp32 roundings, in that order); the affine offsets' asum_g
+becomes float32(asum_g) * a_g.
 
 The BF16 op (``ref_fused_moe_bf16``) is the same with no quantization: x is rounded to bf16,
 h = x_bf16 . w13[e]^T + b13[e] (products exact, summed here in float64, rounded once to fp32),
@@ -304,8 +304,7 @@ def ref_w4(x, v13, v2, gs13, gs2, g, topk_weights, topk_ids, activation, b13, b2
 
 
 def ref_fused_moe_int4(x, w13, w2, s13, s2, topk_weights, topk_ids, activation="silu",
-                       b13=None, b2=None, skip_weighted=False, group_size=32,
-                       act_quant="group"):
+                       b13=None, b2=None, skip_weighted=False, group_size=32, act_quant="row"):
     """The W4A8 op on int4 weights, naively: w13 int8 [E, 2I, H] / w2 [E, H, I] holding values in
     [-8, 7], s13 [E, 2I, H / g] / s2 [E, H, I / g] group scales; act_quant as the module comment
     says; the rest as ref_fused_moe_int8."""
@@ -324,7 +323,7 @@ def ref_fused_moe_int4(x, w13, w2, s13, s2, topk_weights, topk_ids, activation="
 
 def ref_fused_moe_int4_affine(x, w13, w2, s13, s2, topk_weights, topk_ids, activation="silu",
                               b13=None, b2=None, skip_weighted=False, group_size=32,
-                              act_quant="group"):
+                              act_quant="row"):
     """The W4A8 op on affine 4-bit weights, naively: w13 uint8 [E, 2I, H] / w2 [E, H, I] codes
     in [0, 15], s13 [E, 2I, H / g, 2] / s2 [E, H, I / g, 2] (scale, min) pairs (w = scale * code
     + min); the rest as ref_fused_moe_int8. See the module comment for the offsets' order."""
@@ -347,7 +346,7 @@ def ref_fused_moe_int4_affine(x, w13, w2, s13, s2, topk_weights, topk_ids, activ
 
 def ref_fused_moe_mxfp4(x, w13_blocks, w13_scales, w2_blocks, w2_scales, topk_weights, topk_ids,
                         activation="silu", b13=None, b2=None, skip_weighted=False,
-                        act_quant="group"):
+                        act_quant="row"):
     """The W4A8 op on mxfp4 weights (gpt-oss's layout: blocks uint8 [E, N, K / 32, 16], E8M0
     scales uint8 [E, N, K / 32]), naively; the rest as ref_fused_moe_int8."""
     v13 = MXFP4_INT[mxfp4_codes(w13_blocks)]

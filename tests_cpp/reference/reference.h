@@ -107,7 +107,7 @@ struct MoeProblemW4 {
   int64_t E = 0, H = 0, I = 0;
   W4Format format = W4Format::int4;
   int64_t group = 32;
-  cpumoe::ActQuant act_quant = cpumoe::ActQuant::group;  // as MoeWeightsW4's default
+  cpumoe::ActQuant act_quant = cpumoe::ActQuant::row;  // group: activations per weight group
   std::vector<uint8_t> w13, w2;
   std::vector<uint8_t> s13, s2;  // raw scale bytes
   std::vector<float> b13, b2;

@@ -17,7 +17,7 @@ namespace cpumoe {
 /// How the W4A8 op quantizes its int8 activations (the GEMM inputs: the tokens, then the
 /// activated rows).
 enum class ActQuant : int32_t {
-  /// One scale per row: s = max|row| / 127 (the W8A8 op's).
+  /// One scale per row: s = max|row| / 127.
   row = 0,
   /// One scale per row and weight group (the group_size consecutive k that share a weight
   /// scale; GGUF's blocks of 32 at g = 32): s = max|block| / 127, closer values where a row's
@@ -71,9 +71,7 @@ struct MoeWeightsW4 {
   DType b13_dtype = DType::f32;
   const void* b2 = nullptr;   ///< [E, H] or nullptr, of type b2_dtype
   DType b2_dtype = DType::f32;
-  /// The activations' quantization (kept by the packed layer); group by default: at most a few
-  /// percent more time than row for a half to two thirds of its error (docs/api.md).
-  ActQuant act_quant = ActQuant::group;
+  ActQuant act_quant = ActQuant::row;  ///< the activations' quantization (kept by the packed layer)
 };
 
 /// Plain FP8 expert weights (W8A16): E4M3 codes with an fp32 scale per block of block_n output
