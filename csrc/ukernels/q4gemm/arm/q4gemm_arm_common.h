@@ -43,21 +43,18 @@ struct OffsetLowInt4 {
 };
 
 /// Q4GemmUkernel::run_f32 of a kernel whose loops are one function per format (the unpacking and
-/// the scale decode differ): empty calls return at once, the rest go to the format's loops.
-template <decltype(Q4GemmUkernel::run_f32) kInt4, decltype(Q4GemmUkernel::run_f32) kMxfp4>
+/// the scale decode differ) and per presence of ep.lhs_group_scale (the *Gs variants; a separate
+/// function, so the plain loops stay as they were): empty calls return at once, the rest go to
+/// their loops.
+template <decltype(Q4GemmUkernel::run_f32) kInt4, decltype(Q4GemmUkernel::run_f32) kMxfp4,
+          decltype(Q4GemmUkernel::run_f32) kInt4Gs, decltype(Q4GemmUkernel::run_f32) kMxfp4Gs>
 void q4_run_f32(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs,
                 const void* rhs, float* dst, int64_t dst_stride, const Q4GemmEpilogue& ep) {
   if (m <= 0 || n <= 0) return;
-  (w.format == W4Format::mxfp4 ? kMxfp4 : kInt4)(m, n, k, w, lhs, rhs, dst, dst_stride, ep);
-}
-
-/// A run_f32 that takes kGs (the loops' variant with per-group activation scales) when
-/// ep.lhs_group_scale is set and kPlain otherwise: one test per call, so the plain loops stay as
-/// they were.
-template <decltype(Q4GemmUkernel::run_f32) kPlain, decltype(Q4GemmUkernel::run_f32) kGs>
-void run_gs(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs, const void* rhs,
-            float* dst, int64_t dst_stride, const Q4GemmEpilogue& ep) {
-  (ep.lhs_group_scale != nullptr ? kGs : kPlain)(m, n, k, w, lhs, rhs, dst, dst_stride, ep);
+  const bool mx = w.format == W4Format::mxfp4;
+  const bool gs = ep.lhs_group_scale != nullptr;
+  (gs ? (mx ? kMxfp4Gs : kInt4Gs) : (mx ? kMxfp4 : kInt4))(m, n, k, w, lhs, rhs, dst, dst_stride,
+                                                           ep);
 }
 
 /// Stores the 8 accumulated columns (f0: 0-3, f1: 4-7) of one row as acc * lhs_scale + bias

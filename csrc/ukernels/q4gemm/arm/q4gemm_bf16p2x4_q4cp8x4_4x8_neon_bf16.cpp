@@ -332,7 +332,7 @@ void run(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs, co
 extern const Q4GemmUkernel q4gemm_bf16p2x4_q4cp8x4_4x8_neon_bf16 = make_q4gemm<LhsPacking, Packing>(
     "q4gemm_bf16p2x4_q4cp8x4_4x8_neon_bf16", Isa::neon_bf16, kMr, bf16p2x4_pack<FromInt8>,
     pack_rhs_q4<Packing, PairSlices4>,
-    q4_run_f32<run_gs<run<W4Format::int4, false>, run<W4Format::int4, true>>,
-               run_gs<run<W4Format::mxfp4, false>, run<W4Format::mxfp4, true>>>);
+    q4_run_f32<run<W4Format::int4, false>, run<W4Format::mxfp4, false>, run<W4Format::int4, true>,
+               run<W4Format::mxfp4, true>>);
 
 }  // namespace cpumoe

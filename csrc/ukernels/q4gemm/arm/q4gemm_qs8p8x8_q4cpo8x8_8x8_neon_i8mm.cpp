@@ -546,9 +546,8 @@ void run_int4(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lh
 extern const Q4GemmUkernel q4gemm_qs8p8x8_q4cpo8x8_8x8_neon_i8mm =
     make_q4gemm<LhsPacking, Packing>("q4gemm_qs8p8x8_q4cpo8x8_8x8_neon_i8mm", Isa::neon_i8mm, kMr,
                                      pack_lhs, pack_rhs_q4<Packing, PairNibbles, OffsetLowInt4>,
-                                     q4_run_f32<run_gs<run_int4<false>, run_int4<true>>,
-                                                run_gs<run<W4Format::mxfp4, true, false>,
-                                                       run<W4Format::mxfp4, true, true>>>,
+                                     q4_run_f32<run_int4<false>, run<W4Format::mxfp4, true, false>,
+                                                run_int4<true>, run<W4Format::mxfp4, true, true>>,
                                      scratch_bytes);
 
 }  // namespace cpumoe

@@ -254,8 +254,8 @@ void run(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs, co
 extern const Q4GemmUkernel q4gemm_qs8r_q4ci8x4_4x8_neon_dotprod = make_q4gemm<LhsPacking, Packing>(
     "q4gemm_qs8r_q4ci8x4_4x8_neon_dotprod", Isa::neon_dotprod, kMr, pack_lhs_qs8r<LhsPacking>,
     pack_rhs_q4<Packing, Interleaved4, OffsetLowInt4>,
-    q4_run_f32<run_gs<run<W4Format::int4, false>, run<W4Format::int4, true>>,
-               run_gs<run<W4Format::mxfp4, false>, run<W4Format::mxfp4, true>>>,
+    q4_run_f32<run<W4Format::int4, false>, run<W4Format::mxfp4, false>, run<W4Format::int4, true>,
+               run<W4Format::mxfp4, true>>,
     scratch_bytes);
 
 }  // namespace cpumoe
