@@ -1,6 +1,7 @@
 // The W4A8 op (PackedMoeW4 + fused_moe_int8) against the naive oracle (cpumoe_ref::fused_moe_w4),
-// for every q4gemm kernel this CPU runs, int4 and int4_affine at several group sizes and mxfp4
-// (int4_affine: the kernels' int4 sums plus the pipeline's group offsets): bit for bit with
+// for every q4gemm kernel this CPU runs, int4 and int4_affine at several group sizes, mxfp4 and
+// int8_affine (int4_affine: the kernels' int4 sums plus the pipeline's group offsets;
+// int8_affine: two such planes): bit for bit with
 // the library's activation forms, the same bytes on every kernel and thread count; NaN scales;
 // argument errors.
 #include <gtest/gtest.h>
@@ -78,7 +79,8 @@ W4Data make_w4(MoeShape s, W4Format f, int64_t g, DType dtype, const cpumoe::Act
   auto fill = [&](std::vector<uint8_t>& codes, std::vector<uint8_t>& sc, int64_t n, int64_t k,
                   std::vector<int8_t>& vals, std::vector<uint8_t>& blk) {
     codes.resize(size_t(s.E * n * k));
-    for (auto& c : codes) c = uint8_t(rng() & 15);
+    const bool bytes = f == W4Format::int8_affine;
+    for (auto& c : codes) c = uint8_t(rng() & (bytes ? 255 : 15));
     const int64_t groups = s.E * n * (k / g);
     const double want = 3.0 / ((mx ? 6.0 : 4.6) * std::sqrt(double(k)));  // h ~ 3 per unit x
     std::uniform_real_distribution<float> unit(0.5f, 1.5f);
@@ -89,11 +91,12 @@ W4Data make_w4(MoeShape s, W4Format f, int64_t g, DType dtype, const cpumoe::Act
       blk.resize(codes.size() / 2);
       for (size_t x = 0; x < blk.size(); ++x)
         blk[x] = uint8_t(codes[2 * x] | (codes[2 * x + 1] << 4));
-    } else if (f == W4Format::int4_affine) {  // mins near -8 scales: values about centred
+    } else if (cpumoe::w4_affine(f)) {  // mins near -8 (-128) scales: values about centred
       sc.resize(size_t(groups) * 8);
-      std::uniform_real_distribution<float> shift(-9.5f, -6.5f);
+      const float mid = bytes ? 128.0f : 8.0f, unit_scale = bytes ? 1.0f / 16 : 1.0f;
+      std::uniform_real_distribution<float> shift(-mid - 1.5f, -mid + 1.5f);
       for (int64_t x = 0; x < groups; ++x) {
-        const float scale = unit(rng) * float(want);
+        const float scale = unit(rng) * float(want) * unit_scale;
         const float pair[2] = {scale, scale * shift(rng)};
         std::memcpy(sc.data() + 8 * x, pair, 8);
       }
@@ -163,7 +166,8 @@ struct Fmt {
 };
 constexpr Fmt kFormats[] = {{W4Format::int4, 32},        {W4Format::int4, 64},
                             {W4Format::int4, 128},       {W4Format::mxfp4, 32},
-                            {W4Format::int4_affine, 32}, {W4Format::int4_affine, 128}};
+                            {W4Format::int4_affine, 32}, {W4Format::int4_affine, 128},
+                            {W4Format::int8_affine, 32}, {W4Format::int8_affine, 64}};
 
 // T in {0, 1, 3, 9, 33}, E in {1, 4, 8}, k in {1, 2, 4}, every activation and dtype in turn,
 // bias off and on; (H, I) multiples of the group.
@@ -212,7 +216,8 @@ TEST(MoeW4, GroupActivationsMatchOracle) {
 // per expert), with GEMM2 too, and phase by phase give the oracle's bits.
 TEST(MoeW4, FusedAndPhasedGiveTheOraclesBits) {
   for (const Fmt& fm : {Fmt{W4Format::int4, 128}, Fmt{W4Format::mxfp4, 32},
-                        Fmt{W4Format::int4_affine, 64}, Fmt{W4Format::int4_affine, 32}}) {
+                        Fmt{W4Format::int4_affine, 64}, Fmt{W4Format::int4_affine, 32},
+                        Fmt{W4Format::int8_affine, 32}}) {
     W4Data w = make_w4({700, 3, 2, 128, 256}, fm.f, fm.g, DType::bf16, Activation::swigluoai,
                        true, 23);
     // The last one with its activations per group (the group scales through every phase).
@@ -311,6 +316,17 @@ TEST(MoeW4, PackedBytesAndAccessors) {
     // Expert 1's w2 column 70, group 0: min + 8 scale of its pair.
     const float* pair = reinterpret_cast<const float*>(a.ref.s2.data()) + 2 * (256 + 70);
     EXPECT_EQ(pa.o2(1)[1 * cpumoe::kGroupOffsetPanel + 70 - 64], pair[1] + 8.0f * pair[0]);
+    // int8_affine: two such planes (hi: min + 8 * 16 scale; lo: 8 scale, one plane further).
+    const W4Data b = make_w4({1, 3, 1, 256, 128}, W4Format::int8_affine, 128, DType::f32,
+                             Activation::silu, true, 5);
+    const cpumoe::PackedMoeW4 pb(b.weights(), kern, 2);
+    EXPECT_EQ(pb.weight_format(), cpumoe::WeightFormat::int8_affine);
+    EXPECT_EQ(pb.planes(), 2);
+    EXPECT_EQ(pb.packed_bytes(), 2 * pa.packed_bytes() - bias);
+    const float* pb2 = reinterpret_cast<const float*>(b.ref.s2.data()) + 2 * (256 + 70);
+    const float* o2 = pb.o2(1) + 1 * cpumoe::kGroupOffsetPanel + 70 - 64;
+    EXPECT_EQ(o2[0], pb2[1] + 8.0f * (16.0f * pb2[0]));
+    EXPECT_EQ(o2[cpumoe::group_offset_floats(256, 128, 128)], 8.0f * pb2[0]);
   }
 }
 
@@ -369,7 +385,7 @@ void run_f32(int64_t m, int64_t n, int64_t k, const cpumoe::W4Layout& w, const v
 // the garbage would spoil if a block overlapped a live buffer) are the oracle's bits.
 TEST(MoeW4, KernelScratchIsPlannedPerThread) {
   for (const Fmt& fm : {Fmt{W4Format::int4, 32}, Fmt{W4Format::int4, 128},
-                        Fmt{W4Format::mxfp4, 32}}) {
+                        Fmt{W4Format::mxfp4, 32}, Fmt{W4Format::int8_affine, 32}}) {
     for (const cpumoe_test::MoeShape& s :
          {cpumoe_test::MoeShape{1, 8, 4, 256, 128}, cpumoe_test::MoeShape{150, 4, 2, 128, 256}}) {
       const W4Data w = make_w4(s, fm.f, fm.g, DType::bf16, Activation::silu, true, 77);
@@ -495,6 +511,20 @@ TEST(MoeW4, BadWeightsAreArgumentErrors) {
     const float pair[2] = {3e38f, 1e38f};  // 8 * 3e38 + 1e38 overflows
     std::memcpy(w.ref.s13.data() + 8 * 4, pair, 8);
     expect_bad(w.weights(), "s13: min + 8 * scale overflows fp32 at group 4");
+  }
+  {  // int8_affine: every byte a code; each plane's scale (16 scale) and offsets finite
+    const W4Data a = make_w4({1, 2, 1, 64, 64}, W4Format::int8_affine, 32, DType::f32,
+                             Activation::silu, false, 13);
+    W4Data w = a;
+    w.v13[5] = -1;  // the code 255
+    EXPECT_NO_THROW(cpumoe::PackedMoeW4 pk(w.weights()));
+    const float pair[2] = {3e37f, 0.0f};  // 16 * 3e37 overflows
+    std::memcpy(w.ref.s2.data() + 8 * 2, pair, 8);
+    expect_bad(w.weights(), "s2: 16 * scale or min + 128 * scale overflows fp32 at group 2");
+    w = a;
+    const float pair2[2] = {1e36f, 3.3e38f};  // min + 128 scale overflows
+    std::memcpy(w.ref.s13.data() + 8 * 1, pair2, 8);
+    expect_bad(w.weights(), "s13: 16 * scale or min + 128 * scale overflows fp32 at group 1");
   }
 }
 

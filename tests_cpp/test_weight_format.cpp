@@ -24,14 +24,16 @@ using cpumoe::WeightFormat;
 using cpumoe::WeightFormatInfo;
 
 TEST(WeightFormat, TableIsInEnumOrder) {
-  ASSERT_EQ(cpumoe::kNumWeightFormats, 6);
+  ASSERT_EQ(cpumoe::kNumWeightFormats, 7);
   std::set<std::string> names;
   for (int i = 0; i < cpumoe::kNumWeightFormats; ++i) {
     const WeightFormatInfo& info = kWeightFormatTable[i];
     EXPECT_EQ(int(info.format), i) << info.name;
     EXPECT_EQ(&cpumoe::weight_format_info(info.format), &info);
     EXPECT_TRUE(names.insert(info.name).second) << "duplicate name " << info.name;
-    EXPECT_EQ(info.zero_point, info.format == WeightFormat::int4_affine) << info.name;
+    EXPECT_EQ(info.zero_point, info.format == WeightFormat::int4_affine ||
+                                    info.format == WeightFormat::int8_affine)
+        << info.name;
     const bool activations_ok = std::string(info.activations) == "int8" ||
                                 std::string(info.activations) == "bf16";
     EXPECT_TRUE(activations_ok) << info.name;
@@ -42,9 +44,9 @@ TEST(WeightFormat, TableIsInEnumOrder) {
     EXPECT_STRNE(cpumoe::scale_kind_name(info.scale), "?") << info.name;
     EXPECT_STRNE(cpumoe::group_rule_name(info.group), "?") << info.name;
   }
-  EXPECT_EQ(cpumoe::weight_format_names(), "int8, int4, mxfp4, bf16, fp8, int4_affine");
+  EXPECT_EQ(cpumoe::weight_format_names(), "int8, int4, mxfp4, bf16, fp8, int4_affine, int8_affine");
   EXPECT_EQ(cpumoe::weight_format_names(KernelFamily::f8gemm), "fp8");
-  EXPECT_EQ(cpumoe::weight_format_names(KernelFamily::q4gemm), "int4, mxfp4, int4_affine");
+  EXPECT_EQ(cpumoe::weight_format_names(KernelFamily::q4gemm), "int4, mxfp4, int4_affine, int8_affine");
 }
 
 TEST(WeightFormat, NamesRoundTripThroughTheParser) {
@@ -76,7 +78,8 @@ TEST(WeightFormat, Q4GemmRowsHaveDecodeTables) {
     ++q4_rows;
     EXPECT_EQ(cpumoe::weight_format_of(f), info.format);
     EXPECT_STREQ(cpumoe::w4_format_name(f), info.name);
-    EXPECT_EQ(info.bits, 4) << info.name;
+    // Bits per weight: 4, or two 4-bit planes (w4_planes).
+    EXPECT_EQ(info.bits, 4 * cpumoe::w4_planes(f)) << info.name;
     const int8_t* table = cpumoe::w4_decode_table(cpumoe::w4_kernel_format(f));
     ASSERT_NE(table, nullptr) << info.name;
     const bool uint = std::string(info.value_code) == "uint";
@@ -100,10 +103,10 @@ TEST(WeightFormat, Q4GemmRowsHaveDecodeTables) {
                                                                                        : 4;
     EXPECT_EQ(info.scale_bytes, want_bytes) << info.name;
   }
-  EXPECT_EQ(q4_rows, 3);
-  EXPECT_EQ(cpumoe::weight_format_scale_bytes(WeightFormat(7)), 0);
+  EXPECT_EQ(q4_rows, 4);
+  EXPECT_EQ(cpumoe::weight_format_scale_bytes(WeightFormat(8)), 0);
   W4Format f;
-  EXPECT_FALSE(cpumoe::w4_format_of(WeightFormat(7), &f));
+  EXPECT_FALSE(cpumoe::w4_format_of(WeightFormat(8), &f));
 }
 
 // The group rule of each row is the one the packer enforces (its messages too).

@@ -383,7 +383,7 @@ def test_q4_k_gate_up_with_q6_k_down_is_refused(tmp_path):
     down = f"{DOWN.format(0)}.weight"
     t[down] = (rng.integers(0, 256, (E, H, I // 256 * 210), dtype=np.uint8), Q.Q6_K)
     path = _write(tmp_path / "km.gguf", t)
-    msg = (f"{down} is Q6_K: cpumoe does not run Q6_K experts yet \\(needs 6-bit values.*"
+    msg = (f"{down} is Q6_K: cpumoe does not run Q6_K experts yet \\(needs a scale per 16 k.*"
            f"gate / up / down are Q4_K / Q4_K / Q6_K")
     with pytest.raises(GgufUnsupported, match=msg):
         read_gguf_experts(path, 0)
@@ -391,36 +391,119 @@ def test_q4_k_gate_up_with_q6_k_down_is_refused(tmp_path):
         cpumoe.load_experts(path, 0)
 
 
-def test_q4_0_with_q4_k_is_refused(tmp_path):
+def test_q4_0_with_q4_k_loads_as_int4_affine(tmp_path):
+    """A layer of Q4_0 gate / up and Q4_K down is read as int4_affine (the wider), the Q4_0
+    values v with scale d as codes v + 8 with (d, -8 d): gguf's weights exactly."""
     rng = np.random.default_rng(15)
     E, H, I = 2, 256, 256
-    t = {f"{n.format(0)}.weight": (quantize(_floats(rng, E, I, H), Q.Q4_0), Q.Q4_0)
-         for n in (GATE, UP)}
-    t[f"{DOWN.format(0)}.weight"] = (_raw_q4_k(rng, E, H, I), Q.Q4_K)
-    with pytest.raises(UnsupportedCheckpoint, match="Q4_0 / Q4_0 / Q4_K, i.e. cpumoe formats "
-                                                    "int4 / int4 / int4_affine.*one format"):
-        cpumoe.load_experts(_write(tmp_path / "m.gguf", t), 0)
+    raw = [quantize(_floats(rng, E, I, H), Q.Q4_0) for _ in range(2)] + [_raw_q4_k(rng, E, H, I)]
+    kinds = ("Q4_0", "Q4_0", "Q4_K")
+    path = _write(tmp_path / "m.gguf", {f"{n.format(0)}.weight": (r, Q[k])
+                                        for n, r, k in zip((GATE, UP, DOWN), raw, kinds)})
+    lw = read_gguf_experts(path, 0)
+    assert lw.weight_format == "int4_affine" and lw.gguf_types == kinds
+    w13, w2 = lw.dequantized()
+    assert np.array_equal(w13[:, :I], dequantize(raw[0], Q.Q4_0))
+    assert np.array_equal(w13[:, I:], dequantize(raw[1], Q.Q4_0))
+    assert _bits_equal(w2, dequantize(raw[2], Q.Q4_K))
+    assert cpumoe.load_experts(path, 0).weight_format == "int4_affine"
+
+
+# ---------------------------------------------------------------------------- int8_affine
+# Q8_0, Q5_0, Q5_1 (gguf's own quantizer and hand-made blocks) and Q5_K (hand-made super-blocks)
+# load as int8_affine (8-bit codes, a (scale, min) pair per 32 k) as stored: cpumoe's
+# dequantization of the loaded layer equals gguf.quants.dequantize (bit for bit for Q5_1 and
+# Q5_K; Q8_0 and Q5_0 up to the sign of zero weights: gguf's d * q has no min).
+def _raw_q5_k(rng, E, N, K):
+    """Hand-made Q5_K super-blocks: Q4_K's d / dmin / scales and low nibbles with the 32 qh
+    bytes (bit s of qh[l]: element l of sub-block s's fifth bit) in between."""
+    q4 = _raw_q4_k(rng, E, N, K).reshape(E, N, -1, 144)
+    qh = rng.integers(0, 256, (*q4.shape[:3], 32), dtype=np.uint8)
+    return np.concatenate([q4[..., :16], qh, q4[..., 16:]], axis=-1).reshape(E, N, -1)
+
+
+def _raw_q5(rng, E, N, K, kind):
+    """Hand-made Q5_0 / Q5_1 blocks: random fp16 d (and m) of either sign, qh and nibbles."""
+    G = K // 32
+    d = (rng.standard_normal((E, N, G, 1)) * 0.01).astype(np.float16)
+    head = [_f16_bytes(d)]
+    if kind == "Q5_1":
+        head.append(_f16_bytes((rng.standard_normal((E, N, G, 1)) * 0.05).astype(np.float16)))
+    body = rng.integers(0, 256, (E, N, G, 20), dtype=np.uint8)
+    return np.concatenate(head + [body], axis=-1).reshape(E, N, -1)
+
+
+def _int8_one(kind, rng, j, shape):
+    if kind == "Q5_K":
+        return _raw_q5_k(rng, *shape)
+    if kind in ("Q5_0", "Q5_1") and j == 1:
+        return _raw_q5(rng, *shape, kind)
+    return quantize(_floats(rng, *shape), Q[kind])
+
+
+INT8_KINDS = {"Q8_0": ("Q8_0",) * 3, "Q5_0": ("Q5_0",) * 3, "Q5_1": ("Q5_1",) * 3,
+              "Q5_K": ("Q5_K",) * 3, "Q4_K+Q5_K": ("Q4_K", "Q4_K", "Q5_K"),
+              "Q4_0+Q8_0": ("Q4_0", "Q5_1", "Q8_0")}
+
+
+@pytest.mark.parametrize("case", list(INT8_KINDS))
+def test_8_bit_types_load_exactly_as_int8_affine_and_run(tmp_path, case):
+    kinds = INT8_KINDS[case]
+    E, H, I, L = 3, 256, 256, 1
+    rng = np.random.default_rng(31)
+    shapes = ((E, I, H), (E, I, H), (E, H, I))
+    raw = [_int8_one(k, rng, j, s) if k not in ("Q4_K", "Q4_0") else
+           (_raw_q4_k(rng, *s) if k == "Q4_K" else quantize(_floats(rng, *s), Q.Q4_0))
+           for j, (k, s) in enumerate(zip(kinds, shapes))]
+    path = _write(tmp_path / "q.gguf", {f"{n.format(L)}.weight": (r, Q[k])
+                                        for n, r, k in zip((GATE, UP, DOWN), raw, kinds)})
+    lw = read_gguf_experts(path, L)
+    assert lw.weight_format == "int8_affine" and lw.group_size == 32 and lw.gguf_types == kinds
+    assert lw.w13.dtype == lw.w2.dtype == np.uint8
+    assert lw.s13.shape == (E, 2 * I, H // 32, 2) and lw.s2.dtype == np.float32
+    if kinds[2] in ("Q8_0", "Q5_K", "Q5_0", "Q5_1"):
+        assert lw.w2.max() > 15  # 8-bit (Q8_0) or 5-bit codes
+    gate, up, down = (dequantize(r, Q[k]) for r, k in zip(raw, kinds))
+    w13, w2 = lw.dequantized()
+    exact = _bits_equal if case in ("Q5_1", "Q5_K") else np.array_equal
+    assert exact(w13[:, :I], gate) and exact(w13[:, I:], up) and exact(w2, down)
+    x, tw, ids = _routing(9, E, 2, H, seed=5)
+    ref = R.ref_fused_moe_experts(x, lw, tw, ids, activation="silu")
+    paths = cpumoe.available_paths("int8_affine")
+    assert paths and paths[-1] == "portable"
+    outs = []
+    for isa in paths:
+        packed = cpumoe.load_experts(path, L, isa=isa, num_threads=1)
+        assert packed.weight_format == "int8_affine" and packed.num_experts == E
+        outs.append(cpumoe.fused_moe(x, packed, tw, ids, activation="silu"))
+        assert_moe_close(Backend("numpy"), outs[-1], ref)
+        assert np.array_equal(outs[-1], outs[0]), f"path {isa} differs"
 
 
 @pytest.mark.parametrize("which,kind,field,value,what", [
     (UP, "Q4_1", 0, np.nan, "Q4_1 block scale d nan"),
     (DOWN, "Q4_1", 2, np.inf, "Q4_1 block min m inf"),
     (GATE, "Q4_K", 0, np.nan, "Q4_K super-block scale d nan"),
-    (DOWN, "Q4_K", 2, -np.inf, "Q4_K super-block min scale dmin -inf")])
+    (DOWN, "Q4_K", 2, -np.inf, "Q4_K super-block min scale dmin -inf"),
+    (GATE, "Q8_0", 0, np.nan, "Q8_0 block scale d nan"),
+    (DOWN, "Q5_1", 2, np.inf, "Q5_1 block min m inf"),
+    (UP, "Q5_K", 2, -np.inf, "Q5_K super-block min scale dmin -inf")])
 def test_non_finite_affine_scales_are_refused(tmp_path, which, kind, field, value, what):
     rng = np.random.default_rng(16)
     E, H, I = 2, 256, 256
-    t = {f"{n.format(0)}.weight": (_affine_one(kind, rng, 1, s), Q[kind])
+    one = _affine_one if kind in ("Q4_1", "Q4_K") else _int8_one
+    t = {f"{n.format(0)}.weight": (one(kind, rng, 1, s), Q[kind])
          for n, s in zip((GATE, UP, DOWN), ((E, I, H), (E, I, H), (E, H, I)))}
     name = f"{which.format(0)}.weight"
     raw = t[name][0]
-    bsize = 20 if kind == "Q4_1" else 144
+    blk_k, bsize = gguf.GGML_QUANT_SIZES[Q[kind]]
     b = raw.reshape(E, raw.shape[1], -1, bsize)
-    row, blk = 5, (3 if kind == "Q4_1" else 0)
+    row, blk = 5, (3 if blk_k == 32 else 0)
     b[1, row, blk, field:field + 2] = _f16_bytes(np.array([value], np.float16))
-    where = "block" if kind == "Q4_1" else "super-block"
+    where = "block" if blk_k == 32 else "super-block"
+    fmt = "int4_affine" if kind in ("Q4_1", "Q4_K") else "int8_affine"
     with pytest.raises(GgufUnsupported, match=f"{name}: {what} \\(expert 1, row {row}, {where} "
-                                              f"{blk}\\) is not finite"):
+                                              f"{blk}\\) is not finite; cpumoe's {fmt}"):
         cpumoe.load_experts(_write(tmp_path / "n.gguf", t), 0)
 
 
@@ -493,9 +576,8 @@ def _q4_layer(rng, E=2, H=64, I=32, L=0):
 
 
 @pytest.mark.parametrize("which,qtype,why", [
-    (DOWN, "Q8_0", "8-bit group scales"), (GATE, "Q6_K", "6-bit values \\(a K-quant"),
-    (UP, "F16", "float16"), (GATE, "F32", "float32"), (DOWN, "Q5_1", "zero points"),
-    (UP, "Q5_0", "5-bit"), (UP, "Q5_K", "5-bit values \\(a K-quant"),
+    (GATE, "Q6_K", "a scale per 16 k \\(a K-quant"), (DOWN, "Q6_K", "multiples of 32"),
+    (UP, "F16", "float16"), (GATE, "F32", "float32"), (UP, "Q3_K", "3-bit values"),
     (DOWN, "Q2_K", "2-bit values")])
 def test_unsupported_types_are_refused(tmp_path, which, qtype, why):
     rng = np.random.default_rng(1)

@@ -50,23 +50,30 @@ def _fp8(rng):
                               np.full((E, 1, 1), 0.01, np.float32), block_size=(128, 128))
 
 
-def _int4_affine(rng):
-    pairs13 = np.stack([np.full((E, 2 * I, H // 32), 0.01, np.float32),
-                        np.full((E, 2 * I, H // 32), -0.08, np.float32)], axis=-1)
-    pairs2 = np.stack([np.full((E, H, I // 32), 0.01, np.float32),
-                       np.full((E, H, I // 32), -0.07, np.float32)], axis=-1)
-    return cpumoe.prepack_int4_affine(rng.integers(0, 16, (E, 2 * I, H), dtype=np.uint8),
-                                      rng.integers(0, 16, (E, H, I), dtype=np.uint8),
-                                      pairs13, pairs2, group_size=32)
+def _affine(prepack, top, mid):
+    """A maker of an affine layer: codes in [0, top], scale 0.01 * 15 / top, min -mid scales."""
+    def make(rng):
+        s = 0.15 / top
+        pairs = [np.stack([np.full(shape, s, np.float32), np.full(shape, -mid * s, np.float32)],
+                          axis=-1) for shape in ((E, 2 * I, H // 32), (E, H, I // 32))]
+        return prepack(rng.integers(0, top + 1, (E, 2 * I, H), dtype=np.uint8),
+                       rng.integers(0, top + 1, (E, H, I), dtype=np.uint8), *pairs,
+                       group_size=32)
+    return make
+
+
+_int4_affine = _affine(cpumoe.prepack_int4_affine, 15, 8)
+_int8_affine = _affine(cpumoe.prepack_int8_affine, 255, 128)
 
 
 # A layer from each prepack function of the table (a new row needs its maker here).
 MAKERS = {"prepack": _int8, "prepack_int4": _int4, "prepack_mxfp4": _mxfp4,
-          "prepack_bf16": _bf16, "prepack_fp8": _fp8, "prepack_int4_affine": _int4_affine}
+          "prepack_bf16": _bf16, "prepack_fp8": _fp8, "prepack_int4_affine": _int4_affine,
+          "prepack_int8_affine": _int8_affine}
 # The op of each format as the issue states it (int8 activations for W8A8 and W4A8; bf16 for
 # BF16 and FP8, W8A16).
 OPS = {"int8": "int8", "int4": "int8", "mxfp4": "int8", "bf16": "bf16", "fp8": "bf16",
-       "int4_affine": "int8"}
+       "int4_affine": "int8", "int8_affine": "int8"}
 
 
 def test_formats_are_the_extensions_table():
@@ -114,7 +121,7 @@ def test_type_errors_list_the_tables_prepack_functions():
 
 def test_an_unknown_format_name_lists_the_tables_names():
     q4 = [r["name"] for r in cpumoe.formats() if r["family"] == "q4gemm"]
-    assert q4 == ["int4", "mxfp4", "int4_affine"]
+    assert q4 == ["int4", "mxfp4", "int4_affine", "int8_affine"]
     for bad in ("int3", "INT4", "bf16", ""):
         with pytest.raises(ValueError, match="format: must be one of " +
                            re.escape(", ".join(q4)) + f", got '{re.escape(bad)}'"):

@@ -79,11 +79,14 @@ def _save_gguf(model, path, qtypes):
 @pytest.mark.parametrize("qtypes, fmt", [((Q.Q4_0, Q.Q4_0), "int4"),
                                          ((Q.Q4_1, Q.Q4_1), "int4_affine"),
                                          ((Q.Q4_0, Q.Q4_1), "int4_affine"),
-                                         ((Q.MXFP4, Q.MXFP4), "mxfp4")])
+                                         ((Q.MXFP4, Q.MXFP4), "mxfp4"),
+                                         ((Q.Q8_0, Q.Q8_0), "int8_affine"),
+                                         ((Q.Q4_1, Q.Q5_0), "int8_affine")])
 def test_load_gguf_runs_the_stored_experts(tmp_path, qtypes, fmt):
     """The experts packed from the file's blocks on the backend of their format (Q4_0 beside
-    Q4_1 layers: all int4_affine), the rest exactly the model's (F32 in the file); the logits
-    are the reference's but for the int8 activations; the model generates."""
+    Q4_1 layers: all int4_affine; Q4_1 beside Q5_0: all int8_affine), the rest exactly the
+    model's (F32 in the file); the logits are the reference's but for the int8 activations; the
+    model generates."""
     eager = _model("qwen3_moe", num_hidden_layers=2)
     path = _save_gguf(eager, tmp_path / "tiny.gguf", qtypes)
     model = cmt.load_gguf(path, dtype=torch.float32)
@@ -112,9 +115,9 @@ def test_load_gguf_runs_the_stored_experts(tmp_path, qtypes, fmt):
 
 def test_load_gguf_refuses_what_it_cannot_run(tmp_path):
     eager = _model("qwen3_moe", num_hidden_layers=2)
-    # Q8_0 experts: no cpumoe format holds 8-bit groups; named with the tensor.
-    path = _save_gguf(eager, tmp_path / "q8.gguf", (Q.Q8_0, Q.Q8_0))
-    with pytest.raises(UnsupportedCheckpoint, match=r"blk\.0\.ffn_gate_exps\.weight.*Q8_0"):
+    # F16 experts: no cpumoe format holds them; named with the tensor.
+    path = _save_gguf(eager, tmp_path / "f16.gguf", (Q.F16, Q.F16))
+    with pytest.raises(UnsupportedCheckpoint, match=r"blk\.0\.ffn_gate_exps\.weight.*F16"):
         cmt.load_gguf(path)
     # MXFP4 beside Q4_0: no one backend runs both.
     path = _save_gguf(eager, tmp_path / "mixed.gguf", (Q.Q4_0, Q.MXFP4))

@@ -41,7 +41,8 @@ def w4_weights(fmt, E, H, I, g=32, seed=0):
         q13, e13 = R.quantize_mxfp4(w13)
         q2, e2 = R.quantize_mxfp4(w2)
         return (q13, e13, q2, e2), (b13, b2)
-    quant = R.quantize_int4_affine if fmt == "int4_affine" else R.quantize_int4
+    quant = {"int4_affine": R.quantize_int4_affine,
+             "int8_affine": R.quantize_int8_affine}.get(fmt, R.quantize_int4)
     v13, s13 = quant(w13, g)
     v2, s2 = quant(w2, g)
     return (v13, v2, s13, s2), (b13, b2)
@@ -66,8 +67,8 @@ class W4Problem:
         kw.setdefault("act_quant", self.act_quant)
         if self.fmt == "mxfp4":
             return cpumoe.prepack_mxfp4(*w, *self.biases, **kw)
-        prepack = (cpumoe.prepack_int4_affine if self.fmt == "int4_affine"
-                   else cpumoe.prepack_int4)
+        prepack = {"int4_affine": cpumoe.prepack_int4_affine,
+                   "int8_affine": cpumoe.prepack_int8_affine}.get(self.fmt, cpumoe.prepack_int4)
         return prepack(*w, *self.biases, group_size=self.g, **kw)
 
     def run(self, packed=None, **kw):
@@ -80,14 +81,14 @@ class W4Problem:
             return R.ref_fused_moe_mxfp4(self.x, *self.weights, self.tw, self.ids,
                                          activation=self.activation, b13=b13, b2=b2,
                                          act_quant=self.act_quant)
-        ref = (R.ref_fused_moe_int4_affine if self.fmt == "int4_affine"
-               else R.ref_fused_moe_int4)
+        ref = {"int4_affine": R.ref_fused_moe_int4_affine,
+               "int8_affine": R.ref_fused_moe_int8_affine}.get(self.fmt, R.ref_fused_moe_int4)
         return ref(self.x, *self.weights, self.tw, self.ids, activation=self.activation,
                    b13=b13, b2=b2, group_size=self.g, act_quant=self.act_quant)
 
 
 FORMATS = (("int4", 32), ("int4", 64), ("int4", 128), ("mxfp4", 32), ("int4_affine", 32),
-           ("int4_affine", 128))
+           ("int4_affine", 128), ("int8_affine", 32), ("int8_affine", 64))
 SHAPES = ((1, 8, 2, 256, 128), (7, 16, 4, 128, 256), (64, 8, 4, 256, 256), (33, 8, 1, 128, 128))
 CASES = [pytest.param(dict(fmt=f, g=g, T=s[0], E=s[1], k=s[2], H=s[3], I=s[4], dtype=dt,
                            activation=act, bias=bias),
@@ -118,7 +119,7 @@ GROUP_CASES = [pytest.param(dict(fmt=f, g=g, T=s[0], E=s[1], k=s[2], H=s[3], I=s
                             id=f"{f}-g{g}-T{s[0]}-{dt}-{act}")
                for i, ((f, g), dt, act) in enumerate(itertools.product(
                    FORMATS, ("float32", "bfloat16"), ("silu", "swigluoai")))
-               if i % 2 == 0 or f == "int4_affine"
+               if i % 2 == 0 or f.endswith("_affine")
                for s in (SHAPES[i % len(SHAPES)],)]
 
 
@@ -307,6 +308,68 @@ def test_int4_affine_quantizer_is_min_max():
     flat = np.full((1, 32), 2.5, np.float32)  # a constant group: scale 1, every code 0
     q, sm = R.quantize_int4_affine(flat, 32)
     assert (q == 0).all() and sm.tolist() == [[[1.0, 2.5]]]
+
+
+def test_int8_affine_bad_inputs_are_clear_errors():
+    """int8_affine: every uint8 code is a value; each plane's scale (16 * scale) and offset
+    (min + 128 * scale, 8 * scale) must be finite fp32; the shapes and dtypes as int4_affine."""
+    (c13, c2, p13, p2), _ = w4_weights("int8_affine", 2, 128, 64, 32)
+
+    def bad(exc, match, *a, **kw):
+        with pytest.raises(exc, match=match):
+            cpumoe.prepack_int8_affine(*a, **kw)
+
+    assert cpumoe.prepack_int8_affine(c13 | 0xF0, c2, p13, p2).weight_format == "int8_affine"
+    bad(TypeError, "^w13: dtype must be uint8", c13.view(np.int8), c2, p13, p2)
+    bad(ValueError, r"^s13: .*shape", c13, c2, p13[..., 0], p2)
+    p = p13.copy()
+    p[0, 0, 1] = (3e37, 0.0)  # 16 * scale overflows
+    bad(ValueError, r"^s13: 16 \* scale or min \+ 128 \* scale overflows fp32 at group 1", c13,
+        c2, p, p2)
+    p = p2.copy()
+    p[0, 0, 0, 1] = np.inf
+    bad(ValueError, "^s2: every scale must be finite", c13, c2, p13, p)
+    bad(ValueError, "^group_size: 128 must divide I = 64", c13, c2, p13, p2, group_size=128)
+    with pytest.raises(TypeError, match="int8_affine codes"):
+        R.ref_fused_moe_int8_affine(np.ones((1, 128), np.float32), c13.view(np.int8), c2, p13,
+                                    p2, np.ones((1, 1), np.float32), np.zeros((1, 1), np.int32))
+
+
+def test_int8_affine_is_close_to_the_float_layer():
+    """8-bit codes: the op's error against the float layer of the dequantized weights is the
+    int8 activations' (about W8A8's), well under int4_affine's on the same float weights."""
+    E, H, I, T = 4, 256, 128, 16
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((T, H), dtype=np.float32)
+    ids = random_topk_ids(rng, T, E, 2)
+    tw = random_topk_weights(rng, T, 2)
+    errs = {}
+    for fmt in ("int8_affine", "int4_affine"):
+        (c13, c2, p13, p2), _ = w4_weights(fmt, E, H, I, 32)
+        deq = R.dequantize_int8_affine if fmt == "int8_affine" else R.dequantize_int4_affine
+        w13, w2 = deq(c13, p13, 32), deq(c2, p2, 32)
+        prepack = cpumoe.prepack_int8_affine if fmt == "int8_affine" else \
+            cpumoe.prepack_int4_affine
+        got = cpumoe.fused_moe_int8(x, prepack(c13, c2, p13, p2, group_size=32), tw, ids)
+        want = _float_layer(x, w13, w2, tw, ids)  # fp64, on the dequantized weights
+        errs[fmt] = float(np.abs(got - want).max() / np.abs(want).max())
+        fl = _float_layer(x, *_float_weights(E, H, I, 0)[:2], tw, ids)  # the unquantized layer
+        errs[fmt + "/float"] = float(np.abs(got - fl).max() / np.abs(fl).max())
+    assert errs["int8_affine"] < 0.03, errs
+    assert errs["int8_affine/float"] < 0.5 * errs["int4_affine/float"], errs
+
+
+def _float_layer(x, w13, w2, tw, ids):
+    x64 = x.astype(np.float64)
+    out = np.zeros_like(x64)
+    inter = w2.shape[2]
+    for t in range(x.shape[0]):
+        for j, e in enumerate(ids[t]):
+            h = w13[e].astype(np.float64) @ x64[t]
+            g, u = h[:inter], h[inter:]
+            a = g / (1 + np.exp(-g)) * u
+            out[t] += tw[t, j] * (w2[e].astype(np.float64) @ a)
+    return out
 
 
 def test_mxfp4_bad_inputs_are_clear_errors():

@@ -81,12 +81,12 @@ struct Family<QGemmUkernel> {
   // gscale (the row's act_groups scales) is given.
   template <class AnyPacked>
   static void sums(const RowOps&, const AnyPacked&, const Elem*, int64_t, float*, const float*) {}
-  // One task's GEMM with its epilogue; row_scale, gscale (the rows' group scales, when
+  // One task's GEMM with its epilogue (columns [tk.n0, tk.n0 + tk.n) of n_total); row_scale, gscale (the rows' group scales, when
   // act_groups says there are, else nullptr) and sums (the rows' group sums, when groups says
   // there are) at the task's first row, col_scale and bias (nullable) at the expert's column 0;
   // scratch: the thread's kernel_scratch bytes.
   // stream: dst is large and read only later (QGemmEpilogue::stream_dst).
-  static void run(const QGemmUkernel& kern, const Packed&, const Task& tk, int64_t depth,
+  static void run(const QGemmUkernel& kern, const Packed&, const Task& tk, int64_t n_total, int64_t depth,
                   const float*, const void* lhs, const void* rhs, float* dst, int64_t dst_stride,
                   const float* row_scale, const float*, const float* col_scale,
                   const float* bias, void*, bool stream = false) {
@@ -128,7 +128,7 @@ struct Family<BGemmUkernel> {
   }
   template <class AnyPacked>
   static void sums(const RowOps&, const AnyPacked&, const Elem*, int64_t, float*, const float*) {}
-  static void run(const BGemmUkernel& kern, const Packed&, const Task& tk, int64_t depth,
+  static void run(const BGemmUkernel& kern, const Packed&, const Task& tk, int64_t n_total, int64_t depth,
                   const float*, const void* lhs, const void* rhs, float* dst, int64_t dst_stride,
                   const float*, const float*,
                   const float*, const float* bias, void*, bool = false) {
@@ -149,7 +149,8 @@ struct Family<Q4GemmUkernel> : Family<QGemmUkernel> {
     return kern.rhs_packed_offset(n0, depth, pk.layout());
   }
   // The kernel's scratch_bytes (64-byte multiple) at the largest call of a chunk: m rows (a
-  // task's), GEMM1 n <= 2I at k = H, GEMM2 n <= H at k = I (scratch_bytes grows with m and n).
+  // task's), GEMM1 n <= 2I at k = H, GEMM2 n <= H at k = I (scratch_bytes grows with m and n),
+  // and for two-plane layers (int8_affine) the lo plane's [m, n] fp32 tile after it.
   // For the packed layer's layout, or (pk == nullptr: fused_moe_scratch_bytes of a kernel) the
   // most over every layout an E x H x I layer can have: each q4gemm row of the format table with
   // each group its rule allows that divides H and I.
@@ -158,7 +159,8 @@ struct Family<Q4GemmUkernel> : Family<QGemmUkernel> {
     auto at = [&](const W4Layout& w) {
       return std::max(kern.scratch_bytes(m, 2 * I, H, w), kern.scratch_bytes(m, H, I, w));
     };
-    if (pk != nullptr) return align_up(at(pk->layout()));
+    const size_t tile = align_up(size_t(m) * size_t(std::max(2 * I, H)) * sizeof(float));
+    if (pk != nullptr) return align_up(at(pk->layout())) + (pk->planes() > 1 ? tile : 0);
     size_t most = 0;
     for (const WeightFormatInfo& info : kWeightFormatTable) {
       W4Format f;
@@ -169,13 +171,13 @@ struct Family<Q4GemmUkernel> : Family<QGemmUkernel> {
         if (H % g == 0 && I % g == 0)
           most = std::max(most, at(W4Layout{w4_kernel_format(f), g}));
     }
-    return align_up(most);
+    return align_up(most) + tile;
   }
-  // int4_affine: the group sums of every input row (for its offsets); pk == nullptr: the most
-  // any layer of these sizes has (groups of kW4GroupMultiple).
+  // The affine formats: the group sums of every input row (for its offsets); pk == nullptr: the
+  // most any layer of these sizes has (groups of kW4GroupMultiple).
   static int64_t groups(const Packed* pk, int64_t depth) {
     if (pk == nullptr) return depth / kW4GroupMultiple;
-    return pk->format() == W4Format::int4_affine ? depth / pk->group_size() : 0;
+    return w4_affine(pk->format()) ? depth / pk->group_size() : 0;
   }
   // ActQuant::group: a scale per weight group of every input row; pk == nullptr: the most any
   // layer of these sizes has.
@@ -191,19 +193,37 @@ struct Family<Q4GemmUkernel> : Family<QGemmUkernel> {
     if (gscale != nullptr)
       for (int64_t gi = 0; gi < depth / pk.group_size(); ++gi) out[gi] = out[gi] * gscale[gi];
   }
-  // int4_affine: the group offsets added after the kernel (dst not streamed past the caches:
-  // it is read right back). Calls in column blocks, to add each block's offsets while it is in
-  // L1, measured slower (Qwen3 T=128, AVX-512: 12.3-13.2 ms against 11.9-12.2).
-  static void run(const Q4GemmUkernel& kern, const Packed& pk, const Task& tk, int64_t depth,
-                  const float* sums, const void* lhs, const void* rhs, float* dst,
+  // The affine formats: the group offsets added after the kernel (dst not streamed past the
+  // caches: it is read right back). Calls in column blocks, to add each block's offsets while
+  // it is in L1, measured slower (Qwen3 T=128, AVX-512: 12.3-13.2 ms against 11.9-12.2).
+  // Two planes (int8_affine): the hi plane into dst (with the bias), the lo plane into an fp32
+  // tile in scratch after the kernel's (with its own offsets), then dst + tile.
+  static void run(const Q4GemmUkernel& kern, const Packed& pk, const Task& tk, int64_t n_total,
+                  int64_t depth, const float* sums, const void* lhs, const void* rhs, float* dst,
                   int64_t dst_stride, const float* row_scale, const float* gscale,
                   const float* offsets, const float* bias, void* scratch, bool stream = false) {
     const Q4GemmEpilogue ep{row_scale, bias ? bias + tk.n0 : nullptr,
                             stream && offsets == nullptr, scratch, gscale};
+    const int64_t groups = depth / pk.group_size();
+    const RowOps& ro = *pk.config().rowops;
     kern.run_f32(tk.m, tk.n, depth, pk.layout(), lhs, rhs, dst, dst_stride, ep);
     if (offsets != nullptr)
-      pk.config().rowops->add_group_offsets(tk.m, tk.n0, tk.n, depth / pk.group_size(), sums,
-                                            offsets, row_scale, dst, dst_stride);
+      ro.add_group_offsets(tk.m, tk.n0, tk.n, groups, sums, offsets, row_scale, dst, dst_stride);
+    if (pk.planes() == 1) return;
+    float* tile = reinterpret_cast<float*>(
+        static_cast<uint8_t*>(scratch) + align_up(kern.scratch_bytes(tk.m, tk.n, depth, pk.layout())));
+    const Q4GemmEpilogue ep_lo{row_scale, nullptr, false, scratch, gscale};
+    kern.run_f32(tk.m, tk.n, depth, pk.layout(), lhs,
+                 static_cast<const uint8_t*>(rhs) + pk.plane_bytes(n_total, depth), tile, tk.n,
+                 ep_lo);
+    ro.add_group_offsets(tk.m, tk.n0, tk.n, groups, sums,
+                         offsets + group_offset_floats(n_total, depth, pk.group_size()), row_scale,
+                         tile, tk.n);
+    for (int64_t i = 0; i < tk.m; ++i) {
+      float* d = dst + i * dst_stride;
+      const float* t = tile + i * tk.n;
+      for (int64_t j = 0; j < tk.n; ++j) d[j] = d[j] + t[j];
+    }
   }
 };
 
@@ -233,7 +253,7 @@ struct Family<F8GemmUkernel> : Family<BGemmUkernel> {
       most = std::max(most, at(F8Layout{g, 1}));
     return align_up(most);
   }
-  static void run(const F8GemmUkernel& kern, const Packed& pk, const Task& tk, int64_t depth,
+  static void run(const F8GemmUkernel& kern, const Packed& pk, const Task& tk, int64_t n_total, int64_t depth,
                   const float*, const void* lhs, const void* rhs, float* dst, int64_t dst_stride,
                   const float*, const float*,
                   const float*, const float* bias, void* scratch, bool stream = false) {

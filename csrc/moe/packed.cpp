@@ -212,7 +212,8 @@ const MoeWeightsW4& checked(const MoeWeightsW4& w) {
     fail("act_quant: must be ActQuant::row or ActQuant::group, got " +
          std::to_string(int32_t(w.act_quant)));
   const bool mx = w.format == W4Format::mxfp4;
-  const bool affine = w.format == W4Format::int4_affine;
+  const bool affine = w4_affine(w.format);
+  const bool bytes = w.format == W4Format::int8_affine;  // every uint8 code is a value
   const int64_t g = w.group_size;
   const std::string group_problem = weight_format_group_problem(weight_format_of(w.format), g);
   if (!group_problem.empty()) fail(group_problem);
@@ -237,6 +238,7 @@ const MoeWeightsW4& checked(const MoeWeightsW4& w) {
                             : ": int4 values must be in [-8, 7]";
   for (auto [p, n, name] : {std::tuple{static_cast<const int8_t*>(w.w13), n13, "w13"},
                             std::tuple{static_cast<const int8_t*>(w.w2), n2, "w2"}}) {
+    if (bytes) break;
     // Scanned in chunks without an early exit (so the loop vectorizes: a layer is ~10^9
     // values), the failing element looked up only in a chunk that has one.
     constexpr int64_t kChunk = int64_t(1) << 16;
@@ -251,44 +253,60 @@ const MoeWeightsW4& checked(const MoeWeightsW4& w) {
                std::to_string(affine ? int(uint8_t(p[x])) : int(p[x])) + ")");
     }
   }
-  // int4_affine: every scale and min finite, and so every offset min + 8 * scale.
+  // Affine: every scale and min finite, and so every plane's scale and offset (w4_plane_pair).
   const int64_t per = affine ? 2 : 1;
   moe_detail::check_finite_scales(static_cast<const float*>(w.s13), n13 / g * per, "s13");
   moe_detail::check_finite_scales(static_cast<const float*>(w.s2), n2 / g * per, "s2");
   if (affine) {
+    const char* what_off = bytes ? ": 16 * scale or min + 128 * scale overflows fp32 at group "
+                                 : ": min + 8 * scale overflows fp32 at group ";
     for (auto [p, n, name] : {std::tuple{static_cast<const float*>(w.s13), n13 / g, "s13"},
                               std::tuple{static_cast<const float*>(w.s2), n2 / g, "s2"}}) {
-      for (int64_t x = 0; x < n; ++x)
-        if (!std::isfinite(w4_group_offset(p[2 * x], p[2 * x + 1])))
-          fail(std::string(name) + ": min + 8 * scale overflows fp32 at group " +
-               std::to_string(x) + " (scale " + std::to_string(p[2 * x]) + ", min " +
-               std::to_string(p[2 * x + 1]) + ")");
+      for (int64_t x = 0; x < n; ++x) {
+        const float* pair = p + 2 * x;
+        bool ok = true;
+        for (int plane = 0; plane < w4_planes(w.format); ++plane) {
+          const auto [s, m] = w4_plane_pair(w.format, plane, pair[0], pair[1]);
+          ok = ok && std::isfinite(s) && std::isfinite(w4_group_offset(s, m));
+        }
+        if (!ok)
+          fail(std::string(name) + what_off + std::to_string(x) + " (scale " +
+               std::to_string(pair[0]) + ", min " + std::to_string(pair[1]) + ")");
+      }
     }
   }
   return w;
 }
 
 // One expert's w13 and w2 turned into codes (one per byte) and packed with their group scales.
-// int4_affine: codes c become the int4 values c - 8 (the nibble c ^ 8) and the (scale, min)
-// pairs give the kernel its scales; the mins are PackedMoeW4's offsets.
+// Affine formats: codes c become the int4 values c - 8 (the nibble c ^ 8) and the (scale, min)
+// pairs give the kernel its scales; the mins are PackedMoeW4's offsets. int8_affine: each matrix
+// twice, its hi and lo planes (w4_plane_code, w4_plane_pair), the lo plane plane_bytes further.
 struct W4Packer final : RhsPacker {
   const Q4GemmUkernel* k;
   const MoeWeightsW4& w;
-  W4Layout layout;  // the kernel's (int4 for int4_affine)
+  W4Layout layout;  // the kernel's (int4 for the affine formats)
   W4Packer(const Q4GemmUkernel* kern, const MoeWeightsW4& weights)
       : k(kern), w(weights), layout{w4_kernel_format(weights.format), weights.group_size} {}
-  bool affine() const { return w.format == W4Format::int4_affine; }
+  bool affine() const { return w4_affine(w.format); }
   bool unpacks() const { return w.format != W4Format::int4; }  // codes rewritten in scratch
+  int planes() const { return w4_planes(w.format); }
   void check() const override {
     if (w.w13 == nullptr) fail("w13: missing");
     if (w.w2 == nullptr) fail("w2: missing");
   }
-  size_t w13_bytes() const override {
-    return k->rhs_packed_size(2 * w.intermediate, w.hidden, layout);
+  // One plane's bytes of an [n, depth] matrix (64-byte multiple: each plane starts aligned).
+  size_t plane_bytes(int64_t n, int64_t depth) const {
+    return moe_detail::align_up(k->rhs_packed_size(n, depth, layout));
   }
-  size_t w2_bytes() const override { return k->rhs_packed_size(w.hidden, w.intermediate, layout); }
-  // Scratch of one pack_one call: mxfp4's unpacked or int4_affine's shifted codes (one matrix,
-  // a few MB), int4_affine's scales apart from their mins, then the kernel's pack_rhs scratch,
+  size_t w13_bytes() const override {
+    return size_t(planes()) * plane_bytes(2 * w.intermediate, w.hidden);
+  }
+  size_t w2_bytes() const override {
+    return size_t(planes()) * plane_bytes(w.hidden, w.intermediate);
+  }
+  // Scratch of one pack_one call: mxfp4's unpacked or the affine formats' shifted codes (one
+  // matrix, a few MB), their scales apart from their mins, then the kernel's pack_rhs scratch,
   // each 64-byte aligned.
   size_t one_scratch_bytes(int64_t n, int64_t depth) const {
     using moe_detail::align_up;
@@ -301,40 +319,46 @@ struct W4Packer final : RhsPacker {
     return std::max(one_scratch_bytes(2 * w.intermediate, w.hidden),
                     one_scratch_bytes(w.hidden, w.intermediate));
   }
-  // Matrix e of [E, n, depth]: codes, then the kernel's packing. int4 values (int8, two's
-  // complement) are their own codes (pack_rhs reads the low 4 bits); mxfp4's two codes per byte
-  // are spread one per byte first, into @p scratch (one_scratch_bytes(n, depth) bytes).
+  // Matrix e of [E, n, depth]: codes, then the kernel's packing, per plane. int4 values (int8,
+  // two's complement) are their own codes (pack_rhs reads the low 4 bits); mxfp4's two codes
+  // per byte are spread one per byte first, into @p scratch (one_scratch_bytes(n, depth) bytes).
   void pack_one(const void* src, const void* scales, int64_t e, int64_t n, int64_t depth,
                 void* dst, void* scratch) const {
     const size_t count = size_t(n) * size_t(depth);
     const int64_t groups = depth / layout.group;
-    auto* ws = static_cast<uint8_t*>(scratch);
-    const uint8_t* c = static_cast<const uint8_t*>(src) + size_t(e) * count;
+    const uint8_t* in = static_cast<const uint8_t*>(src) + size_t(e) * count;
     const size_t in_scale_bytes = size_t(weight_format_scale_bytes(weight_format_of(w.format)));
-    const auto* sc = static_cast<const uint8_t*>(scales) +
-                     size_t(e) * size_t(n) * size_t(groups) * in_scale_bytes;
-    if (unpacks()) {
-      uint8_t* codes = ws;
-      ws += moe_detail::align_up(count);
-      if (w.format == W4Format::mxfp4) {
-        const uint8_t* b = static_cast<const uint8_t*>(src) + size_t(e) * count / 2;
-        for (size_t x = 0; x < count / 2; ++x) {  // low nibble: the even k
-          codes[2 * x] = b[x] & 15;
-          codes[2 * x + 1] = b[x] >> 4;
+    const auto* in_sc = static_cast<const uint8_t*>(scales) +
+                        size_t(e) * size_t(n) * size_t(groups) * in_scale_bytes;
+    for (int plane = 0; plane < planes(); ++plane) {
+      auto* ws = static_cast<uint8_t*>(scratch);
+      const uint8_t* c = in;
+      const uint8_t* sc = in_sc;
+      if (unpacks()) {
+        uint8_t* codes = ws;
+        ws += moe_detail::align_up(count);
+        if (w.format == W4Format::mxfp4) {
+          const uint8_t* b = static_cast<const uint8_t*>(src) + size_t(e) * count / 2;
+          for (size_t x = 0; x < count / 2; ++x) {  // low nibble: the even k
+            codes[2 * x] = b[x] & 15;
+            codes[2 * x + 1] = b[x] >> 4;
+          }
+        } else {  // c - 8 as a nibble
+          for (size_t x = 0; x < count; ++x) codes[x] = w4_plane_code(w.format, plane, c[x]) ^ 8;
         }
-      } else {
-        for (size_t x = 0; x < count; ++x) codes[x] = c[x] ^ 8;  // c - 8 as a nibble
+        c = codes;
       }
-      c = codes;
+      if (affine()) {  // the plane's scales of the (scale, min) pairs
+        auto* only = reinterpret_cast<float*>(ws);
+        ws += moe_detail::align_up(size_t(n) * size_t(groups) * sizeof(float));
+        const auto* pairs = reinterpret_cast<const float*>(sc);
+        for (int64_t x = 0; x < n * groups; ++x)
+          only[x] = w4_plane_pair(w.format, plane, pairs[2 * x], pairs[2 * x + 1]).scale;
+        sc = reinterpret_cast<const uint8_t*>(only);
+      }
+      k->pack_rhs(n, depth, layout, c, depth, sc, groups,
+                  static_cast<uint8_t*>(dst) + size_t(plane) * plane_bytes(n, depth), ws);
     }
-    if (affine()) {  // the scales of the (scale, min) pairs
-      auto* only = reinterpret_cast<float*>(ws);
-      ws += moe_detail::align_up(size_t(n) * size_t(groups) * sizeof(float));
-      const auto* pairs = reinterpret_cast<const float*>(sc);
-      for (int64_t x = 0; x < n * groups; ++x) only[x] = pairs[2 * x];
-      sc = reinterpret_cast<const uint8_t*>(only);
-    }
-    k->pack_rhs(n, depth, layout, c, depth, sc, groups, dst, ws);
   }
   void pack(int64_t e, void* d13, void* d2, void* scratch) const override {
     pack_one(w.w13, w.s13, e, 2 * w.intermediate, w.hidden, d13, scratch);
@@ -342,21 +366,29 @@ struct W4Packer final : RhsPacker {
   }
 };
 
-// int4_affine's offsets of one [n, depth] matrix of expert e (pairs [E, n, depth / g, 2]) in
-// PackedMoeW4's panel layout: panel p (columns [64 p, 64 p + 64)) holds depth / g rows of 64
-// offsets, zero past column n.
-void fill_offsets(const float* pairs, int64_t e, int64_t n, int64_t depth, int64_t g,
+// The affine formats' offsets of one [n, depth] matrix of expert e (pairs [E, n, depth / g, 2])
+// in PackedMoeW4's panel layout: panel p (columns [64 p, 64 p + 64)) holds depth / g rows of 64
+// offsets, zero past column n; per plane (int8_affine: hi, then lo group_offset_floats further).
+void fill_offsets(W4Format f, const float* pairs, int64_t e, int64_t n, int64_t depth, int64_t g,
                   float* out) {
   const int64_t groups = depth / g;
   const float* src = pairs + size_t(e) * size_t(n) * size_t(groups) * 2;
-  for (int64_t j0 = 0; j0 < n; j0 += kGroupOffsetPanel) {
-    float* panel = out + j0 * groups;
-    for (int64_t gi = 0; gi < groups; ++gi)
-      for (int64_t jj = 0; jj < kGroupOffsetPanel; ++jj) {
-        const int64_t j = j0 + jj;
-        const float* sm = src + (j * groups + gi) * 2;
-        panel[gi * kGroupOffsetPanel + jj] = j < n ? w4_group_offset(sm[0], sm[1]) : 0.0f;
-      }
+  for (int plane = 0; plane < w4_planes(f); ++plane) {
+    float* base = out + size_t(plane) * group_offset_floats(n, depth, g);
+    for (int64_t j0 = 0; j0 < n; j0 += kGroupOffsetPanel) {
+      float* panel = base + j0 * groups;
+      for (int64_t gi = 0; gi < groups; ++gi)
+        for (int64_t jj = 0; jj < kGroupOffsetPanel; ++jj) {
+          const int64_t j = j0 + jj;
+          const float* sm = src + (j * groups + gi) * 2;
+          float o = 0.0f;
+          if (j < n) {
+            const W4PlanePair pp = w4_plane_pair(f, plane, sm[0], sm[1]);
+            o = w4_group_offset(pp.scale, pp.min);
+          }
+          panel[gi * kGroupOffsetPanel + jj] = o;
+        }
+    }
   }
 }
 
@@ -371,18 +403,21 @@ PackedMoeW4::PackedMoeW4(const MoeWeightsW4& w, const MoeConfig<Q4GemmUkernel>& 
                     W4Packer(config.gemm, w), w.b13, w.b13_dtype, w.b2, w.b2_dtype, num_threads),
       layout_{w4_kernel_format(w.format), w.group_size}, format_(w.format),
       act_quant_(w.act_quant) {
-  if (format_ != W4Format::int4_affine) return;
   const int64_t E = w.num_experts, H = w.hidden, I = w.intermediate, g = w.group_size;
-  o13_stride_ = group_offset_floats(2 * I, H, g);
-  o2_stride_ = group_offset_floats(H, I, g);
+  plane13_ = moe_detail::align_up(kernel().rhs_packed_size(2 * I, H, layout_));
+  plane2_ = moe_detail::align_up(kernel().rhs_packed_size(H, I, layout_));
+  if (!w4_affine(format_)) return;
+  const size_t planes = size_t(w4_planes(format_));
+  o13_stride_ = planes * group_offset_floats(2 * I, H, g);
+  o2_stride_ = planes * group_offset_floats(H, I, g);
   const size_t total = size_t(E) * (o13_stride_ + o2_stride_);
   offsets_.reset(new float[total]);
   extra_bytes_ += total * sizeof(float);
   moe_detail::parallel_rows(E, 3 * I * H / g, moe_detail::resolve_threads(num_threads),
                             [&](int64_t e, int) {
-    fill_offsets(static_cast<const float*>(w.s13), e, 2 * I, H, g,
+    fill_offsets(format_, static_cast<const float*>(w.s13), e, 2 * I, H, g,
                  offsets_.get() + size_t(e) * o13_stride_);
-    fill_offsets(static_cast<const float*>(w.s2), e, H, I, g,
+    fill_offsets(format_, static_cast<const float*>(w.s2), e, H, I, g,
                  offsets_.get() + size_t(E) * o13_stride_ + size_t(e) * o2_stride_);
   });
 }

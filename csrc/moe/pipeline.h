@@ -195,7 +195,7 @@ class Pipeline {
       const uint8_t* lp = lhs + off[tk.e] + kern.lhs_packed_offset(tk.m0, depth);
       const uint8_t* rp =
           static_cast<const uint8_t*>(weights(tk.e)) + F::rhs_offset(kern, pk, tk.n0, depth);
-      F::run(kern, pk, tk, depth, sums + row0 * groups, lp, rp, dst + row0 * n + tk.n0, n,
+      F::run(kern, pk, tk, n, depth, sums + row0 * groups, lp, rp, dst + row0 * n + tk.n0, n,
              row_scale + row0, group_scales(gs_at, agroups, row0), scale(tk.e), bias(tk.e),
              kernel_scratch(tid), stream);
       // The task's work for the bench hooks: multiply-adds over the kernel's padded tiles.
@@ -240,7 +240,7 @@ class Pipeline {
       const Task& tk = tasks[i];
       const int64_t row0 = r.first[tk.e] + tk.m0;
       float* ht = thread_h ? h + int64_t(tid) * rows_per * 2 * I : h + row0 * 2 * I;
-      F::run(kern, pk, tk, H, sums1 + row0 * sizes.groups1,
+      F::run(kern, pk, tk, 2 * I, H, sums1 + row0 * sizes.groups1,
              lhs1 + off1[tk.e] + kern.lhs_packed_offset(tk.m0, H), pk.w13(tk.e), ht, 2 * I,
              row_scale + row0, group_scales(pl.gs1, sizes.agroups1, row0),
              F::scale13(pk, tk.e), pk.b13(tk.e), kernel_scratch(tid));
@@ -257,7 +257,7 @@ class Pipeline {
       int64_t work = round_up(tk.m, kern.mr) * round_up(2 * I, kern.nr) * round_up(H, kern.kr);
       if (fused2) {  // GEMM2 of these rows, all H columns (a task of phase 6 spanning them all)
         const Task t2{tk.e, tk.m0, tk.m, 0, H};
-        F::run(kern, pk, t2, I, sums2 + row0 * sizes.groups2, lp2, pk.w2(tk.e), y + row0 * H, H,
+        F::run(kern, pk, t2, H, I, sums2 + row0 * sizes.groups2, lp2, pk.w2(tk.e), y + row0 * H, H,
                sa + row0, group_scales(pl.gs2, sizes.agroups2, row0), F::scale2(pk, tk.e),
                pk.b2(tk.e), kernel_scratch(tid));
         work += round_up(tk.m, kern.mr) * round_up(H, kern.nr) * round_up(I, kern.kr);

@@ -28,21 +28,32 @@ GGUF      cpumoe          mapping (a block of 32 k is one group)
                           in the high ones) and (scale, min) = (float(d) * sc_s,
                           -(float(dmin) * m_s)), sc_s / m_s the 6-bit values of the 12 packed
                           bytes (``w = d * sc * q - dmin * m``), group_size 32.
+``Q8_0``  ``int8_affine`` codes q + 128 (q the int8 value) and (scale, min) = (float(d),
+                          -128 float(d)) per block (``w = d * q``), group_size 32.
+``Q5_0``  ``int8_affine`` codes q in [0, 31] (the low 4 bits as Q4_1's, the fifth bit of element j
+                          bit j of the block's 32-bit qh) and (float(d), -16 float(d))
+                          (``w = d * (q - 16)``), group_size 32.
+``Q5_1``  ``int8_affine`` the codes as Q5_0, (float(d), float(m)) (``w = d * q + m``).
+``Q5_K``  ``int8_affine`` per sub-block of 32: the low 4 bits as Q4_K's (128 bytes after the 32
+                          qh bytes), the fifth bit of element l of sub-block s bit s of qh[l];
+                          (scale, min) as Q4_K's, group_size 32.
 ========= =============== =========================================================================
 
 Exactness: the weights cpumoe's dequantization (``scale * q + min`` in float32) gives for the
-loaded Q4_1 / Q4_K layer are ``gguf.quants.dequantize``'s bit for bit: fp16 d (11 significant
-bits) times q (4 bits), and float(d) * sc (6 bits) times q, are exact in float32, so both sides
-round once, in the same addition (``x - y`` is ``x + (-y)`` in IEEE arithmetic, signed zeros
-included).
+loaded layer are ``gguf.quants.dequantize``'s bit for bit (up to the sign of a zero weight for
+Q8_0 and Q5_0, whose ``d * q`` gguf computes without a min): fp16 d (11 significant bits) times
+q (up to 8 bits), float(d) * sc (6 bits) times q, and d * 128 or d * 16 are exact in float32, so
+both sides round once, in the same addition (``x - y`` is ``x + (-y)`` in IEEE arithmetic).
 
-Every other type (F32, F16, Q8_0, Q5_*, K-quants but Q4_K, IQ types, ...) and a gate / up / down
-mix of types in different formats (Q4_0 with Q4_K, or Q4_K gate / up with the Q6_K down of
-llama.cpp's Q4_K_M files, ...) raise :class:`GgufUnsupported` (an
-:class:`cpumoe.checkpoint.UnsupportedCheckpoint`) naming the tensor and its type; Q4_1 and Q4_K
-mix (both int4_affine, group_size 32). A non-finite block scale (Q4_0 d, Q4_1 d / m, Q4_K d /
-dmin) is refused naming the tensor, expert, row and block. A fused ``ffn_gate_up_exps`` tensor
-is refused too.
+A layer whose gate / up / down are of different integer formats (Q4_0 int4, Q4_1 / Q4_K
+int4_affine, Q8_0 / Q5_x int8_affine: llama.cpp's Q4_K_M and Q5_K_M files mix them) is read in
+the widest of them, exactly (int4 values v with scale s as codes v + 8 with (s, -8 s); 4-bit codes
+are 8-bit codes as they are): one packed layer holds one format. Every other type (F32, F16,
+Q6_K, Q2_K, Q3_K, IQ types, ...) and a mix with MXFP4 or BF16 raise :class:`GgufUnsupported` (an
+:class:`cpumoe.checkpoint.UnsupportedCheckpoint`) naming the tensor and its type; Q6_K (in
+llama.cpp's Q4_K_M files the down projections of some layers) has a scale per 16 k, which no
+cpumoe format holds. A non-finite block scale (d, m, dmin) is refused naming the tensor, expert,
+row and block. A fused ``ffn_gate_up_exps`` tensor is refused too.
 
 w13 is laid out for the activation of the file's architecture (``general.architecture``), from
 the table :data:`GGUF_ACTIVATIONS` of the MoE architectures llama.cpp's GGUF writer emits (as
@@ -65,6 +76,7 @@ from typing import Any, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from .checkpoint import LoadedExperts, UnsupportedCheckpoint, expert_ids_of
+from .quantize import WIDENING, widen_values, widest_format
 
 __all__ = ["GGUF_ACTIVATIONS", "GGUF_FORMATS", "GgufExperts", "GgufUnsupported",
            "gguf_activation", "read_gguf_experts"]
@@ -73,22 +85,21 @@ PathLike = Union[str, os.PathLike]
 
 #: GGUF tensor type -> the cpumoe weight format it is exactly.
 GGUF_FORMATS = {"Q4_0": "int4", "MXFP4": "mxfp4", "BF16": "bf16", "Q4_1": "int4_affine",
-                "Q4_K": "int4_affine"}
+                "Q4_K": "int4_affine", "Q8_0": "int8_affine", "Q5_0": "int8_affine",
+                "Q5_1": "int8_affine", "Q5_K": "int8_affine"}
 
 #: What a GGUF type would need from cpumoe, for the errors.
 _NEEDS = {
     "F32": "no float32 expert format (only bf16)",
     "F16": "no float16 expert format (only bf16)",
     "F64": "no float64 expert format",
-    "Q8_0": "needs 8-bit group scales",
-    "Q5_0": "needs 5-bit values",
-    "Q5_1": "needs 5-bit values with group zero points",
-    "Q8_1": "needs 8-bit group scales",
-    "Q2_K": "needs 2-bit values (a K-quant; of the K-quants cpumoe reads Q4_K)",
-    "Q3_K": "needs 3-bit values (a K-quant; of the K-quants cpumoe reads Q4_K)",
-    "Q5_K": "needs 5-bit values (a K-quant; of the K-quants cpumoe reads Q4_K)",
-    "Q6_K": "needs 6-bit values (a K-quant; of the K-quants cpumoe reads Q4_K)",
-    "Q8_K": "needs 8-bit values (a K-quant; of the K-quants cpumoe reads Q4_K)",
+    "Q8_1": "an intermediate type of llama.cpp's dot products, not a storage type",
+    "Q2_K": "needs 2-bit values (a K-quant; of the K-quants cpumoe reads Q4_K and Q5_K)",
+    "Q3_K": "needs 3-bit values (a K-quant; of the K-quants cpumoe reads Q4_K and Q5_K)",
+    "Q6_K": "needs a scale per 16 k (a K-quant with 6-bit values; cpumoe's groups are "
+            "multiples of 32; of the K-quants it reads Q4_K and Q5_K)",
+    "Q8_K": "an intermediate type of llama.cpp's dot products (of the K-quants cpumoe reads "
+            "Q4_K and Q5_K)",
 }
 _FLOAT_BIAS = ("F32", "F16", "BF16")
 #: GGUF ``general.architecture`` (gguf.constants.MODEL_ARCH_NAMES) -> the activation of its
@@ -189,7 +200,7 @@ def _why_not(qtype: str) -> str:
     if qtype in _NEEDS:
         return _NEEDS[qtype]
     if qtype.endswith("_K"):
-        return "needs K-quant super-blocks (of the K-quants cpumoe reads Q4_K)"
+        return "needs K-quant super-blocks (of the K-quants cpumoe reads Q4_K and Q5_K)"
     if qtype.startswith("IQ") or qtype.startswith("TQ"):
         return "needs codebook / ternary values"
     return "no cpumoe weight format holds it exactly"
@@ -269,13 +280,13 @@ def _bf16_expert(name: str, e: int, raw: np.ndarray, n: int, k: int):
 
 
 def _refuse_non_finite(name: str, qtype: str, e: int, what: str, v: np.ndarray,
-                       block: str = "block") -> None:
+                       block: str = "block", fmt: str = "int4_affine") -> None:
     """GgufUnsupported naming the first non-finite value of ``v`` [n, blocks] (expert e)."""
     if np.isfinite(v).all():
         return
     r, g = (int(i[0]) for i in np.nonzero(~np.isfinite(v)))
     raise GgufUnsupported(f"{name}: {qtype} {what} {v[r, g]} (expert {e}, row {r}, {block} {g}) "
-                          f"is not finite; cpumoe's int4_affine needs finite scales and mins")
+                          f"is not finite; cpumoe's {fmt} needs finite scales and mins")
 
 
 def _q4_1_expert(name: str, e: int, raw: np.ndarray, n: int, k: int):
@@ -291,33 +302,98 @@ def _q4_1_expert(name: str, e: int, raw: np.ndarray, n: int, k: int):
     return q.reshape(n, k).astype(np.uint8), np.stack([d, m], axis=-1)
 
 
-def _q4_k_expert(name: str, e: int, raw: np.ndarray, n: int, k: int):
-    """Q4_K bytes [n, k / 256 * 144] of one expert -> (uint8 codes [n, k], fp32 (scale, min)
-    pairs [n, k / 32, 2]) = (float(d) * sc, -(float(dmin) * m)) per sub-block of 32, both
-    products exact (11 significant bits times 6); raises for a non-finite d or dmin."""
-    S = k // 256
-    b = np.ascontiguousarray(raw).reshape(n, S, 144)
-    d = b[..., 0:2].copy().view("<f2")[..., 0].astype(np.float32)  # [n, S]
-    dmin = b[..., 2:4].copy().view("<f2")[..., 0].astype(np.float32)
-    _refuse_non_finite(name, "Q4_K", e, "super-block scale d", d, "super-block")
-    _refuse_non_finite(name, "Q4_K", e, "super-block min scale dmin", dmin, "super-block")
-    # The 12 scale bytes, as llama.cpp's get_scale_min_k4 (bytes 0-3: sc 0-3 in the low 6 bits,
-    # the top 2 bits of sc 4-7 above; 4-7: the same for m; 8-11: the low 4 bits of sc 4-7 and,
-    # above, of m 4-7).
+def _f16(b: np.ndarray) -> np.ndarray:
+    """The fp16 at bytes b[..., 0:2] as float32."""
+    return b[..., 0:2].copy().view("<f2")[..., 0].astype(np.float32)
+
+
+def _q8_0_expert(name: str, e: int, raw: np.ndarray, n: int, k: int):
+    """Q8_0 bytes [n, k / 32 * 34] of one expert -> (uint8 codes q + 128 [n, k], fp32 (scale,
+    min) pairs (float(d), -128 float(d)) [n, k / 32, 2]): d * (q + 128) - 128 d = d * q
+    exactly (19 significant bits); raises for a non-finite d."""
+    b = np.ascontiguousarray(raw).reshape(n, k // 32, 34)
+    d = _f16(b)
+    _refuse_non_finite(name, "Q8_0", e, "block scale d", d, fmt="int8_affine")
+    codes = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+    return codes.reshape(n, k), np.stack([d, np.float32(-128) * d], axis=-1)
+
+
+def _q5_codes(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """Q5_0 / Q5_1 codes [..., 32] (0..31) of blocks with qh [..., 4] (bit j: element j's fifth
+    bit) and qs [..., 16] (element j in the low nibble of byte j, j + 16 in the high one)."""
+    bits = np.unpackbits(qh, axis=-1, bitorder="little")  # [..., 32]: bit j of the le uint32
+    lo = np.concatenate([qs & 15, qs >> 4], axis=-1)
+    return (lo | (bits << 4)).astype(np.uint8)
+
+
+def _q5_0_expert(name: str, e: int, raw: np.ndarray, n: int, k: int):
+    """Q5_0 bytes [n, k / 32 * 22] -> (codes q [n, k], pairs (float(d), -16 float(d))):
+    w = d * (q - 16), exactly; raises for a non-finite d."""
+    b = np.ascontiguousarray(raw).reshape(n, k // 32, 22)
+    d = _f16(b)
+    _refuse_non_finite(name, "Q5_0", e, "block scale d", d, fmt="int8_affine")
+    q = _q5_codes(b[..., 2:6], b[..., 6:])
+    return q.reshape(n, k), np.stack([d, np.float32(-16) * d], axis=-1)
+
+
+def _q5_1_expert(name: str, e: int, raw: np.ndarray, n: int, k: int):
+    """Q5_1 bytes [n, k / 32 * 24] -> (codes q [n, k], pairs (float(d), float(m))):
+    w = d * q + m; raises for a non-finite d or m."""
+    b = np.ascontiguousarray(raw).reshape(n, k // 32, 24)
+    d, m = _f16(b), _f16(b[..., 2:4])
+    _refuse_non_finite(name, "Q5_1", e, "block scale d", d, fmt="int8_affine")
+    _refuse_non_finite(name, "Q5_1", e, "block min m", m, fmt="int8_affine")
+    q = _q5_codes(b[..., 4:8], b[..., 8:])
+    return q.reshape(n, k), np.stack([d, m], axis=-1)
+
+
+def _k_scales(name, qtype, e, b, n, S):
+    """The (scale, min) pairs [n, S * 8, 2] of Q4_K / Q5_K super-blocks b [n, S, bytes]: fp16 d,
+    dmin at bytes 0-3, the 12 packed 6-bit sc / m at bytes 4-15, as llama.cpp's
+    get_scale_min_k4 (bytes 0-3: sc 0-3 in the low 6 bits, the top 2 bits of sc 4-7 above; 4-7:
+    the same for m; 8-11: the low 4 bits of sc 4-7 and, above, of m 4-7): (float(d) * sc,
+    -(float(dmin) * m)), both products exact (11 significant bits times 6)."""
+    d, dmin = _f16(b), _f16(b[..., 2:4])  # [n, S]
+    fmt = "int4_affine" if qtype == "Q4_K" else "int8_affine"
+    _refuse_non_finite(name, qtype, e, "super-block scale d", d, "super-block", fmt)
+    _refuse_non_finite(name, qtype, e, "super-block min scale dmin", dmin, "super-block", fmt)
     sb = b[..., 4:16].reshape(n, S, 3, 4)
     lo_s, lo_m, hi = sb[..., 0, :], sb[..., 1, :], sb[..., 2, :]
     sc = np.concatenate([lo_s & 63, (hi & 15) | ((lo_s >> 2) & 48)], axis=-1)  # [n, S, 8]
     mn = np.concatenate([lo_m & 63, (hi >> 4) | ((lo_m >> 2) & 48)], axis=-1)
     scale = d[..., None] * sc.astype(np.float32)
     mins = -(dmin[..., None] * mn.astype(np.float32))
+    return np.stack([scale, mins], axis=-1).reshape(n, S * 8, 2).astype(np.float32)
+
+
+def _q4_k_expert(name: str, e: int, raw: np.ndarray, n: int, k: int):
+    """Q4_K bytes [n, k / 256 * 144] of one expert -> (uint8 codes [n, k], fp32 (scale, min)
+    pairs [n, k / 32, 2]) (_k_scales) per sub-block of 32; raises for a non-finite d or dmin."""
+    S = k // 256
+    b = np.ascontiguousarray(raw).reshape(n, S, 144)
+    pairs = _k_scales(name, "Q4_K", e, b, n, S)
     qs = b[..., 16:].reshape(n, S, 4, 1, 32)  # 4 runs of 32 bytes: sub-blocks 2r (low), 2r + 1
     q = np.concatenate([qs & 15, qs >> 4], axis=-2)  # [n, S, 4, 2, 32]
-    return (q.reshape(n, k).astype(np.uint8),
-            np.stack([scale, mins], axis=-1).reshape(n, S * 8, 2).astype(np.float32))
+    return q.reshape(n, k).astype(np.uint8), pairs
+
+
+def _q5_k_expert(name: str, e: int, raw: np.ndarray, n: int, k: int):
+    """Q5_K bytes [n, k / 256 * 176] of one expert -> (uint8 codes 0..31 [n, k], pairs as Q4_K):
+    the low 4 bits as Q4_K's (128 bytes at 48: 4 runs of 32, sub-block 2r low, 2r + 1 high),
+    the fifth bit of element l of sub-block s from bit s of qh[l] (32 bytes at 16)."""
+    S = k // 256
+    b = np.ascontiguousarray(raw).reshape(n, S, 176)
+    pairs = _k_scales(name, "Q5_K", e, b, n, S)
+    qh = b[..., 16:48]  # [n, S, 32]
+    qs = b[..., 48:].reshape(n, S, 4, 1, 32)
+    lo = np.concatenate([qs & 15, qs >> 4], axis=-2).reshape(n, S, 8, 32)
+    hi = (qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [n, S, 8, 32]
+    return (lo | (hi << 4)).reshape(n, k).astype(np.uint8), pairs
 
 
 _CONVERT = {"Q4_0": _q4_0_expert, "MXFP4": _mxfp4_expert, "BF16": _bf16_expert,
-            "Q4_1": _q4_1_expert, "Q4_K": _q4_k_expert}
+            "Q4_1": _q4_1_expert, "Q4_K": _q4_k_expert, "Q8_0": _q8_0_expert,
+            "Q5_0": _q5_0_expert, "Q5_1": _q5_1_expert, "Q5_K": _q5_k_expert}
 
 
 def read_gguf_experts(path: PathLike, layer: int, *,
@@ -374,11 +450,11 @@ def read_gguf_experts(path: PathLike, layer: int, *,
                                   f"{', '.join(f'{k} (as {v})' for k, v in GGUF_FORMATS.items())}"
                                   f" (layer {layer}: gate / up / down are {' / '.join(types)})")
     fmts = [GGUF_FORMATS[q] for q in types]
-    if len(set(fmts)) != 1:
+    if len(set(fmts)) != 1 and not set(fmts) <= set(WIDENING):
         raise GgufUnsupported(
             f"layer {layer}: gate / up / down are {' / '.join(types)}, i.e. cpumoe formats "
             f"{' / '.join(fmts)}: a packed layer holds one format (no re-quantization)")
-    fmt = fmts[0]
+    fmt = widest_format(fmts) if set(fmts) <= set(WIDENING) else fmts[0]
     sg, su, sd = (_np_shape(t) for t in (tg, tu, td))
     if len(sg) != 3 or sg != su or len(sd) != 3 or sd != (sg[0], sg[2], sg[1]):
         raise GgufUnsupported(f"layer {layer}: shapes {gate_n} {list(sg)}, {up_n} {list(su)}, "
@@ -416,7 +492,7 @@ def read_gguf_experts(path: PathLike, layer: int, *,
         w2 = np.empty((E, H, I), np.int8)
         s13 = np.empty((E, 2 * I, H // 32), np.float32)
         s2 = np.empty((E, H, I // 32), np.float32)
-    elif fmt == "int4_affine":
+    elif fmt in ("int4_affine", "int8_affine"):
         w13 = np.empty((E, 2 * I, H), np.uint8)
         w2 = np.empty((E, H, I), np.uint8)
         s13 = np.empty((E, 2 * I, H // 32, 2), np.float32)
@@ -437,7 +513,8 @@ def read_gguf_experts(path: PathLike, layer: int, *,
             for t, q, rows, wdst, sdst, n, k in ((tg, types[0], rg, w13, s13, I, H),
                                                  (tu, types[1], ru, w13, s13, I, H),
                                                  (td, types[2], slice(None), w2, s2, H, I)):
-                v, s = _CONVERT[q](t.name, e, t.data[e], n, k)
+                v, s = widen_values(*_CONVERT[q](t.name, e, t.data[e], n, k), GGUF_FORMATS[q],
+                                    fmt)
                 wdst[j, rows] = v
                 if sdst is not None:
                     sdst[j, rows] = s
@@ -460,5 +537,6 @@ def read_gguf_experts(path: PathLike, layer: int, *,
             raise ImportError("cpumoe.load_experts: BF16 experts need ml_dtypes as numpy's "
                               "bfloat16: pip install ml_dtypes") from err
         w13, w2 = w13.view(ml_dtypes.bfloat16), w2.view(ml_dtypes.bfloat16)
-    return GgufExperts(fmt, 32 if fmt in ("int4", "int4_affine", "mxfp4") else 0, w13, w2, s13,
+    return GgufExperts(fmt, 32 if fmt in ("int4", "int4_affine", "int8_affine", "mxfp4") else 0,
+                       w13, w2, s13,
                        s2, b13, b2, ids, n_global, activation, layer, arch, types)

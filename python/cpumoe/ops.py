@@ -310,8 +310,8 @@ def _act_quant_arg(act_quant: Any) -> str:
 
 def _prepack_int_groups(fmt, w13, w2, s13, s2, b13, b2, group_size, isa, num_threads,
                         act_quant):
-    """prepack_int4 / prepack_int4_affine: values [E, N, K] and per-group scales [E, N, K / g]
-    (int4_affine: [E, N, K / g, 2] (scale, min) pairs)."""
+    """prepack_int4 / prepack_int4_affine / prepack_int8_affine: values [E, N, K] and per-group
+    scales [E, N, K / g] (the affine formats: [E, N, K / g, 2] (scale, min) pairs)."""
     act_quant = _act_quant_arg(act_quant)
     w13, v13, v2, E, H, I = _expert_weights(w13, w2, "int8" if fmt == "int4" else "uint8", isa)
     g = _int_arg("group_size", group_size, 1)
@@ -321,7 +321,7 @@ def _prepack_int_groups(fmt, w13, w2, s13, s2, b13, b2, group_size, isa, num_thr
         if dim % g:
             raise ValueError(f"group_size: {g} must divide {name} = {dim} (w13 [E, 2I, H], "
                              f"w2 [E, H, I])")
-    pair = (2,) if fmt == "int4_affine" else ()
+    pair = (2,) if fmt in ("int4_affine", "int8_affine") else ()
     s13 = as_float32("s13", s13)
     s2 = as_float32("s2", s2)
     vs13, vs2 = view("s13", s13), view("s2", s2)
@@ -357,6 +357,30 @@ def prepack_int4_affine(w13: Any, w2: Any, s13: Any, s2: Any, b13: Any = None, b
     (fp32, groups in order).
     """
     return _prepack_int_groups("int4_affine", w13, w2, s13, s2, b13, b2, group_size, isa,
+                               num_threads, act_quant)
+
+
+def prepack_int8_affine(w13: Any, w2: Any, s13: Any, s2: Any, b13: Any = None, b2: Any = None,
+                        *, group_size: int = 32, isa: Optional[str] = None,
+                        num_threads: Optional[int] = None,
+                        act_quant: str = "row") -> PackedMoeW4:
+    """Packs a layer's affine 8-bit expert weights (8-bit codes with a scale and a min per group:
+    GGUF Q8_0, Q5_0, Q5_1 and Q5_K load into it) once, for :func:`fused_moe`;
+    ``packed.weight_format`` is "int8_affine".
+
+    Args:
+      w13, w2: uint8 codes [E, 2I, H] / [E, H, I] (any value 0..255), rows as in
+        :func:`prepack_int4_affine`.
+      s13, s2: float32 (scale, min) pairs [E, 2I, H / g, 2] / [E, H, I / g, 2], finite (any
+        sign): ``w[n, k] = s[n, k // g, 0] * code[n, k] + s[n, k // g, 1]``.
+      b13, b2, group_size, isa, act_quant: as in :func:`prepack_int4_affine`.
+    Each matrix is packed as two int4_affine planes, code = 16 hi + lo (hi: scale 16 s and
+    min m; lo: scale s and min 0, both exact), so every W4A8 kernel runs it: 8 bits per weight
+    plus 16 bytes per group (each plane's scale and offset). Each GEMM output is the hi plane's
+    int4_affine output (with the bias) plus the lo plane's, in fp32; its time is about twice
+    that of int4_affine.
+    """
+    return _prepack_int_groups("int8_affine", w13, w2, s13, s2, b13, b2, group_size, isa,
                                num_threads, act_quant)
 
 

@@ -24,6 +24,7 @@ __all__ = [
     "dequantize_fp8",
     "dequantize_int4",
     "dequantize_int4_affine",
+    "dequantize_int8_affine",
     "dequantize_mxfp4",
     "dequantize_weights",
     "group_sizes",
@@ -31,6 +32,7 @@ __all__ = [
     "quantize_fp8",
     "quantize_int4",
     "quantize_int4_affine",
+    "quantize_int8_affine",
     "quantize_mxfp4",
     "quantize_per_channel",
     "quantize_per_token",
@@ -223,11 +225,12 @@ def dequantize_int4_affine(codes, scale_min, group_size: int):
     return like(codes, (c * s + m).astype(np.float32))
 
 
-def quantize_int4_affine(w, group_size: int = 32):
-    """Asymmetric (min-max) per-group 4-bit quantization of weights [..., N, K], AWQ's and
-    GGUF Q4_1's: per group, min = min(w), s = (max - min) / 15 (1 for a constant group),
-    code = round_half_even((w - min) / s) clamped to [0, 15]. Returns (uint8 codes
-    [..., N, K], float32 (scale, min) pairs [..., N, K / g, 2])."""
+def dequantize_int8_affine(codes, scale_min, group_size: int):
+    """As :func:`dequantize_int4_affine` for affine 8-bit codes (uint8, 0..255)."""
+    return dequantize_int4_affine(codes, scale_min, group_size)
+
+
+def _quantize_affine(w, group_size, top):
     w32 = to_numpy(w, float32=True)
     K = w32.shape[-1]
     if group_size < 1 or K % group_size:
@@ -235,10 +238,24 @@ def quantize_int4_affine(w, group_size: int = 32):
     wg = w32.reshape(*w32.shape[:-1], K // group_size, group_size)
     lo = np.min(wg, axis=-1)
     hi = np.max(wg, axis=-1)
-    s = ((hi - lo) / np.float32(15)).astype(np.float32)
+    s = ((hi - lo) / np.float32(top)).astype(np.float32)
     s = np.where(s > 0, s, np.float32(1)).astype(np.float32)
-    c = np.clip(np.rint((wg - lo[..., None]) / s[..., None]), 0, 15).astype(np.uint8)
+    c = np.clip(np.rint((wg - lo[..., None]) / s[..., None]), 0, top).astype(np.uint8)
     return like(w, c.reshape(w32.shape)), like(w, np.stack([s, lo], axis=-1).astype(np.float32))
+
+
+def quantize_int4_affine(w, group_size: int = 32):
+    """Asymmetric (min-max) per-group 4-bit quantization of weights [..., N, K], AWQ's and
+    GGUF Q4_1's: per group, min = min(w), s = (max - min) / 15 (1 for a constant group),
+    code = round_half_even((w - min) / s) clamped to [0, 15]. Returns (uint8 codes
+    [..., N, K], float32 (scale, min) pairs [..., N, K / g, 2])."""
+    return _quantize_affine(w, group_size, 15)
+
+
+def quantize_int8_affine(w, group_size: int = 32):
+    """As :func:`quantize_int4_affine` with 8-bit codes: s = (max - min) / 255, codes in
+    [0, 255] (an 8-bit asymmetric GPTQ / AWQ layer's form; GGUF Q8_0 and Q5_x load into it)."""
+    return _quantize_affine(w, group_size, 255)
 
 
 def quantize_mxfp4(w):
@@ -392,6 +409,8 @@ _FORMAT_IO = {
                       lambda g: {"group_size": g}),
     "int4_affine": _FormatIO(quantize_int4_affine, dequantize_int4_affine,
                              _weights_then_scales, lambda g: {"group_size": g}),
+    "int8_affine": _FormatIO(quantize_int8_affine, dequantize_int8_affine,
+                             _weights_then_scales, lambda g: {"group_size": g}),
     "mxfp4": _FormatIO(lambda w, g: quantize_mxfp4(w), lambda v, s, g: dequantize_mxfp4(v, s),
                        lambda w13, w2, s13, s2: (w13, s13, w2, s2), _no_kw),
     "bf16": _FormatIO(_bf16_values, lambda v, s, g: to_numpy(v, float32=True),
@@ -400,6 +419,32 @@ _FORMAT_IO = {
                      lambda v, s, g: dequantize_fp8(v, s, (g, g)), _weights_then_scales,
                      lambda g: {"block_size": (g, g)}),
 }
+
+
+#: The integer weight formats whose layers one wider format holds exactly, narrowest first
+#: (:func:`widen_values`): int4 values as int4_affine codes, 4-bit codes as 8-bit codes.
+WIDENING = ("int4", "int4_affine", "int8_affine")
+
+
+def widest_format(formats) -> str:
+    """The widest of ``formats`` (all of :data:`WIDENING`)."""
+    return max(formats, key=WIDENING.index)
+
+
+def widen_values(v, s, src: str, dst: str):
+    """Values and scales of format ``src`` as format ``dst`` (the same, or both of
+    :data:`WIDENING`, dst not narrower), the same weights exactly: int4 (v, s) becomes the affine codes v + 8 with
+    (scale, min) = (s, -8 s) (s * (v + 8) - 8 s = s * v for the fp16-sized scales of
+    checkpoints); 4-bit affine codes and pairs are 8-bit ones as they are."""
+    if src == dst:
+        return v, s
+    if src not in WIDENING or dst not in WIDENING or WIDENING.index(dst) < WIDENING.index(src):
+        raise ValueError(f"widen_values: {src} does not fit in {dst}")
+    if src != "int4":
+        return v, s
+    codes = (np.asarray(v, dtype=np.int16) + 8).astype(np.uint8)
+    s = np.asarray(s, dtype=np.float32)
+    return codes, np.stack([s, np.float32(-8) * s], axis=-1).astype(np.float32)
 
 
 def _format_io(fmt: str) -> _FormatIO:

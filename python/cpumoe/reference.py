@@ -36,6 +36,9 @@ With ``act_quant="group"`` the W4A8 ops quantize each GEMM input row per weight 
 a_g per g values, as the row's scale is computed), s_t = 1, and each group's term becomes
 float32(isum_g) * s[n, g] * a_g (two fp32 roundings, in that order); the affine offsets' asum_g
 becomes float32(asum_g) * a_g.
+The affine 8-bit op (``ref_fused_moe_int8_affine``: codes c in [0, 255], w = scale * c + min)
+runs two affine 4-bit GEMMs per matrix, c = 16 hi + lo: hi with (16 scale, min) and the bias,
+lo with (scale, 0) and no bias, and adds them (fp32).
 
 The BF16 op (``ref_fused_moe_bf16``) is the same with no quantization: x is rounded to bf16,
 h = x_bf16 . w13[e]^T + b13[e] (products exact, summed here in float64, rounded once to fp32),
@@ -53,8 +56,9 @@ from .ops import ACTIVATIONS, activation_interleaved, parse_activation
 from .quantize import (CHANNEL_AMAX_FLOOR, E4M3_VALUES, FLOAT_DTYPES,  # noqa: F401
                        MXFP4_INT, MXFP4_VALUES,
                        TOKEN_AMAX_FLOOR, dequantize_int4, dequantize_int4_affine,
-                       dequantize_mxfp4, dtype_name_of, e8m0_scale, like, mxfp4_codes,
-                       quantize_int4, quantize_int4_affine, quantize_mxfp4,
+                       dequantize_int8_affine, dequantize_mxfp4, dtype_name_of, e8m0_scale, like,
+                       mxfp4_codes, quantize_int4, quantize_int4_affine, quantize_int8_affine,
+                       quantize_mxfp4,
                        quantize_per_channel, quantize_per_token, quantize_rows, round_to_dtype,
                        to_numpy, torch_of)
 
@@ -64,9 +68,11 @@ __all__ = [
     "MXFP4_VALUES",
     "dequantize_int4",
     "dequantize_int4_affine",
+    "dequantize_int8_affine",
     "dequantize_mxfp4",
     "quantize_int4",
     "quantize_int4_affine",
+    "quantize_int8_affine",
     "quantize_mxfp4",
     "quantize_per_channel",
     "ref_fused_moe_bf16",
@@ -74,6 +80,7 @@ __all__ = [
     "ref_fused_moe_fp8",
     "ref_fused_moe_int4",
     "ref_fused_moe_int4_affine",
+    "ref_fused_moe_int8_affine",
     "ref_fused_moe_int8",
     "ref_fused_moe_mxfp4",
     "round_to_dtype",
@@ -277,11 +284,12 @@ def _check_act_quant(act_quant):
 
 def ref_w4(x, v13, v2, gs13, gs2, g, topk_weights, topk_ids, activation, b13, b2,
            skip_weighted, round_gemm1: Optional[str] = None, o13=None, o2=None,
-           act_quant: str = "row"):
+           act_quant: str = "row", lo13=None, lo2=None):
     """The W4A8 op on 4-bit values and float32 group scales (and int4_affine's group offsets
     o13 / o2 when given). round_gemm1: a dtype each GEMM1 output is rounded to before the
     activation (not cpumoe's op, which keeps fp32: the bench's model of vLLM's int4 kernel).
-    act_quant: "row" or "group" (the module comment)."""
+    act_quant: "row" or "group" (the module comment). lo13 / lo2: int8_affine's lo planes
+    (values, scales, offsets), whose GEMMs (no bias) are added to the planes above in fp32."""
     _check_activation(activation)
     _check_act_quant(act_quant)
     dtype_name = dtype_name_of(x)
@@ -293,12 +301,17 @@ def ref_w4(x, v13, v2, gs13, gs2, g, topk_weights, topk_ids, activation, b13, b2
         qx, sx, gx = _quantize_w4_input(x_rows, g, act_quant)
         h = _w4_linear(qx, sx, w13n[e], gs13[e], g, None if b13n is None else b13n[e],
                        None if o13 is None else o13[e], gx)
+        if lo13 is not None:
+            h = h + _w4_linear(qx, sx, lo13[0][e], lo13[1][e], g, None, lo13[2][e], gx)
         if round_gemm1 is not None:
             h = round_to_dtype(h, round_gemm1)
         a = round_to_dtype(gated_activation(activation, h, inter), dtype_name)
         qa, sa, ga = _quantize_w4_input(a, g, act_quant)
-        return _w4_linear(qa, sa, w2n[e], gs2[e], g, None if b2n is None else b2n[e],
-                          None if o2 is None else o2[e], ga)
+        y = _w4_linear(qa, sa, w2n[e], gs2[e], g, None if b2n is None else b2n[e],
+                       None if o2 is None else o2[e], ga)
+        if lo2 is not None:
+            y = y + _w4_linear(qa, sa, lo2[0][e], lo2[1][e], g, None, lo2[2][e], ga)
+        return y
 
     return _run_moe(x, v13, v2, topk_weights, topk_ids, skip_weighted, ffn)
 
@@ -344,6 +357,35 @@ def ref_fused_moe_int4_affine(x, w13, w2, s13, s2, topk_weights, topk_ids, activ
                   activation, b13, b2, skip_weighted, o13=o13, o2=o2, act_quant=act_quant)
 
 
+def ref_fused_moe_int8_affine(x, w13, w2, s13, s2, topk_weights, topk_ids, activation="silu",
+                              b13=None, b2=None, skip_weighted=False, group_size=32,
+                              act_quant="row"):
+    """The W4A8 op on affine 8-bit weights (int8_affine: w13 uint8 [E, 2I, H] / w2 [E, H, I]
+    codes in [0, 255], (scale, min) pairs as int4_affine; w = scale * code + min), naively: two
+    int4_affine GEMMs per matrix, code = 16 hi + lo: hi with (16 scale, min) and the bias, then
+    + (fp32) lo with (scale, 0). The rest as ref_fused_moe_int8."""
+    c13 = to_numpy(w13)
+    c2 = to_numpy(w2)
+    if c13.dtype != np.uint8 or c2.dtype != np.uint8:
+        raise TypeError("w13/w2: int8_affine codes must be given as uint8 arrays")
+    p13 = to_numpy(s13, float32=True)
+    p2 = to_numpy(s2, float32=True)
+
+    def planes(c, p):
+        with np.errstate(over="ignore", invalid="ignore"):
+            s_hi = (np.float32(16) * p[..., 0]).astype(np.float32)
+            o_hi = (p[..., 1] + np.float32(8) * s_hi).astype(np.float32)
+            o_lo = (np.float32(8) * p[..., 0]).astype(np.float32)
+        v_hi = (c >> 4).astype(np.int8) - np.int8(8)
+        v_lo = (c & 15).astype(np.int8) - np.int8(8)
+        return (v_hi, s_hi, o_hi), (v_lo, p[..., 0], o_lo)
+
+    (v13, s13h, o13), lo13 = planes(c13, p13)
+    (v2, s2h, o2), lo2 = planes(c2, p2)
+    return ref_w4(x, v13, v2, s13h, s2h, group_size, topk_weights, topk_ids, activation, b13, b2,
+                  skip_weighted, o13=o13, o2=o2, act_quant=act_quant, lo13=lo13, lo2=lo2)
+
+
 def ref_fused_moe_mxfp4(x, w13_blocks, w13_scales, w2_blocks, w2_scales, topk_weights, topk_ids,
                         activation="silu", b13=None, b2=None, skip_weighted=False,
                         act_quant="row"):
@@ -371,6 +413,9 @@ def ref_fused_moe_experts(x, experts, topk_weights, topk_ids, activation="silu",
                                   activation, group_size=q.group_size, **w4)
     if fmt == "int4_affine":
         return ref_fused_moe_int4_affine(x, q.w13, q.w2, q.s13, q.s2, topk_weights, topk_ids,
+                                         activation, group_size=q.group_size, **w4)
+    if fmt == "int8_affine":
+        return ref_fused_moe_int8_affine(x, q.w13, q.w2, q.s13, q.s2, topk_weights, topk_ids,
                                          activation, group_size=q.group_size, **w4)
     if fmt == "mxfp4":
         return ref_fused_moe_mxfp4(x, q.w13, q.s13, q.w2, q.s2, topk_weights, topk_ids,

@@ -190,6 +190,33 @@ void gemm_w4(int64_t m, int64_t n, int64_t k, W4Format f, int64_t g, const int8_
              const uint8_t* codes, int64_t ldc, const void* scales, int64_t lds,
              const float* lhs_scale, const float* bias, float* dst, int64_t ldd,
              const float* lhs_group_scale) {
+  if (f == W4Format::int8_affine) {
+    // Two int4_affine planes, code = 16 hi + lo: hi with (16 scale, min) and the bias, lo with
+    // (scale, 0); dst = hi + lo (fp32).
+    std::vector<uint8_t> hi(size_t(n * k)), lo(size_t(n * k));
+    std::vector<float> phi(size_t(n * (k / g) * 2)), plo(phi.size());
+    std::vector<float> tmp(size_t(m * n));
+    const auto* pairs = static_cast<const float*>(scales);
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t x = 0; x < k; ++x) {
+        hi[size_t(j * k + x)] = uint8_t(codes[j * ldc + x] >> 4);
+        lo[size_t(j * k + x)] = uint8_t(codes[j * ldc + x] & 15);
+      }
+      for (int64_t gi = 0; gi < k / g; ++gi) {
+        const float sc = pairs[2 * (j * lds + gi)], mn = pairs[2 * (j * lds + gi) + 1];
+        const size_t o = size_t(2 * (j * (k / g) + gi));
+        phi[o] = 16.0f * sc, phi[o + 1] = mn;
+        plo[o] = sc, plo[o + 1] = 0.0f;
+      }
+    }
+    gemm_w4(m, n, k, W4Format::int4_affine, g, a, lda, hi.data(), k, phi.data(), k / g, lhs_scale,
+            bias, dst, ldd, lhs_group_scale);
+    gemm_w4(m, n, k, W4Format::int4_affine, g, a, lda, lo.data(), k, plo.data(), k / g,
+            lhs_scale, nullptr, tmp.data(), n, lhs_group_scale);
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j) dst[i * ldd + j] = dst[i * ldd + j] + tmp[size_t(i * n + j)];
+    return;
+  }
   const int64_t groups = k / g;
   // The activations' scale of row i, group g0 / g (1 and unused without group scales).
   auto ga = [&](int64_t i, int64_t g0) { return lhs_group_scale[i * groups + g0 / g]; };
@@ -227,7 +254,9 @@ void gemm_w4(int64_t m, int64_t n, int64_t k, W4Format f, int64_t g, const int8_
 std::vector<float> fused_moe_w4(const MoeProblemW4& p, const MoeInputs& in,
                                 ActivationFn act_override) {
   const int64_t H = p.H, I = p.I, g = p.group;
-  const int64_t sb = p.format == W4Format::mxfp4 ? 1 : p.format == W4Format::int4_affine ? 8 : 4;
+  const int64_t sb = p.format == W4Format::mxfp4                                     ? 1
+                     : p.format == W4Format::int4_affine || p.format == W4Format::int8_affine ? 8
+                                                                                       : 4;
   return int8_pipeline(
       p.E, H, I, in, act_override,
       [&](int64_t e, const int8_t* q, float s, const float* gs, float* h) {

@@ -95,6 +95,8 @@ float w4_scale(W4Format f, const void* scales, int64_t idx);
 /// elements of the format's scale type; int4_affine: lds (scale, min) pairs); bias nullable.
 /// int4_affine then adds (sum_g float(asum_g) * (min_g + 8 * scale_g)) * lhs_scale[i], the sum
 /// fp32 from 0 over g in order, asum_g the exact sum of a's row over the group.
+/// int8_affine (codes 0..255, (scale, min) pairs): the int4_affine GEMM of the hi nibbles with
+/// (16 scale, min) and the bias, plus (fp32) that of the lo nibbles with (scale, 0), no bias.
 void gemm_w4(int64_t m, int64_t n, int64_t k, W4Format f, int64_t g, const int8_t* a, int64_t lda,
              const uint8_t* codes, int64_t ldc, const void* scales, int64_t lds,
              const float* lhs_scale, const float* bias, float* dst, int64_t ldd,

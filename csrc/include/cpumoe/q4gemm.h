@@ -40,21 +40,36 @@ namespace cpumoe {
 
 /// The 4-bit weight formats: the q4gemm rows of the format table (weight_format.h), with the
 /// same values as their WeightFormat enumerators.
-/// The kernels decode int4 and mxfp4; int4_affine layers are packed as int4 (w4_kernel_format).
+/// The kernels decode int4 and mxfp4; int4_affine layers are packed as int4 (w4_kernel_format),
+/// int8_affine layers as two int4 planes (w4_planes).
 enum class W4Format : int32_t {
   int4 = int32_t(WeightFormat::int4),
   mxfp4 = int32_t(WeightFormat::mxfp4),
   int4_affine = int32_t(WeightFormat::int4_affine),
+  int8_affine = int32_t(WeightFormat::int8_affine),
 };
 static_assert(weight_format_info(WeightFormat::int4).family == KernelFamily::q4gemm &&
                   weight_format_info(WeightFormat::mxfp4).family == KernelFamily::q4gemm &&
-                  weight_format_info(WeightFormat::int4_affine).family == KernelFamily::q4gemm,
+                  weight_format_info(WeightFormat::int4_affine).family == KernelFamily::q4gemm &&
+                  weight_format_info(WeightFormat::int8_affine).family == KernelFamily::q4gemm,
               "a W4Format is a q4gemm row of the format table");
 
-/// The format a kernel decodes for a layer of format @p f: int4_affine's codes are packed as the
-/// int4 values code - 8 (its mins become the pipeline's group offsets); the others are their own.
+/// Whether a layer of format @p f has (scale, min) pairs: its mins become the pipeline's group
+/// offsets (w4_group_offset).
+[[gnu::always_inline]] constexpr bool w4_affine(W4Format f) {
+  return f == W4Format::int4_affine || f == W4Format::int8_affine;
+}
+
+/// The format a kernel decodes for a layer of format @p f: the affine formats' codes are packed
+/// as the int4 values code - 8 (per plane); the others are their own.
 [[gnu::always_inline]] constexpr W4Format w4_kernel_format(W4Format f) {
-  return f == W4Format::int4_affine ? W4Format::int4 : f;
+  return w4_affine(f) ? W4Format::int4 : f;
+}
+
+/// The 4-bit planes one matrix of format @p f is packed as: 2 for int8_affine (code = 16 hi +
+/// lo: hi with 16 times the group scale, lo with the scale and min 0), else 1.
+[[gnu::always_inline]] constexpr int w4_planes(W4Format f) {
+  return f == W4Format::int8_affine ? 2 : 1;
 }
 
 /// The format-table enumerator of @p f.
@@ -73,6 +88,24 @@ constexpr bool w4_format_of(WeightFormat f, W4Format* out) {
 /// scale * code + min = scale * (code - 8) + offset (one fp32 rounding; 8 * scale is exact).
 [[gnu::always_inline]] inline float w4_group_offset(float scale, float min) {
   return min + 8.0f * scale;
+}
+
+/// Plane @p plane's (scale, min) of a group of an affine layer of format @p f whose pair is
+/// (@p scale, @p min): int4_affine's own; int8_affine's hi plane (0) (16 scale, min), its lo
+/// plane (1) (scale, 0), so that scale * code + min = 16 scale * hi + min + scale * lo (16 scale
+/// exact).
+struct W4PlanePair {
+  float scale, min;
+};
+[[gnu::always_inline]] inline W4PlanePair w4_plane_pair(W4Format f, int plane, float scale,
+                                                        float min) {
+  if (f != W4Format::int8_affine) return {scale, min};
+  return plane == 0 ? W4PlanePair{16.0f * scale, min} : W4PlanePair{scale, 0.0f};
+}
+/// Plane @p plane's 4-bit code of the code @p c of a layer of format @p f.
+[[gnu::always_inline]] inline uint8_t w4_plane_code(W4Format f, int plane, uint8_t c) {
+  if (f != W4Format::int8_affine) return c;
+  return plane == 0 ? uint8_t(c >> 4) : uint8_t(c & 15);
 }
 
 /// "int4" / "mxfp4": the table's name.

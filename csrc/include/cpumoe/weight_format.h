@@ -43,6 +43,11 @@ namespace cpumoe {
 ///            GGUF Q4_1 / Q4_K). Packed as int4 values code - 8 with the scale (the q4gemm
 ///            kernels) plus an fp32 offset o = min + 8 * scale per group, which the pipeline
 ///            applies to the exact int32 group sums of the activations (RowOps::add_group_offsets).
+///   - int8_affine: uint8 [E, N, K] codes in [0, 255]; fp32 (scale, min) pairs [E, N, K / g, 2]
+///            as int4_affine: w = scale * code + min (GGUF Q8_0 with min = -128 * scale, Q5_0,
+///            Q5_1, Q5_K). Packed as two int4_affine planes of the same shape, code = 16 hi + lo:
+///            hi with scale 16 * scale and min `min`, lo with `scale` and min 0 (both exact); the
+///            op's output is the hi plane's GEMM (with the bias) plus the lo plane's, in fp32.
 ///   - fp8:   float8 E4M3 (e4m3fn) codes uint8 [E, N, K] (0x7F and 0xFF, NaN, are refused); fp32
 ///            scales [E, ceil(N / bn), ceil(K / bk)], finite and >= 0, one per block of bn rows
 ///            and bk k (the last blocks partial): w = e4m3(code) * s (HF's weight_scale_inv).
@@ -53,6 +58,7 @@ enum class WeightFormat : int32_t {
   bf16 = 3,   ///< bf16, no scale (the BF16 op)
   fp8 = 4,    ///< float8 E4M3, an fp32 scale per block of bn x bk (W8A16: the BF16 op's pipeline)
   int4_affine = 5,  ///< unsigned 4-bit codes, an fp32 scale and min per group of k (W4A8)
+  int8_affine = 6,  ///< unsigned 8-bit codes, an fp32 scale and min per group of k (W4A8, 2 planes)
 };
 
 /// The kernel family that reads a format's packed weights (qgemm.h, q4gemm.h, bgemm.h,
@@ -119,6 +125,9 @@ inline constexpr WeightFormatInfo kWeightFormatTable[] = {
     {WeightFormat::int4_affine, "int4_affine", 4, "uint", ScaleKind::fp32_scale_min_per_group, 8,
      GroupRule::multiple, kW4GroupMultiple, kW4MaxGroup, true, KernelFamily::q4gemm, "int8",
      "prepack_int4_affine"},
+    {WeightFormat::int8_affine, "int8_affine", 8, "uint", ScaleKind::fp32_scale_min_per_group, 8,
+     GroupRule::multiple, kW4GroupMultiple, kW4MaxGroup, true, KernelFamily::q4gemm, "int8",
+     "prepack_int8_affine"},
 };
 inline constexpr int kNumWeightFormats =
     int(sizeof(kWeightFormatTable) / sizeof(kWeightFormatTable[0]));

@@ -15,7 +15,8 @@ const int8_t* w4_decode_table(W4Format f) {
   switch (f) {
     case W4Format::int4: return kInt4;
     case W4Format::mxfp4: return kMxfp4;
-    case W4Format::int4_affine: return nullptr;  // packed as int4 (w4_kernel_format)
+    case W4Format::int4_affine:  // packed as int4 (w4_kernel_format)
+    case W4Format::int8_affine: return nullptr;
   }
   return nullptr;
 }

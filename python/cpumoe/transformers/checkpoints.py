@@ -18,6 +18,7 @@ from .. import checkpoint_gptq as _gptq
 from .. import checkpoint_w4 as _ck4
 from .. import loaders as _loaders
 from .. import ops as _ops
+from ..quantize import WIDENING, widen_values, widest_format
 from .backends import experts_modules
 from .layout import UnsupportedExperts, refuse, Layout, layout_of
 from .packing import EXPERT_PARAMS, STATE_ATTR, BACKENDS, PackedState
@@ -245,17 +246,11 @@ def load_quantized(path, *, dtype: torch.dtype = torch.bfloat16, model_class: An
     return _load_quantized(ck, method, dtype, model_class, kind=likely)
 
 
-def _as_int4_affine(w):
-    """An int4 layer (values v in [-8, 7], scale s per group) as int4_affine: codes v + 8 and
-    (scale, min) = (s, -8 s), the same weights (s * (v + 8) - 8 s)."""
-    def codes(v):
-        return (np.asarray(v, dtype=np.int16) + 8).astype(np.uint8)
-
-    def pairs(s):
-        s = np.asarray(s, dtype=np.float32)
-        return np.stack([s, np.float32(-8) * s], axis=-1)
-    return dataclasses.replace(w, weight_format="int4_affine", w13=codes(w.w13), w2=codes(w.w2),
-                               s13=pairs(w.s13), s2=pairs(w.s2))
+def _widened(w, fmt: str):
+    """A layer (LoadedExperts) of a WIDENING format as the wider ``fmt``, the same weights."""
+    w13, s13 = widen_values(w.w13, w.s13, w.weight_format, fmt)
+    w2, s2 = widen_values(w.w2, w.s2, w.weight_format, fmt)
+    return dataclasses.replace(w, weight_format=fmt, w13=w13, w2=w2, s13=s13, s2=s2)
 
 
 def _experts_of_checkpoint(ck, kind: str, layer: int, lay: Layout, name: str):
@@ -333,8 +328,9 @@ def packed_model(config: Any, kind: str, dtype: torch.dtype, model_class: Any, r
     likely one: the layers read decide), built on the meta device, each experts module packed
     from ``read_layer(layer index, layout, module name)`` (a LoadedExperts) and its float expert
     parameters left empty (their names in ``skip``), then materialised on the CPU with every
-    other tensor uninitialised (:func:`fill_model` copies them in). Layers of int4 and
-    int4_affine together are all stored as int4_affine (one backend runs them)."""
+    other tensor uninitialised (:func:`fill_model` copies them in). Layers of several
+    WIDENING formats (int4, int4_affine, int8_affine) are all stored in the widest (one backend
+    runs them)."""
     from transformers import AutoModelForCausalLM
     backend = _backend_of(kind)
     cls = model_class or AutoModelForCausalLM
@@ -355,18 +351,20 @@ def packed_model(config: Any, kind: str, dtype: torch.dtype, model_class: Any, r
         layers.append([name, m, lay, int(found.group(1)), w.prepack()])
         del w
     formats = {ent[4].weight_format for ent in layers}
-    if formats == {"int4", "int4_affine"}:  # symmetric and asymmetric layers: one backend
+    if len(formats) > 1 and formats <= set(WIDENING):  # e.g. symmetric and asymmetric layers
+        wide = widest_format(formats)
         for ent in layers:
-            if ent[4].weight_format == "int4":
+            if ent[4].weight_format != wide:
                 ent[4] = None
                 w = read_layer(ent[3], ent[2], ent[0])
-                ent[4] = _as_int4_affine(w).prepack()
+                ent[4] = _widened(w, wide).prepack()
                 del w
-        formats = {"int4_affine"}
+        formats = {wide}
     if len(formats) > 1:
         raise _ck.UnsupportedCheckpoint(
             f"the layers' experts are in formats {sorted(formats)}: one cpumoe backend runs a "
-            f"model, so its layers must share one (int4 and int4_affine mix)")
+            f"model, so its layers must share one (of {', '.join(WIDENING)}, the widest holds "
+            f"the others)")
     kind = formats.pop()
     for name, m, lay, _, packed in layers:
         for pname in EXPERT_PARAMS:
