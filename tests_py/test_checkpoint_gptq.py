@@ -29,21 +29,23 @@ NAMES = {"qwen3": ("model.layers.{L}.mlp.experts.{e}.", ("gate_proj", "up_proj",
 
 
 # ---------------------------------------------------------------------------- packing (independent)
-def pack_along_rows(v):
-    """[R, C] 4-bit values -> int32 [R / 8, C]: row 8 r + i at bits 4i of word [r, c] (GPTQ's
-    qweight, from [K, N])."""
-    words = np.zeros((v.shape[0] // 8, v.shape[1]), np.uint32)
-    for i in range(8):
-        words |= v[i::8].astype(np.uint32) << np.uint32(4 * i)
+def pack_along_rows(v, bits=4):
+    """[R, C] b-bit values -> int32 [R / p, C] (p = 32 / b): row p r + i at bits b i of word
+    [r, c] (GPTQ's qweight, from [K, N])."""
+    p = 32 // bits
+    words = np.zeros((v.shape[0] // p, v.shape[1]), np.uint32)
+    for i in range(p):
+        words |= v[i::p].astype(np.uint32) << np.uint32(bits * i)
     return words.view(np.int32)
 
 
-def pack_along_cols(v, order=tuple(range(8))):
-    """[R, C] 4-bit values -> int32 [R, C / 8]: nibble i of word [r, c] holds column 8 c +
+def pack_along_cols(v, order=tuple(range(8)), bits=4):
+    """[R, C] b-bit values -> int32 [R, C / p]: field i of word [r, c] holds column p c +
     order[i] (GPTQ's qzeros in order; AWQ's qweight / qzeros in AWQ's order)."""
-    words = np.zeros((v.shape[0], v.shape[1] // 8), np.uint32)
-    for i, o in enumerate(order):
-        words |= v[:, o::8].astype(np.uint32) << np.uint32(4 * i)
+    p = 32 // bits
+    words = np.zeros((v.shape[0], v.shape[1] // p), np.uint32)
+    for i, o in enumerate(order[:p]):
+        words |= v[:, o::p].astype(np.uint32) << np.uint32(bits * i)
     return words.view(np.int32)
 
 
@@ -53,29 +55,32 @@ def test_packers_follow_the_documented_layouts():
     assert pack_along_cols(seq[None, :]).view(np.uint32)[0, 0] == 0x76543210
     # AWQ: column 1 is in nibble 4, column 2 in nibble 1, ...
     assert pack_along_cols(seq[None, :], ORDER).view(np.uint32)[0, 0] == 0x75316420
+    assert pack_along_rows(seq[:4, None], 8).view(np.uint32)[0, 0] == 0x03020100
+    assert pack_along_cols(seq[None, :4], bits=8).view(np.uint32)[0, 0] == 0x03020100
 
 
 # ---------------------------------------------------------------------------- checkpoints
-def _linear(rng, kind, n, k, g, zero_mode, bias):
+def _linear(rng, kind, n, k, g, zero_mode, bias, bits=4):
     """One Linear [n, k]: tensors as the checkpoint kind stores them and its documented float
     weight (float32 of s * (q - z), exact)."""
     ge = k if g == -1 else g
     G = -(-k // ge)
-    q = rng.integers(0, 16, (n, k), dtype=np.uint8)
+    top = 1 << bits
+    q = rng.integers(0, top, (n, k), dtype=np.uint8)
     if zero_mode == "sym":
-        z = np.full((G, n), 8, np.int64)
-    elif kind == "gptq":  # v1 keeps z - 1 in a nibble: z in [1, 16]
-        z = rng.integers(1, 17, (G, n))
+        z = np.full((G, n), top // 2, np.int64)
+    elif kind == "gptq":  # v1 keeps z - 1 in a field: z in [1, 2^bits]
+        z = rng.integers(1, top + 1, (G, n))
     else:
-        z = rng.integers(0, 16, (G, n))
+        z = rng.integers(0, top, (G, n))
     s = (rng.standard_normal((G, n)) * 0.02).astype(np.float16)
     gi = np.arange(k) // ge
     w = (s.astype(np.float64)[gi].T * (q.astype(np.float64) - z[gi].T)).astype(np.float32)
     t = {}
     if kind in ("gptq", "gptq_v2"):
         stored = (z - 1) if kind == "gptq" else z
-        t["qweight"] = pack_along_rows(q.T)
-        t["qzeros"] = pack_along_cols(stored.astype(np.uint8))
+        t["qweight"] = pack_along_rows(q.T, bits)
+        t["qzeros"] = pack_along_cols(stored.astype(np.uint8), bits=bits)
         t["scales"] = s
         if kind == "gptq":
             t["g_idx"] = gi.astype(np.int32)
@@ -102,7 +107,7 @@ def _config(kind, g, **over):
 
 
 def write_checkpoint(folder, kind, *, E=3, H=64, I=32, g=32, zeros="asym", layout="qwen3",
-                     bias=False, layer=1, seed=0, config=None, sym_projs=()):
+                     bias=False, layer=1, seed=0, config=None, sym_projs=(), bits=4):
     """A checkpoint folder of kind "gptq" (v1), "gptq_v2" or "awq"; ``zeros``: "sym" (all 8) or
     "asym" (random), projections in ``sym_projs`` symmetric either way. Returns (tensors,
     expected w13 [E, 2I, H], expected w2 [E, H, I], b13, b2) (float32; biases or None)."""
@@ -116,7 +121,7 @@ def write_checkpoint(folder, kind, *, E=3, H=64, I=32, g=32, zeros="asym", layou
     for e in range(E):
         for j, (proj, (n, k)) in enumerate(zip(projs, ((I, H), (I, H), (H, I)))):
             mode = "sym" if (zeros == "sym" or j in sym_projs) else "asym"
-            t, w, b = _linear(rng, kind, n, k, g, mode, bias)
+            t, w, b = _linear(rng, kind, n, k, g, mode, bias, bits)
             for suffix, arr in t.items():
                 tensors[prefix.format(L=layer, e=e) + proj + "." + suffix] = arr
             if j < 2:
@@ -132,7 +137,7 @@ def write_checkpoint(folder, kind, *, E=3, H=64, I=32, g=32, zeros="asym", layou
         rng.integers(0, 16, (H, H), dtype=np.uint8))
     tensors[f"model.layers.{layer}.input_layernorm.weight"] = np.ones(H, np.float16)
     save_file(tensors, str(folder / "model.safetensors"))
-    cfg = config if config is not None else _config(kind, g)
+    cfg = config if config is not None else _config(kind, g, bits=bits)
     (folder / "config.json").write_text(json.dumps(cfg))
     return tensors, w13, w2, b13, b2
 
@@ -170,6 +175,32 @@ def test_layer_dequantizes_exactly(tmp_path, kind, zeros):
     # the dispatcher reads the same
     same = load_quantized_moe_layer(tmp_path, 1)
     assert same.weight_format == want and np.array_equal(same.w13, lw.w13)
+
+
+@pytest.mark.parametrize("kind", ["gptq", "gptq_v2"])
+@pytest.mark.parametrize("zeros", ["sym", "asym"])
+def test_8_bit_gptq_loads_exactly_as_int8_affine_and_runs(tmp_path, kind, zeros):
+    """8-bit GPTQ (4 codes per word; v1 zero points stored - 1 in a byte): int8_affine codes q
+    and (s, -s z) per group, s * (q - z) exactly; the op against the reference on every path."""
+    E, H, I = 3, 64, 64
+    _, w13, w2, b13, _ = write_checkpoint(tmp_path, kind, E=E, H=H, I=I, zeros=zeros, bits=8,
+                                          bias=(kind == "gptq"))
+    lw = load_gptq_moe_layer(tmp_path, 1)
+    assert lw.weight_format == "int8_affine" and lw.group_size == 32
+    assert lw.w13.dtype == np.uint8 and lw.w13.max() > 15
+    assert lw.s13.shape == (E, 2 * I, H // 32, 2)
+    d13, d2 = lw.dequantized()
+    assert np.array_equal(d13, w13) and np.array_equal(d2, w2)
+    if zeros == "sym":
+        assert np.all(lw.s13[..., 1] == -128 * lw.s13[..., 0])
+    got = dequantize_linear(tmp_path, "model.layers.1.mlp.experts.2.up_proj")
+    assert np.array_equal(got, w13[2, I:])
+    x, tw, ids = _routing(9, E, 2, H)
+    ref = R.ref_fused_moe_experts(x, lw, tw, ids)
+    for isa in cpumoe.available_paths("int8_affine"):
+        out = cpumoe.fused_moe(x, lw.prepack(isa=isa, num_threads=1), tw, ids)
+        assert_moe_close(Backend("numpy"), out, ref)
+    assert loaders.load_experts(tmp_path, 1, num_threads=1).weight_format == "int8_affine"
 
 
 def test_one_asymmetric_matrix_makes_the_layer_affine(tmp_path):
@@ -294,7 +325,7 @@ def test_act_order_refused(tmp_path):
 
 
 @pytest.mark.parametrize("over,match", [
-    ({"bits": 8}, "bits 8"),
+    ({"bits": 3}, "bits 3: cpumoe reads 4 and 8-bit GPTQ"),
     ({"checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
     ({"group_size": 16}, "group_size 16.*multiple of 32"),
     ({"group_size": 0}, "group_size 0"),
@@ -321,6 +352,7 @@ def test_harmless_dynamic_override_read(tmp_path):
     ({"version": "gemv"}, "version 'gemv'"),
     ({"zero_point": False}, "zero_point False"),
     ({"bits": 3}, "bits 3"),
+    ({"bits": 8}, "bits 8: cpumoe reads 4-bit AWQ"),
 ])
 def test_awq_config_refused(tmp_path, over, match):
     write_checkpoint(tmp_path, "awq")

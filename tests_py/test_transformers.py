@@ -813,30 +813,32 @@ def test_load_w4a8_refuses_other_checkpoints(tmp_path):
 
 
 # ---------------------------------------------------------------------------- GPTQ / AWQ
-def _quantize_4bit(w: torch.Tensor, g: int, sym: bool, min_zero: int):
-    """Min-max 4-bit quantization of a float weight [n, k] per group of g inputs, as GPTQ / AWQ
-    store it: codes q uint8 [n, k], zero points z [G, n] (8 when ``sym``, else in
-    [min_zero, 15]), fp16 scales s [G, n]; and its float32 weight s * (q - z) (exact)."""
+def _quantize_4bit(w: torch.Tensor, g: int, sym: bool, min_zero: int, bits: int = 4):
+    """Min-max b-bit quantization (4 by default) of a float weight [n, k] per group of g inputs,
+    as GPTQ / AWQ store it: codes q uint8 [n, k], zero points z [G, n] (2^(b-1) when ``sym``,
+    else in [min_zero, 2^b - 1]), fp16 scales s [G, n]; and its float32 weight s * (q - z)
+    (exact)."""
     import numpy as np
     w = w.detach().float().numpy()
     n, k = w.shape
     wg = w.reshape(n, k // g, g)
+    top, half = (1 << bits) - 1, 1 << (bits - 1)
     if sym:
-        s = np.maximum(np.abs(wg).max(-1) / 7, 1e-6).astype(np.float16)
-        z = np.full(s.shape, 8, np.int64)
+        s = np.maximum(np.abs(wg).max(-1) / (half - 1), 1e-6).astype(np.float16)
+        z = np.full(s.shape, half, np.int64)
     else:
         lo, hi = np.minimum(wg.min(-1), 0), np.maximum(wg.max(-1), 0)
-        s = np.maximum((hi - lo) / 15, 1e-6).astype(np.float16)
-        z = np.clip(np.round(-lo / s.astype(np.float32)), min_zero, 15).astype(np.int64)
+        s = np.maximum((hi - lo) / top, 1e-6).astype(np.float16)
+        z = np.clip(np.round(-lo / s.astype(np.float32)), min_zero, top).astype(np.int64)
     s32 = s.astype(np.float32)[..., None]
-    q = np.clip(np.round(wg / s32) + z[..., None], 0, 15)
+    q = np.clip(np.round(wg / s32) + z[..., None], 0, top)
     deq = (s32 * (q - z[..., None]).astype(np.float32)).reshape(n, k).astype(np.float32)
     return q.reshape(n, k).astype(np.uint8), z.T.copy(), s.T.copy(), deq
 
 
 def _save_gptq_awq(model, folder, kind: str, *, g: int = 32, sym: bool = False,
-                   sym_layers=(), mixtral_names: bool = False):
-    """Writes ``model`` as a 4-bit ``kind`` checkpoint ("gptq": AutoGPTQ v1, zero points stored
+                   sym_layers=(), mixtral_names: bool = False, bits: int = 4):
+    """Writes ``model`` as a ``bits``-bit (4; GPTQ also 8) ``kind`` checkpoint ("gptq": AutoGPTQ v1, zero points stored
     minus one; "awq": AutoAWQ GEMM) with its experts and attention projections quantized (min-max
     per group of g inputs, symmetric when ``sym`` or the layer is in ``sym_layers``), packed by
     test_checkpoint_gptq's independent packers (the documented layouts); the embeddings, norms,
@@ -857,11 +859,12 @@ def _save_gptq_awq(model, folder, kind: str, *, g: int = 32, sym: bool = False,
     tensors = {}
 
     def put(module_name, w, sym_here):  # w [n, k]; returns the dequantized weight
-        q, z, sc, deq = _quantize_4bit(w, g, sym_here, 1 if kind == "gptq" else 0)
+        q, z, sc, deq = _quantize_4bit(w, g, sym_here, 1 if kind == "gptq" else 0, bits)
         pre = ck_name(module_name) + "."
         if kind == "gptq":
-            tensors[pre + "qweight"] = pack_along_rows(np.ascontiguousarray(q.T))
-            tensors[pre + "qzeros"] = pack_along_cols((z - 1).astype(np.uint8))  # v1: z - 1
+            tensors[pre + "qweight"] = pack_along_rows(np.ascontiguousarray(q.T), bits)
+            tensors[pre + "qzeros"] = pack_along_cols((z - 1).astype(np.uint8),
+                                                      bits=bits)  # v1: z - 1
             tensors[pre + "g_idx"] = (np.arange(q.shape[1]) // g).astype(np.int32)
         else:
             tensors[pre + "qweight"] = pack_along_cols(np.ascontiguousarray(q.T), ORDER)
@@ -891,8 +894,8 @@ def _save_gptq_awq(model, folder, kind: str, *, g: int = 32, sym: bool = False,
     save_file(tensors, str(folder / "model.safetensors"))
     model.config.save_pretrained(str(folder))
     if kind == "gptq":
-        q = {"quant_method": "gptq", "bits": 4, "group_size": g, "desc_act": False, "sym": sym,
-             "checkpoint_format": "gptq"}
+        q = {"quant_method": "gptq", "bits": bits, "group_size": g, "desc_act": False,
+             "sym": sym, "checkpoint_format": "gptq"}
     else:
         q = {"quant_method": "awq", "bits": 4, "group_size": g, "zero_point": True,
              "version": "gemm"}
@@ -952,6 +955,26 @@ def test_load_quantized_symmetric_is_int4(tmp_path, kind):
     assert bf16.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
     with torch.no_grad():
         assert torch.isfinite(bf16(ids).logits).all()
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_load_quantized_8_bit_gptq_is_int8_affine(tmp_path, sym):
+    """An 8-bit GPTQ checkpoint (Qwen's GPTQ-Int8 kind: 4 codes per word): the experts packed
+    as int8_affine from the codes, scales and zero points; eager on the checkpoint's dequantized
+    weights differs only by the int8 activations."""
+    eager = _model("qwen3_moe")
+    _save_gptq_awq(eager, tmp_path, "gptq", sym=sym, bits=8)
+    model = cmt.load_quantized(tmp_path, dtype=torch.float32)
+    assert model.config._experts_implementation == "cpumoe_int8_affine"
+    (_, m), = cmt.experts_modules(model)
+    assert m._cpumoe_state["int8_affine"].packed.weight_format == "int8_affine"
+    for name in ("q_proj", "o_proj"):  # s * (q - z), exact in float32
+        ours = getattr(model.model.layers[0].self_attn, name).weight
+        assert torch.equal(ours, getattr(eager.model.layers[0].self_attn, name).weight), name
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(12))
+    with torch.no_grad():
+        err = _rel(model(ids).logits, eager(ids).logits)
+    assert err <= TOL["cpumoe"], err
 
 
 def test_load_quantized_mixed_layers_run_as_int4_affine(tmp_path):

@@ -404,8 +404,16 @@ class Checkpoint:
 def nibbles(words: np.ndarray) -> np.ndarray:
     """int32 words [..., M] of 4-bit fields (GPTQ, AWQ, compressed-tensors' packing) -> uint8
     [..., M, 8]: field i is bits 4i..4i+3 of each word."""
+    return fields(words, 4)
+
+
+def fields(words: np.ndarray, bits: int) -> np.ndarray:
+    """int32 words [..., M] of ``bits``-bit fields (4 or 8) -> uint8 [..., M, 32 / bits]: field
+    i is bits (bits * i) .. (bits * i + bits - 1) of each word."""
     b = np.ascontiguousarray(words).astype("<i4", copy=False).view(np.uint8)
     b = b.reshape(*words.shape, 4)
+    if bits == 8:
+        return b.copy()
     return np.stack([b & 15, b >> 4], axis=-1).reshape(*words.shape, 8)
 
 

@@ -1,19 +1,23 @@
-"""Loading 4-bit GPTQ and AWQ MoE layers (safetensors checkpoints) as stored: no re-quantization.
+"""Loading 4-bit GPTQ and AWQ MoE layers, and 8-bit GPTQ ones (safetensors checkpoints), as
+stored: no re-quantization.
 
-Both store each expert projection as a Linear of packed 4-bit codes ``q`` with, per group of
-``g`` input columns k and per output row n, an fp16 scale ``s`` and a 4-bit zero point ``z``:
+Both store each expert projection as a Linear of packed b-bit codes ``q`` (b = 4; GPTQ also 8)
+with, per group of ``g`` input columns k and per output row n, an fp16 scale ``s`` and a b-bit
+zero point ``z``:
 ``w[n, k] = s[k // g, n] * (q[n, k] - z[k // g, n])``. Read through
 :class:`cpumoe.checkpoint.Checkpoint` (numpy memory maps, no torch), expert names as in
 :mod:`cpumoe.checkpoint` (``qwen3``: ``model.layers.{L}.mlp.experts.{e}.{gate,up,down}_proj``,
 ``mixtral``: ``model.layers.{L}.block_sparse_moe.experts.{e}.{w1,w3,w2}``), one expert at a time.
 
 **GPTQ** (config.json ``quantization_config``, or AutoGPTQ's ``quantize_config.json``:
-``quant_method: gptq``, ``bits: 4``, ``group_size: g`` (-1: one group over K), ``desc_act``,
+``quant_method: gptq``, ``bits: 4`` or ``8``, ``group_size: g`` (-1: one group over K), ``desc_act``,
 ``sym``, ``checkpoint_format`` ``gptq`` (v1) or ``gptq_v2``), per Linear [N out, K in]:
 
 ============ ================ =================================================================
-``qweight``  int32 [K/8, N]   packed along K: k = 8 r + i at bits 4i of word [r, n]
-``qzeros``   int32 [G, N/8]   packed along N: n = 8 c + i at bits 4i of word [g, c]
+``qweight``  int32 [K/8, N]   packed along K: k = 8 r + i at bits 4i of word [r, n] (8-bit:
+                              [K/4, N], k = 4 r + i at bits 8i)
+``qzeros``   int32 [G, N/8]   packed along N: n = 8 c + i at bits 4i of word [g, c] (8-bit:
+                              [G, N/4], n = 4 c + i at bits 8i)
 ``scales``   fp16 [G, N]      (bf16 / fp32 taken too); G = ceil(K / g)
 ``g_idx``    int32 [K]        optional: must be k // g (act-order permutations are refused)
 ``bias``     float [N]        optional
@@ -24,7 +28,7 @@ nibble + 1, per nibble (z in [1, 16]), as AutoGPTQ's ``QuantLinear.forward`` (``
 15`` then ``+ 1``, auto_gptq/nn_modules/qlinear/qlinear_cuda_old.py) and vLLM's v1 ``gptq_gemm``
 (``zeros[i] + 1``) read it; a true zero of 0 was stored as -1, i.e. nibble 15, and reads as 16
 (GPTQModel's whole-word ``qzeros += 0x11111111`` differs from this only where a nibble is 15).
-``gptq_v2`` (GPTQModel) stores z itself.
+``gptq_v2`` (GPTQModel) stores z itself. 8-bit fields the same way (v1: the stored byte + 1).
 
 **AWQ** (``quant_method: awq``, ``version: gemm``, ``zero_point: true``, ``bits`` (or ``w_bit``)
 4, ``group_size`` (or ``q_group_size``) g), AutoAWQ's ``WQLinear_GEMM``:
@@ -41,11 +45,13 @@ nibble + 1, per nibble (z in [1, 16]), as AutoGPTQ's ``QuantLinear.forward`` (``
 awq/utils/packing_utils.py unpacks with ``AWQ_REVERSE_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]``.)
 ``version`` gemv / gemv_fast / marlin (other packings) and ``zero_point: false`` are refused.
 
-**cpumoe format.** When every zero point of the layer is 8 (symmetric quantization) the layer is
-``"int4"``: values q - 8 in [-8, 7], scales float32(s). Otherwise it is ``"int4_affine"`` for all
-three projections: codes q in [0, 15] with (scale, min) = (float32(s), -float32(s) * z) per
-group, so ``scale * q + min`` is ``s * (q - z)`` exactly (fp16 or bf16 scales: every product and
-the sum are exact in fp32). The layer is stacked as the op takes it (``w13`` [E, 2I, H]: gate
+**cpumoe format.** 8-bit layers are ``"int8_affine"``: codes q in [0, 255] with (scale, min) =
+(float32(s), -float32(s) * z) per group (exact as below). 4-bit: when every zero point of the
+layer is 8 (symmetric quantization) the layer is ``"int4"``: values q - 8 in [-8, 7], scales
+float32(s). Otherwise it is ``"int4_affine"`` for all three projections: codes q in [0, 15] with
+(scale, min) = (float32(s), -float32(s) * z) per group, so ``scale * q + min`` is ``s * (q - z)``
+exactly (fp16 or bf16 scales: every product and the sum are exact in fp32, for 8-bit codes
+too). The layer is stacked as the op takes it (``w13`` [E, 2I, H]: gate
 rows then up rows, interleaved for ``activation="swigluoai"``; ``w2`` [E, H, I]) with one group
 size for both matrices: g when it divides H and I, else the largest multiple of 32 dividing g
 (or K for -1), H and I (each new group inside one group of the checkpoint: exact), refused when
@@ -67,7 +73,7 @@ import numpy as np
 
 from . import ops as _ops
 from .checkpoint import (Checkpoint, LoadedExperts, PathLike, UnsupportedCheckpoint,
-                         autogptq_config, expert_modules, need_tensor, nibbles,
+                         autogptq_config, expert_modules, fields, need_tensor,
                          open_checkpoint)
 
 __all__ = ["AWQ_ORDER", "QuantizedLayerWeights", "dequantize_linear", "gptq_awq_config",
@@ -79,14 +85,15 @@ _AWQ_REVERSE = tuple(int(i) for i in np.argsort(AWQ_ORDER))  # (0, 4, 1, 5, 2, 6
 _FLOAT = ("F16", "BF16", "F32")
 _GPTQ_FORMATS = {"gptq": 1, "gptq_v2": 0}  # checkpoint_format -> offset added to stored zeros
 _GROUP_MAX = 65536  # the int4 formats' largest group (cpumoe.formats())
-_SYMMETRIC_ZERO = 8
+_SYMMETRIC_ZERO = 8  # of 4-bit layers
+_BITS = {"gptq": (4, 8), "awq": (4,)}  # the code widths read
 
 
 @dataclasses.dataclass
 class QuantizedLayerWeights(LoadedExperts):
     """One GPTQ / AWQ MoE layer in its cpumoe format's prepack input form (see
-    :class:`cpumoe.checkpoint.LoadedExperts`): ``weight_format`` "int4" (symmetric) or
-    "int4_affine"; ``quant_method`` "gptq" or "awq", ``checkpoint_format`` ("gptq", "gptq_v2" or
+    :class:`cpumoe.checkpoint.LoadedExperts`): ``weight_format`` "int4" (symmetric),
+    "int4_affine" or (8-bit) "int8_affine"; ``quant_method`` "gptq" or "awq", ``checkpoint_format`` ("gptq", "gptq_v2" or
     "gemm"), the checkpoint's ``checkpoint_group_size`` (-1: one group over K) and ``layout``."""
 
     quant_method: str
@@ -104,6 +111,11 @@ class _Scheme:
     desc_act: bool
     dynamic: Any = None  # GPTQModel's per-module overrides
     not_converted: Tuple[str, ...] = ()  # AWQ's modules_to_not_convert
+    bits: int = 4  # of a code and a zero point
+
+    @property
+    def per_word(self) -> int:
+        return 32 // self.bits
 
 
 # ---------------------------------------------------------------------------- the config
@@ -144,8 +156,9 @@ def _scheme(qcfg: Optional[dict], want: Optional[str]) -> _Scheme:
         raise UnsupportedCheckpoint(f"quantization_config: quant_method {method!r}, expected "
                                     f"{want!r}")
     bits = _int_setting(qcfg, ("bits", "w_bit"))
-    if bits != 4:
-        raise UnsupportedCheckpoint(f"quantization_config: bits {bits!r}: cpumoe reads 4-bit "
+    if bits not in _BITS[method]:
+        raise UnsupportedCheckpoint(f"quantization_config: bits {bits!r}: cpumoe reads "
+                                    f"{' and '.join(map(str, _BITS[method]))}-bit "
                                     f"{method.upper()} checkpoints only")
     g = _int_setting(qcfg, ("group_size", "q_group_size"), -1 if method == "gptq" else None)
     if not _is_int(g) or not (g == -1 or g > 0):
@@ -164,7 +177,7 @@ def _scheme(qcfg: Optional[dict], want: Optional[str]) -> _Scheme:
             raise UnsupportedCheckpoint(f"quantization_config: pack_dtype {pack!r}: cpumoe reads "
                                         f"int32 packing only")
         return _Scheme("gptq", fmt, g, _GPTQ_FORMATS[fmt], bool(qcfg.get("desc_act", False)),
-                       qcfg.get("dynamic"))
+                       qcfg.get("dynamic"), bits=bits)
     version = qcfg.get("version", qcfg.get("format", "gemm"))
     version = version.lower() if isinstance(version, str) else version
     if version != "gemm":
@@ -210,11 +223,13 @@ def _check_module(sch: _Scheme, module: str, quantized: bool) -> None:
         o = dyn[key] if isinstance(dyn[key], dict) else {}
         # An override the data already tells (sym, desc_act: zeros, g_idx) or that repeats the
         # layer's settings is harmless; another bits or group size is not read.
-        if o.get("bits", 4) != 4 or o.get("group_size", sch.group_size) != sch.group_size:
+        if (o.get("bits", sch.bits) != sch.bits
+                or o.get("group_size", sch.group_size) != sch.group_size):
             raise UnsupportedCheckpoint(
                 f"{module}: quantization_config.dynamic[{key!r:.80}] overrides its settings "
-                f"(bits {o.get('bits', 4)!r}, group_size {o.get('group_size', sch.group_size)!r}"
-                f"): per-module bits / group sizes of experts are not read")
+                f"(bits {o.get('bits', sch.bits)!r}, group_size "
+                f"{o.get('group_size', sch.group_size)!r}): per-module bits / group sizes of "
+                f"experts are not read")
 
 
 # ---------------------------------------------------------------------------- unpacking
@@ -246,7 +261,7 @@ class _Linear:
         _check_module(self.sch, self.module, self.module + ".qweight" in self.ck)
         n, k = self.n, self.k
         if self.sch.method == "gptq":
-            self._need(".qweight", ("I32",), (k // 8, n))
+            self._need(".qweight", ("I32",), (k // self.sch.per_word, n))
             gi = self.module + ".g_idx"
             if gi in self.ck:
                 self._need(".g_idx", ("I32", "I64"), (k,))
@@ -255,7 +270,7 @@ class _Linear:
                                             f"act-order group index)")
         else:
             self._need(".qweight", ("I32",), (k, n // 8))
-        self._need(".qzeros", ("I32",), (self.G, n // 8))
+        self._need(".qzeros", ("I32",), (self.G, n // self.sch.per_word))
         self._need(".scales", _FLOAT, (self.G, n))
         if bias:
             self._need(".bias", _FLOAT, (n,))
@@ -276,8 +291,8 @@ class _Linear:
                 f"GPTQ is not supported (re-quantize with desc_act: false, or static_groups)")
 
     def zeros(self) -> np.ndarray:
-        """int16 [G, n]: the zero points (the stored nibble plus v1's offset)."""
-        nib = nibbles(self.ck.get(self.module + ".qzeros"))  # [G, n / 8, 8]
+        """int16 [G, n]: the zero points (the stored field plus v1's offset)."""
+        nib = fields(self.ck.get(self.module + ".qzeros"), self.sch.bits)  # [G, n / pw, pw]
         if self.sch.method == "awq":
             nib = nib[..., list(_AWQ_REVERSE)]
         return nib.reshape(self.G, self.n).astype(np.int16) + self.sch.zero_offset
@@ -294,9 +309,9 @@ class _Linear:
         return s
 
     def codes(self) -> np.ndarray:
-        """uint8 [n, k]: the 4-bit codes q."""
-        nib = nibbles(self.ck.get(self.module + ".qweight"))
-        if self.sch.method == "gptq":  # [k / 8, n, 8] -> [n, k / 8, 8]: k = 8 r + i
+        """uint8 [n, k]: the codes q."""
+        nib = fields(self.ck.get(self.module + ".qweight"), self.sch.bits)
+        if self.sch.method == "gptq":  # [k / pw, n, pw] -> [n, k / pw, pw]: k = pw r + i
             return np.ascontiguousarray(nib.transpose(1, 0, 2)).reshape(self.n, self.k)
         # AWQ: [k, n / 8, 8] in AWQ's order -> [k, n] -> [n, k]
         return np.ascontiguousarray(nib[..., list(_AWQ_REVERSE)].reshape(self.k, self.n).T)
@@ -337,10 +352,11 @@ def dequantize_linear(path: Union[PathLike, Checkpoint], module: str) -> np.ndar
     if name not in ck or len(ck.shape(name)) != 2:
         raise UnsupportedCheckpoint(f"checkpoint: missing or not 2-D: {name}")
     r, c = ck.shape(name)
-    n, k = (c, 8 * r) if sch.method == "gptq" else (8 * c, r)
-    if n < 8 or k < 8 or n % 8:
+    pw = sch.per_word
+    n, k = (c, pw * r) if sch.method == "gptq" else (pw * c, r)
+    if n < pw or k < pw or n % pw:
         raise UnsupportedCheckpoint(f"{name}: shape {[r, c]} gives out {n}, in {k}: out must be "
-                                    f"a positive multiple of 8 (packed zero points)")
+                                    f"a positive multiple of {pw} (packed zero points)")
     lin = _Linear(ck, sch, module, n, k)
     lin.check(bias=module + ".bias" in ck)
     lin.check_g_idx()
@@ -365,7 +381,8 @@ def _layer(path: Union[PathLike, Checkpoint], layer: int, want: Optional[str],
     if len(shape) != 2 or ck.dtype(g0) != "I32":
         raise UnsupportedCheckpoint(f"{g0}: {ck.dtype(g0)} {list(shape)}, expected a 2-D I32 "
                                     f"tensor")
-    I, H = (shape[1], 8 * shape[0]) if sch.method == "gptq" else (8 * shape[1], shape[0])
+    pw = sch.per_word
+    I, H = (shape[1], pw * shape[0]) if sch.method == "gptq" else (pw * shape[1], shape[0])
     if I < 32 or H < 32 or I % 32 or H % 32:
         raise UnsupportedCheckpoint(f"{g0}: shape {list(shape)} gives I = {I}, H = {H}: both "
                                     f"must be positive multiples of 32")
@@ -380,7 +397,7 @@ def _layer(path: Union[PathLike, Checkpoint], layer: int, want: Optional[str],
 
     # Every header first, then the zero points and scales of the whole layer (small: one per
     # group) to check them and to pick the format before the codes are unpacked.
-    symmetric = True
+    symmetric = sch.bits == 4  # 8-bit layers are int8_affine, symmetric or not
     for e in ids:
         for lin, b in linears(e):
             lin.check(b)
@@ -390,7 +407,7 @@ def _layer(path: Union[PathLike, Checkpoint], layer: int, want: Optional[str],
             lin.scales()
             if symmetric and np.any(lin.zeros() != _SYMMETRIC_ZERO):
                 symmetric = False
-    fmt = "int4" if symmetric else "int4_affine"
+    fmt = "int4" if symmetric else "int4_affine" if sch.bits == 4 else "int8_affine"
     if symmetric:
         w13 = np.empty((E, 2 * I, H), np.int8)
         w2 = np.empty((E, H, I), np.int8)
@@ -430,7 +447,7 @@ def load_gptq_moe_layer(path: Union[PathLike, Checkpoint], layer: int, *,
                         experts: Optional[Sequence[int]] = None, activation: str = "silu",
                         layout: Optional[str] = None,
                         quant_config: Optional[dict] = None) -> QuantizedLayerWeights:
-    """Reads the routed experts of one 4-bit GPTQ MoE layer (see the module doc).
+    """Reads the routed experts of one 4- or 8-bit GPTQ MoE layer (see the module doc).
 
     Args:
       path: a checkpoint folder, .safetensors file or index file (or a Checkpoint).
@@ -439,8 +456,8 @@ def load_gptq_moe_layer(path: Union[PathLike, Checkpoint], layer: int, *,
       activation: the op's activation; "swigluoai" interleaves gate / up rows.
       layout: "qwen3" or "mixtral" (default: detected).
       quant_config: the quantization config (default: config.json's, or quantize_config.json).
-    Returns a :class:`QuantizedLayerWeights` ("int4" when symmetric, else "int4_affine";
-    ``.prepack()`` packs it). Raises UnsupportedCheckpoint naming what does not fit.
+    Returns a :class:`QuantizedLayerWeights` (4-bit: "int4" when symmetric, else "int4_affine";
+    8-bit: "int8_affine"; ``.prepack()`` packs it). Raises UnsupportedCheckpoint naming what does not fit.
     """
     return _layer(path, layer, "gptq", experts, activation, layout, quant_config)
 

@@ -3,9 +3,11 @@
 :class:`cpumoe.checkpoint.LoadedExperts`), whatever the checkpoint's kind:
 
 - ``gguf``: a file starting with ``b"GGUF"`` (:mod:`cpumoe.checkpoint_gguf`): Q4_0 -> int4,
-  MXFP4 -> mxfp4, BF16 -> bf16, Q4_1 and Q4_K -> int4_affine.
-- ``gptq``: ``quant_method: gptq``, 4-bit, checkpoint_format gptq (v1) or gptq_v2
-  (:mod:`cpumoe.checkpoint_gptq`): int4 when symmetric, else int4_affine.
+  MXFP4 -> mxfp4, BF16 -> bf16, Q4_1 and Q4_K -> int4_affine, Q8_0, Q5_0, Q5_1 and Q5_K ->
+  int8_affine (a layer mixing these integer types: the widest).
+- ``gptq``: ``quant_method: gptq``, 4- or 8-bit, checkpoint_format gptq (v1) or gptq_v2
+  (:mod:`cpumoe.checkpoint_gptq`): 4-bit int4 when symmetric, else int4_affine; 8-bit
+  int8_affine.
 - ``awq``: ``quant_method: awq``, 4-bit GEMM packing (:mod:`cpumoe.checkpoint_gptq`): int4 when
   symmetric, else int4_affine.
 - ``compressed-tensors``: pack-quantized int4 (:func:`cpumoe.checkpoint_w4.load_int4_moe_layer`)

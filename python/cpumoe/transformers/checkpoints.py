@@ -241,8 +241,11 @@ def load_quantized(path, *, dtype: torch.dtype = torch.bfloat16, model_class: An
         raise _ck.UnsupportedCheckpoint(f"{path}: not a GPTQ or AWQ checkpoint: {why}")
     method = qcfg["quant_method"].lower()
     # The likely format, for building the model; the layers read decide (every zero point 8:
-    # int4). AWQ always stores zero points; GPTQ's are 8 when it says sym (its default).
+    # int4). AWQ always stores zero points; GPTQ's are 8 when it says sym (its default); 8-bit
+    # GPTQ is int8_affine.
     likely = "int4" if method == "gptq" and qcfg.get("sym", True) is not False else "int4_affine"
+    if qcfg.get("bits") == 8:
+        likely = "int8_affine"
     return _load_quantized(ck, method, dtype, model_class, kind=likely)
 
 
