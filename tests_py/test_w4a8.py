@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import cpumoe
+from cpumoe import quantize as Q
 from cpumoe import reference as R
 from conftest import (BACKEND_NAME, activation_specs, assert_moe_close, random_topk_ids,
                       random_topk_weights)
@@ -72,8 +73,9 @@ class W4Problem:
         return prepack(*w, *self.biases, group_size=self.g, **kw)
 
     def run(self, packed=None, **kw):
-        return cpumoe.fused_moe_int8(self.x, packed or self.prepack(), self.tw, self.ids,
-                                     activation=self.activation, **kw)
+        # fused_moe: W4A8 layers, and the PackedMoeFp8 of act_quant="bf16"
+        return cpumoe.fused_moe(self.x, packed or self.prepack(), self.tw, self.ids,
+                                activation=self.activation, **kw)
 
     def reference(self):
         b13, b2 = self.biases
@@ -161,12 +163,63 @@ def test_group_activations_are_closer_to_the_float_layer(backend):
 
 def test_act_quant_errors(backend):
     p = W4Problem(backend, "int4", 1, 2, 1, 128, 128)
-    with pytest.raises(ValueError, match="act_quant: must be 'row' or 'group'"):
+    with pytest.raises(ValueError, match="act_quant: must be 'row', 'group', 'bf16' for int4"):
         p.prepack(act_quant="token")
+    for fmt in ("int4_affine", "int8_affine"):  # bf16 mode: not for the affine formats
+        with pytest.raises(ValueError, match=f"must be 'row', 'group' for {fmt}, got 'bf16'.*"
+                                             f"mins need the int8"):
+            W4Problem(backend, fmt, 1, 2, 1, 128, 128).prepack(act_quant="bf16")
     with pytest.raises(ValueError, match="act_quant"):
         R.ref_fused_moe_int4(np.ones((1, 128), np.float32), *p.weights, np.ones((1, 1),
                              np.float32), np.zeros((1, 1), np.int32), act_quant="col")
     assert p.prepack().act_quant == "row"
+
+
+def test_small_ints_as_e4m3_are_the_same_weights():
+    """The W4A16 form: every integer in [-16, 16] times scales of either sign (and zero) as E4M3
+    codes times |scale|: dequantize_fp8 of it is dequantize_int4's weights, bit for bit up to the
+    sign of zero; out-of-range values and non-finite scales are errors."""
+    rng = np.random.default_rng(8)
+    v = rng.integers(-16, 17, (3, 5, 64)).astype(np.int8)
+    s = (rng.standard_normal((3, 5, 2)) * 0.01).astype(np.float32)
+    s[0, 0, 0] = 0.0
+    s[1, 2, 1] = -0.0
+    codes, sa = Q.small_ints_as_e4m3(v, s)
+    assert codes.dtype == np.uint8 and (sa >= 0).all() and not np.signbit(sa).any()
+    assert np.array_equal(Q.dequantize_fp8(codes, sa, (1, 32)), R.dequantize_int4(v, s, 32))
+    with pytest.raises(ValueError, match="w13: values must be integers in \\[-16, 16\\]"):
+        Q.small_ints_as_e4m3(v * 2, s, "w13")
+    s[2, 0, 0] = np.nan
+    with pytest.raises(ValueError, match="every scale must be finite"):
+        Q.small_ints_as_e4m3(v, s)
+
+
+@pytest.mark.parametrize("fmt,g", [("int4", 32), ("int4", 128), ("mxfp4", 32)])
+def test_bf16_activations_mode(backend, fmt, g):
+    """act_quant="bf16" (W4A16): a PackedMoeFp8 of the same weights with (1, g) blocks, the
+    BF16 op's result on the dequantized weights (within its tolerance) on every path, and
+    much closer to the float layer than the W4A8 modes."""
+    p = W4Problem(backend, fmt, 24, 8, 2, 256, 128, g=g, bias=True, activation="swigluoai",
+                  dtype="bfloat16")
+    packed = p.prepack(act_quant="bf16")
+    assert isinstance(packed, cpumoe.PackedMoeFp8) and packed.weight_format == "fp8"
+    if fmt == "mxfp4":
+        b13, e13, b2, e2 = p.weights
+        d13, d2 = R.dequantize_mxfp4(b13, e13), R.dequantize_mxfp4(b2, e2)
+    else:
+        d13, d2 = (R.dequantize_int4(v, sc, g) for v, sc in zip(p.weights[:2], p.weights[2:]))
+    x, tw, ids = (backend.numpy(a) for a in (p.x, p.tw, p.ids))
+    ref = R.ref_fused_moe_bf16(p.x, backend.asarray(d13), backend.asarray(d2), p.tw, p.ids,
+                               activation="swigluoai", b13=p.biases[0], b2=p.biases[1])
+    outs = [p.run(p.prepack(act_quant="bf16", isa=path)) for path in cpumoe.available_paths("fp8")]
+    for out in outs:
+        assert_moe_close(backend, out, ref)
+    exact = R.ref_fused_moe_bf16(x.astype(np.float32), d13, d2, tw, ids, activation="swigluoai",
+                                 b13=backend.numpy(p.biases[0]), b2=backend.numpy(p.biases[1]))
+    exact = np.asarray(exact, np.float64)
+    err = {m: np.linalg.norm(backend.numpy(p.run(p.prepack(act_quant=m))).astype(np.float64)
+                             - exact) / np.linalg.norm(exact) for m in ("row", "bf16")}
+    assert err["bf16"] < 0.5 * err["row"], err
 
 
 @pytest.mark.skipif(bool(os.environ.get("QEMU_CPU")),

@@ -279,8 +279,9 @@ def _int_arg(name: str, v: Any, low: int) -> int:
 
 def prepack_int4(w13: Any, w2: Any, s13: Any, s2: Any, b13: Any = None, b2: Any = None, *,
                  group_size: int = 32, isa: Optional[str] = None,
-                 num_threads: Optional[int] = None, act_quant: str = "row") -> PackedMoeW4:
-    """Packs a layer's int4 expert weights (W4A8) once, for :func:`fused_moe_int8`.
+                 num_threads: Optional[int] = None, act_quant: str = "row") -> Any:
+    """Packs a layer's int4 expert weights (W4A8) once, for :func:`fused_moe`
+    (a :class:`PackedMoeW4`; with act_quant="bf16" a :class:`PackedMoeFp8`).
 
     Args:
       w13: int8 [E, 2I, H] holding int4 values in [-8, 7] (unpacked, one per element): gate rows
@@ -295,6 +296,10 @@ def prepack_int4(w13: Any, w2: Any, s13: Any, s2: Any, b13: Any = None, b2: Any 
         the default) or "group" (one scale per g values of a row, aligned with the weight
         groups: closer to the float layer where a row's magnitudes vary along k, for one more
         multiply per group; ``packed.act_quant`` tells). See cpumoe.reference's module comment.
+        "bf16" (W4A16, accuracy over speed): no activation quantization; the values become
+        E4M3 codes with the group scales as (1, g) blocks (exact, a negative scale's sign in
+        its codes) and the result is a :class:`PackedMoeFp8` (weight_format "fp8") that the
+        FP8 op runs with bf16 activations (8 bits read per weight).
     The packed layer holds 4 bits per weight plus the scales. Each GEMM output is
     ``s_x * sum_g (exact int32 group sum) * s[n, g] + b[n]``, fp32 over the groups in order.
     """
@@ -302,17 +307,35 @@ def prepack_int4(w13: Any, w2: Any, s13: Any, s2: Any, b13: Any = None, b2: Any 
                                act_quant)
 
 
-def _act_quant_arg(act_quant: Any) -> str:
-    if act_quant not in ("row", "group"):
-        raise ValueError(f"act_quant: must be 'row' or 'group', got {act_quant!r}")
+def _act_quant_arg(act_quant: Any, fmt: str = "int4_affine") -> str:
+    """The act_quant of a W4A8 prepack of format fmt: "row", "group", and for int4 and mxfp4
+    "bf16" (W4A16: _prepack_w4a16)."""
+    modes = ("row", "group", "bf16") if fmt in ("int4", "mxfp4") else ("row", "group")
+    if act_quant not in modes:
+        extra = (" ('bf16' is for int4 and mxfp4: an affine format's mins need the int8 "
+                 "activations' group sums)" if act_quant == "bf16" else "")
+        raise ValueError(f"act_quant: must be {', '.join(map(repr, modes))} for {fmt}, got "
+                         f"{act_quant!r}{extra}")
     return act_quant
+
+
+def _prepack_w4a16(values13, values2, scales13, scales2, b13, b2, g, isa, num_threads):
+    """act_quant="bf16" (W4A16): the 4-bit values (integers up to 12 in magnitude) as E4M3 codes
+    with the group scales as (1, g) blocks (cpumoe.quantize.small_ints_as_e4m3: exact), packed
+    for the FP8 op, which keeps the activations in bf16 (a PackedMoeFp8, weight_format "fp8").
+    The conversion needs numpy and cpumoe.quantize's tables, hence the import here."""
+    from .quantize import small_ints_as_e4m3
+    c13, s13 = small_ints_as_e4m3(values13, scales13, "w13")
+    c2, s2 = small_ints_as_e4m3(values2, scales2, "w2")
+    return prepack_fp8(c13, c2, s13, s2, b13, b2, block_size=(1, g), isa=isa,
+                       num_threads=num_threads)
 
 
 def _prepack_int_groups(fmt, w13, w2, s13, s2, b13, b2, group_size, isa, num_threads,
                         act_quant):
     """prepack_int4 / prepack_int4_affine / prepack_int8_affine: values [E, N, K] and per-group
     scales [E, N, K / g] (the affine formats: [E, N, K / g, 2] (scale, min) pairs)."""
-    act_quant = _act_quant_arg(act_quant)
+    act_quant = _act_quant_arg(act_quant, fmt)
     w13, v13, v2, E, H, I = _expert_weights(w13, w2, "int8" if fmt == "int4" else "uint8", isa)
     g = _int_arg("group_size", group_size, 1)
     if g % 32:
@@ -328,6 +351,12 @@ def _prepack_int_groups(fmt, w13, w2, s13, s2, b13, b2, group_size, isa, num_thr
     check_shape(vs13, "s13", (E, 2 * I, H // g) + pair, f" (group_size {g})")
     check_shape(vs2, "s2", (E, H, I // g) + pair, f" (group_size {g})")
     keep, (b13a, b13d, b2a, b2d) = _w4_bias_and_isa(E, H, I, b13, b2, isa)
+    if act_quant == "bf16":
+        from .quantize import to_numpy
+        v = [to_numpy(a) for a in (w13, w2)]
+        if any(a.size and (a.min() < -8 or a.max() > 7) for a in v):
+            raise ValueError("w13/w2: int4 values must be in [-8, 7]")
+        return _prepack_w4a16(*v, to_numpy(s13), to_numpy(s2), b13, b2, g, isa, num_threads)
     return _C.prepack_w4(E, H, I, fmt, g, v13.address, v2.address, vs13.address, vs2.address,
                          b13a, b13d, b2a, b2d, isa, _num_threads(num_threads, w13), act_quant)
 
@@ -386,9 +415,9 @@ def prepack_int8_affine(w13: Any, w2: Any, s13: Any, s2: Any, b13: Any = None, b
 
 def prepack_mxfp4(w13_blocks: Any, w13_scales: Any, w2_blocks: Any, w2_scales: Any,
                   b13: Any = None, b2: Any = None, *, isa: Optional[str] = None,
-                  num_threads: Optional[int] = None, act_quant: str = "row") -> PackedMoeW4:
+                  num_threads: Optional[int] = None, act_quant: str = "row") -> Any:
     """Packs a layer's MXFP4 expert weights (OCP MX, gpt-oss's layout) once, for
-    :func:`fused_moe_int8`.
+    :func:`fused_moe` (a :class:`PackedMoeW4`; with act_quant="bf16" a :class:`PackedMoeFp8`).
 
     Args:
       w13_blocks: uint8 [E, 2I, H / 32, 16]: two FP4 E2M1 codes per byte, the low nibble first
@@ -398,10 +427,10 @@ def prepack_mxfp4(w13_blocks: Any, w13_scales: Any, w2_blocks: Any, w2_scales: A
       w2_blocks: uint8 [E, H, I / 32, 16]; w2_scales: uint8 [E, H, I / 32].
       b13, b2: optional biases [E, 2I] / [E, H], any float dtype.
       isa: cap the path, as in :func:`prepack`.
-      act_quant: "row" or "group" (blocks of 32, as GGUF quantizes activations), as in
-        :func:`prepack_int4`.
+      act_quant: "row", "group" (blocks of 32, as GGUF quantizes activations) or "bf16"
+        (W4A16; E8M0 255 is then an error: FP8 scales are finite), as in :func:`prepack_int4`.
     """
-    act_quant = _act_quant_arg(act_quant)
+    act_quant = _act_quant_arg(act_quant, "mxfp4")
     w13_blocks = contiguous("w13_blocks", w13_blocks)
     w2_blocks = contiguous("w2_blocks", w2_blocks)
     w13_scales = contiguous("w13_scales", w13_scales)
@@ -423,6 +452,11 @@ def prepack_mxfp4(w13_blocks: Any, w13_scales: Any, w2_blocks: Any, w2_scales: A
     check_shape(vs13, "w13_scales", (E, 2 * I, H // 32))
     check_shape(vs2, "w2_scales", (E, H, I // 32))
     keep, (b13a, b13d, b2a, b2d) = _w4_bias_and_isa(E, H, I, b13, b2, isa)
+    if act_quant == "bf16":
+        from .quantize import MXFP4_INT, e8m0_scale, mxfp4_codes
+        return _prepack_w4a16(MXFP4_INT[mxfp4_codes(w13_blocks)],
+                              MXFP4_INT[mxfp4_codes(w2_blocks)], e8m0_scale(w13_scales, True),
+                              e8m0_scale(w2_scales, True), b13, b2, 32, isa, num_threads)
     return _C.prepack_w4(E, H, I, "mxfp4", 32, v13.address, v2.address, vs13.address,
                          vs2.address, b13a, b13d, b2a, b2d, isa,
                          _num_threads(num_threads, w13_blocks), act_quant)

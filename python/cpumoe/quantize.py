@@ -185,6 +185,26 @@ def e8m0_scale(e, halve: bool) -> np.ndarray:
     return np.where(e == 255, np.float32(np.nan), v).astype(np.float32)
 
 
+def small_ints_as_e4m3(values, scales, what: str = "values"):
+    """Integer weight values v (|v| <= 16, e.g. int4's [-8, 7] or mxfp4's 2 * E2M1) with group
+    scales s [..., N, K / g] as (E4M3 codes uint8 [..., N, K], scales |s| float32): the same
+    weights e4m3(code) * |s| = v * s exactly (E4M3 holds every integer up to 16; a negative
+    scale's sign goes into its group's codes). ValueError for a value outside [-16, 16] or a
+    non-finite scale (naming ``what``)."""
+    v = np.asarray(values)
+    s = np.asarray(scales, dtype=np.float32)
+    if v.size and (v.min() < -16 or v.max() > 16):
+        raise ValueError(f"{what}: values must be integers in [-16, 16] for an FP8 form, got "
+                         f"[{v.min()}, {v.max()}]")
+    if not np.isfinite(s).all():
+        raise ValueError(f"{what}: every scale must be finite for an FP8 form (E8M0 255 / NaN "
+                         f"has none)")
+    g = v.shape[-1] // s.shape[-1]
+    neg = np.repeat(np.signbit(s), g, axis=-1)
+    iv = np.where(neg, -v.astype(np.int16), v.astype(np.int16))
+    return _E4M3_OF_INT[iv + 16], np.abs(s)
+
+
 def dequantize_int4(values, scales, group_size: int):
     """The real weights of int4 values [..., N, K] with group scales [..., N, K / g] (float32)."""
     v = to_numpy(values).astype(np.float32)
@@ -302,6 +322,9 @@ def _e4m3(code: int) -> float:
 E4M3_VALUES = np.array([_e4m3(c) for c in range(256)], dtype=np.float32)
 #: The largest finite E4M3 magnitude.
 E4M3_MAX = 448.0
+#: The E4M3 code of each integer -16..16 (index v + 16; +0 for 0).
+_E4M3_OF_INT = np.array([int(np.flatnonzero(E4M3_VALUES == np.float32(v))[0]) for v in
+                         range(-16, 17)], dtype=np.uint8)
 
 
 def e4m3_codes(v) -> np.ndarray:
@@ -433,9 +456,10 @@ def widest_format(formats) -> str:
 
 def widen_values(v, s, src: str, dst: str):
     """Values and scales of format ``src`` as format ``dst`` (the same, or both of
-    :data:`WIDENING`, dst not narrower), the same weights exactly: int4 (v, s) becomes the affine codes v + 8 with
-    (scale, min) = (s, -8 s) (s * (v + 8) - 8 s = s * v for the fp16-sized scales of
-    checkpoints); 4-bit affine codes and pairs are 8-bit ones as they are."""
+    :data:`WIDENING`, dst not narrower), the same weights exactly: int4 (v, s) becomes the
+    affine codes v + 8 with (scale, min) = (s, -8 s) (s * (v + 8) - 8 s = s * v for the
+    fp16-sized scales of checkpoints); 4-bit affine codes and pairs are 8-bit ones as they
+    are."""
     if src == dst:
         return v, s
     if src not in WIDENING or dst not in WIDENING or WIDENING.index(dst) < WIDENING.index(src):

@@ -8,7 +8,8 @@ weights, the op's activation and combine) is the reference; each format is quant
 floats and run through cpumoe's op: every format of ``cpumoe.formats()`` (int8 and 4-bit with int8
 activations, bf16 and fp8 with bf16 ones), at each group size (of 32, 64, 128) it allows for the
 layer; the 4-bit ones also with act_quant="group" (rows "act/group": the int8 activations
-quantized per weight group). The error is ||out - ref|| / ||ref|| over all
+quantized per weight group), int4 and mxfp4 also with act_quant="bf16" (rows "act/bf16": W4A16,
+bf16 activations on the FP8 kernels). The error is ||out - ref|| / ||ref|| over all
 tokens (Frobenius), bf16 inputs.
 """
 
@@ -104,12 +105,15 @@ def measure(preset: str, E: int, T: int, seed: int) -> Dict[str, Dict[str, float
             label = (f"{row['name']} g{g}" if row["group"] in ("multiple", "block")
                      else row["name"])
             own = _fp32_layer(x, *q.dequantized(), b13, b2, ids, tw, act)
-            # The W4A8 formats also with their activations quantized per weight group.
+            # The W4A8 formats also with their activations quantized per weight group, and
+            # int4 / mxfp4 with bf16 ones (W4A16).
             modes = ("row", "group") if row["family"] == "q4gemm" else (None,)
+            if row["name"] in ("int4", "mxfp4"):
+                modes += ("bf16",)
             for mode in modes:
                 out = cpumoe.fused_moe(xb, q.prepack(act_quant=mode), tw, ids,
                                        activation=act).astype(np.float64)
-                name = label + (" act/group" if mode == "group" else "")
+                name = label + (f" act/{mode}" if mode in ("group", "bf16") else "")
                 res[name] = {"fp32": rel(out, ref), "own": rel(out, own)}
             if row["name"] == "fp8" and g == 128:  # requantize="int8": against the fp8 layer
                 r = Q.requantize_fp8(q.w13, q.w2, q.s13, q.s2, b13, b2, block_size=(g, g))

@@ -34,7 +34,14 @@ def _format_contenders():
             out[f"cpumoe-{name}"], out[f"cpumoe-{name}-g32"] = (name, 128), (name, 32)
         else:
             out[f"cpumoe-{name}"] = (name, row["group_size"])
+    for base in [n for n in out if out[n][0] in A16_FORMATS]:  # their W4A16 mode
+        out[base + "-a16"] = out[base]
     return out
+
+
+#: The formats with a W4A16 mode (prepack act_quant="bf16": the FP8 kernels, bf16
+#: activations): contenders cpumoe-<format>[-g32]-a16.
+A16_FORMATS = ("int4", "mxfp4")
 
 
 # Quantized weights: (format, group size) of each contender: cpumoe's formats (4-bit, fp8) and
@@ -110,13 +117,16 @@ def _cpumoe_w4(layer, name: str, q) -> Contender:
     """cpumoe's op on ``q`` (a QuantizedExperts, packed here)."""
     import cpumoe
     fmt, g = QUANT_CONTENDERS[name]
-    packed = q.prepack(num_threads=layer.threads)
+    packed = q.prepack(num_threads=layer.threads,
+                       **({"act_quant": "bf16"} if name.endswith("-a16") else {}))
     act, threads = layer.activation, layer.threads
 
     def fn(x, w, i, out):
         cpumoe.fused_moe(x, packed, w, i, activation=act, out=out, num_threads=threads)
+    a16 = name.endswith("-a16")  # read: an E4M3 byte per weight and an fp32 scale per group
     return Contender(name, f"{name} {packed.path}", packed.path, packed.kernel,
-                     q.bytes_per_weight(), fn, f"{fmt} g{g}")
+                     1 + 4 / g if a16 else q.bytes_per_weight(), fn,
+                     f"{fmt} g{g}" + (" bf16 activations" if a16 else ""))
 
 
 def _w4_reference(name, x, q, used, wts, local_ids, act):
@@ -126,6 +136,10 @@ def _w4_reference(name, x, q, used, wts, local_ids, act):
     sub = q.select(used)
     if name in vllm_cpu.KERNELS:
         return vllm_cpu.KERNELS[name].reference(x, sub, wts, local_ids, act)
+    if name.endswith("-a16"):  # W4A16: the BF16 op on the dequantized weights
+        return (R.ref_fused_moe_bf16(x, *sub.dequantized(), wts, local_ids, act, b13=sub.b13,
+                                     b2=sub.b2),
+                f"bf16 on {q.weight_format} g{q.group_size}")
     return (R.ref_fused_moe_experts(x, sub, wts, local_ids, act),
             f"{q.weight_format} g{q.group_size}")
 

@@ -26,7 +26,8 @@ RATIOS = (("cpumoe-int8", "vllm-int8"), ("cpumoe-int8", "cpumoe-bf16"),
             if QUANT_CONTENDERS[n][0] not in problem.FOUR_BIT),
           *((n, "vllm-" + n[len("cpumoe-"):]) for n in QUANT_CONTENDERS
             if n.startswith("cpumoe-") and "vllm-" + n[len("cpumoe-"):] in QUANT_CONTENDERS),
-          *(("cpumoe-" + n[len("kt-"):], n) for n in kt_cpu.CONTENDERS))
+          *(("cpumoe-" + n[len("kt-"):], n) for n in kt_cpu.CONTENDERS),
+          *((n, n[:-len("-a16")]) for n in QUANT_CONTENDERS if n.endswith("-a16")))
 
 def _medians(rows) -> Dict[Tuple[str, str, int], Dict[str, float]]:
     """(preset, weights, T) -> contender name -> median ms (cpumoe-int8: its first, best path)."""
