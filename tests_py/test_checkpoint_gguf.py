@@ -391,6 +391,47 @@ def test_q4_k_gate_up_with_q6_k_down_is_refused(tmp_path):
         cpumoe.load_experts(path, 0)
 
 
+def _raw_q6_k(rng, E, N, K):
+    """Hand-made Q6_K super-blocks (210 bytes: ql 128, qh 64, int8 scales 16, fp16 d): random
+    bits with a finite d of either sign."""
+    S = K // 256
+    body = rng.integers(0, 256, (E, N, S, 208), dtype=np.uint8)
+    d = (rng.standard_normal((E, N, S, 1)) * 1e-4).astype(np.float16)
+    return np.concatenate([body, _f16_bytes(d)], axis=-1).reshape(E, N, S * 210)
+
+
+def test_q6_k_down_requantized_on_request(tmp_path):
+    """llama.cpp's Q4_K_M layout (Q4_K gate / up, Q6_K down): refused with a hint by default;
+    with requantize="int8_affine" the layer is int8_affine, gate / up exactly gguf's weights,
+    down gguf's dequantized Q6_K re-quantized to 8-bit groups of 32 (within half a step of each
+    group's range / 255), named in ``requantized``; the op runs it as the reference does."""
+    rng = np.random.default_rng(18)
+    E, H, I = 3, 256, 256
+    raw = [_raw_q4_k(rng, E, I, H), _raw_q4_k(rng, E, I, H), _raw_q6_k(rng, E, H, I)]
+    kinds = ("Q4_K", "Q4_K", "Q6_K")
+    path = _write(tmp_path / "km.gguf", {f"{n.format(0)}.weight": (r, Q[k])
+                                         for n, r, k in zip((GATE, UP, DOWN), raw, kinds)})
+    with pytest.raises(GgufUnsupported, match="Q6_K.*requantize='int8_affine' reads it"):
+        read_gguf_experts(path, 0)
+    lw = read_gguf_experts(path, 0, requantize="int8_affine")
+    assert lw.weight_format == "int8_affine" and lw.requantized == (f"{DOWN.format(0)}.weight",)
+    w13, w2 = lw.dequantized()
+    assert _bits_equal(w13[:, :I], dequantize(raw[0], Q.Q4_K))
+    assert _bits_equal(w13[:, I:], dequantize(raw[1], Q.Q4_K))
+    down = dequantize(raw[2], Q.Q6_K).reshape(E, H, I // 32, 32)
+    span = down.max(-1) - down.min(-1)
+    err = np.abs(w2.reshape(down.shape) - down).max(-1)
+    assert (err <= span / 510 * 1.001 + 1e-12).all()
+    assert np.abs(w2.reshape(down.shape) - down).max() > 0  # re-quantized, not exact
+    x, tw, ids = _routing(7, E, 2, H, seed=6)
+    ref = R.ref_fused_moe_experts(x, lw, tw, ids, activation="silu")
+    packed = cpumoe.load_experts(path, 0, requantize="int8_affine", num_threads=1)
+    assert packed.weight_format == "int8_affine"
+    assert_moe_close(Backend("numpy"), cpumoe.fused_moe(x, packed, tw, ids, activation="silu"), ref)
+    with pytest.raises(ValueError, match="requantize: None or 'int8_affine'"):
+        read_gguf_experts(path, 0, requantize="int4")
+
+
 def test_q4_0_with_q4_k_loads_as_int4_affine(tmp_path):
     """A layer of Q4_0 gate / up and Q4_K down is read as int4_affine (the wider), the Q4_0
     values v with scale d as codes v + 8 with (d, -8 d): gguf's weights exactly."""

@@ -201,6 +201,8 @@ def test_8_bit_gptq_loads_exactly_as_int8_affine_and_runs(tmp_path, kind, zeros)
         out = cpumoe.fused_moe(x, lw.prepack(isa=isa, num_threads=1), tw, ids)
         assert_moe_close(Backend("numpy"), out, ref)
     assert loaders.load_experts(tmp_path, 1, num_threads=1).weight_format == "int8_affine"
+    with pytest.raises(ValueError, match="requantize: only for GGUF files \\(this is 'gptq'"):
+        loaders.read_experts(tmp_path, 1, requantize="int8_affine")
 
 
 def test_one_asymmetric_matrix_makes_the_layer_affine(tmp_path):

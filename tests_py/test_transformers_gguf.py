@@ -113,6 +113,22 @@ def test_load_gguf_runs_the_stored_experts(tmp_path, qtypes, fmt):
     assert bf16.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
 
 
+def test_load_gguf_requantizes_on_request(tmp_path):
+    """F16 experts (no cpumoe format holds them): refused by default; with
+    requantize="int8_affine" packed as 8-bit groups of 32 of gguf's weights, the logits within
+    the int8 tolerance of the model on the file's weights."""
+    eager = _model("qwen3_moe", num_hidden_layers=2)
+    path = _save_gguf(eager, tmp_path / "f16.gguf", (Q.F16, Q.Q4_0))
+    with pytest.raises(UnsupportedCheckpoint, match="F16.*requantize='int8_affine'"):
+        cmt.load_gguf(path)
+    model = cmt.load_gguf(path, dtype=torch.float32, requantize="int8_affine")
+    assert model.config._experts_implementation == "cpumoe_int8_affine"
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        err = _rel(model(ids).logits, eager(ids).logits)
+    assert err <= TOL["cpumoe"], err
+
+
 def test_load_gguf_refuses_what_it_cannot_run(tmp_path):
     eager = _model("qwen3_moe", num_hidden_layers=2)
     # F16 experts: no cpumoe format holds them; named with the tensor.

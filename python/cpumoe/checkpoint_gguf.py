@@ -70,13 +70,14 @@ The ``gguf`` package (``pip install gguf``, the reader llama.cpp ships) is impor
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Any, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from .checkpoint import LoadedExperts, UnsupportedCheckpoint, expert_ids_of
-from .quantize import WIDENING, widen_values, widest_format
+from .quantize import WIDENING, quantize_int8_affine, widen_values, widest_format
 
 __all__ = ["GGUF_ACTIVATIONS", "GGUF_FORMATS", "GgufExperts", "GgufUnsupported",
            "gguf_activation", "read_gguf_experts"]
@@ -148,6 +149,8 @@ class GgufExperts(LoadedExperts):
 
     architecture: str
     gguf_types: Tuple[str, str, str]
+    #: the tensors re-quantized to int8_affine (read with requantize="int8_affine"), else ()
+    requantized: Tuple[str, ...] = ()
 
 
 def _gguf():
@@ -391,6 +394,22 @@ def _q5_k_expert(name: str, e: int, raw: np.ndarray, n: int, k: int):
     return (lo | (hi << 4)).reshape(n, k).astype(np.uint8), pairs
 
 
+def _requantized_expert(qtype, name: str, e: int, raw: np.ndarray, n: int, k: int):
+    """One expert's tensor of a type cpumoe does not hold (requantize="int8_affine"): gguf's
+    float32 weights [n, k], re-quantized to int8_affine groups of 32 (codes, pairs)."""
+    from gguf.quants import dequantize
+    try:
+        w = np.asarray(dequantize(np.ascontiguousarray(raw), qtype), np.float32).reshape(n, k)
+    except NotImplementedError as err:
+        raise GgufUnsupported(f"{name}: {qtype.name}: gguf cannot dequantize it, so it cannot be "
+                              f"re-quantized ({err})") from err
+    if not np.isfinite(w).all():
+        r, c = (int(i[0]) for i in np.nonzero(~np.isfinite(w)))
+        raise GgufUnsupported(f"{name}: {qtype.name} weight {w[r, c]} (expert {e}, row {r}, "
+                              f"column {c}) is not finite")
+    return quantize_int8_affine(w, 32)
+
+
 _CONVERT = {"Q4_0": _q4_0_expert, "MXFP4": _mxfp4_expert, "BF16": _bf16_expert,
             "Q4_1": _q4_1_expert, "Q4_K": _q4_k_expert, "Q8_0": _q8_0_expert,
             "Q5_0": _q5_0_expert, "Q5_1": _q5_1_expert, "Q5_K": _q5_k_expert}
@@ -398,12 +417,22 @@ _CONVERT = {"Q4_0": _q4_0_expert, "MXFP4": _mxfp4_expert, "BF16": _bf16_expert,
 
 def read_gguf_experts(path: PathLike, layer: int, *,
                       experts: Optional[Sequence[int]] = None,
-                      activation: Optional[str] = None) -> GgufExperts:
+                      activation: Optional[str] = None,
+                      requantize: Optional[str] = None) -> GgufExperts:
     """Reads MoE layer ``layer`` of GGUF file ``path`` (see the module doc) one expert at a
     time; ``experts``: the global ids to read (default all). ``.prepack()`` packs the result,
     ``.activation`` is the activation its w13 layout is for: ``activation`` (a spec of
     :func:`cpumoe.parse_activation`: a name of :data:`cpumoe.ACTIVATIONS`, with parameters where
-    it takes them) when given, else :func:`gguf_activation` of the file's architecture."""
+    it takes them) when given, else :func:`gguf_activation` of the file's architecture.
+
+    ``requantize="int8_affine"``: a gate / up / down tensor of a type no cpumoe format holds
+    exactly (Q6_K, the other K-quants, IQ types, F16, F32, ...; the ones ``gguf`` dequantizes) is
+    dequantized by ``gguf.quants.dequantize`` and re-quantized to 8-bit min-max groups of 32
+    (:func:`cpumoe.quantize.quantize_int8_affine`): not the file's weights, but within about
+    1/510 of each group's range of them (``requantized`` names those tensors); the others are
+    read exactly, in the widest format. Default None: such tensors are refused."""
+    if requantize not in (None, "int8_affine"):
+        raise ValueError(f"requantize: None or 'int8_affine', got {requantize!r}")
     gguf = _gguf()
     if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
         raise TypeError(f"layer: must be an int, got {type(layer).__name__}")
@@ -443,13 +472,17 @@ def read_gguf_experts(path: PathLike, layer: int, *,
                                   f"{', '.join(present)})")
     tg, tu, td = tensors[gate_n], tensors[up_n], tensors[down_n]
     types = tuple(_type_name(t) for t in (tg, tu, td))
+    requantized = tuple(t.name for t, q in zip((tg, tu, td), types) if q not in GGUF_FORMATS)
     for t, q in zip((tg, tu, td), types):
-        if q not in GGUF_FORMATS:
+        if q not in GGUF_FORMATS and requantize is None:
+            hint = (" (requantize='int8_affine' reads it re-quantized to 8-bit groups of 32, "
+                    "where gguf dequantizes it)")
             raise GgufUnsupported(f"{t.name} is {q}: cpumoe does not run {q} experts yet "
                                   f"({_why_not(q)}); it reads "
                                   f"{', '.join(f'{k} (as {v})' for k, v in GGUF_FORMATS.items())}"
-                                  f" (layer {layer}: gate / up / down are {' / '.join(types)})")
-    fmts = [GGUF_FORMATS[q] for q in types]
+                                  f" (layer {layer}: gate / up / down are {' / '.join(types)})"
+                                  f"{hint}")
+    fmts = [GGUF_FORMATS.get(q, "int8_affine") for q in types]
     if len(set(fmts)) != 1 and not set(fmts) <= set(WIDENING):
         raise GgufUnsupported(
             f"layer {layer}: gate / up / down are {' / '.join(types)}, i.e. cpumoe formats "
@@ -513,8 +546,9 @@ def read_gguf_experts(path: PathLike, layer: int, *,
             for t, q, rows, wdst, sdst, n, k in ((tg, types[0], rg, w13, s13, I, H),
                                                  (tu, types[1], ru, w13, s13, I, H),
                                                  (td, types[2], slice(None), w2, s2, H, I)):
-                v, s = widen_values(*_CONVERT[q](t.name, e, t.data[e], n, k), GGUF_FORMATS[q],
-                                    fmt)
+                conv = _CONVERT.get(q) or functools.partial(_requantized_expert, t.tensor_type)
+                v, s = widen_values(*conv(t.name, e, t.data[e], n, k),
+                                    GGUF_FORMATS.get(q, "int8_affine"), fmt)
                 wdst[j, rows] = v
                 if sdst is not None:
                     sdst[j, rows] = s
@@ -538,5 +572,5 @@ def read_gguf_experts(path: PathLike, layer: int, *,
                               "bfloat16: pip install ml_dtypes") from err
         w13, w2 = w13.view(ml_dtypes.bfloat16), w2.view(ml_dtypes.bfloat16)
     return GgufExperts(fmt, 32 if fmt in ("int4", "int4_affine", "int8_affine", "mxfp4") else 0,
-                       w13, w2, s13,
-                       s2, b13, b2, ids, n_global, activation, layer, arch, types)
+                       w13, w2, s13, s2, b13, b2, ids, n_global, activation, layer, arch,
+                       types, requantized)

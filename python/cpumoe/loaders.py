@@ -115,7 +115,8 @@ def _compressed_tensors_kind(q: dict) -> str:
 
 def read_experts(path: PathLike, layer: int, *, format: Optional[str] = None,
                  experts: Optional[Sequence[int]] = None,
-                 activation: Optional[str] = None) -> LoadedExperts:
+                 activation: Optional[str] = None,
+                 requantize: Optional[str] = None) -> LoadedExperts:
     """MoE layer ``layer``'s routed experts of the checkpoint ``path`` (a GGUF file, or a
     safetensors folder / file), unpacked in their cpumoe format's prepack input form, as stored
     (see the module doc). ``.prepack()`` packs the result; its ``.activation`` is the activation
@@ -127,6 +128,9 @@ def read_experts(path: PathLike, layer: int, *, format: Optional[str] = None,
       activation: the activation spec the layer is run with (it sets w13's layout: gate / up
         interleaved for swigluoai); None: the GGUF architecture's, gpt-oss MXFP4's swigluoai,
         otherwise "silu".
+      requantize: GGUF only: "int8_affine" reads the tensors of types no cpumoe format holds
+        (Q6_K, ...) re-quantized to 8-bit groups of 32
+        (:func:`cpumoe.checkpoint_gguf.read_gguf_experts`); None (default) refuses them.
     """
     if format is None:
         format = detect_format(path)
@@ -134,7 +138,11 @@ def read_experts(path: PathLike, layer: int, *, format: Optional[str] = None,
         raise ValueError(f"format: one of {_what()} or None (detect); got {format!r}")
     if format == "gguf":
         from .checkpoint_gguf import read_gguf_experts
-        return read_gguf_experts(path, layer, experts=experts, activation=activation)
+        return read_gguf_experts(path, layer, experts=experts, activation=activation,
+                                 requantize=requantize)
+    if requantize is not None:
+        raise ValueError(f"requantize: only for GGUF files (this is {format!r}: its formats "
+                         f"are read as stored)")
     if format == "mxfp4":
         from .checkpoint_w4 import load_mxfp4_moe_layer
         if activation is not None and not str(activation).startswith("swigluoai"):
@@ -172,7 +180,7 @@ def read_experts(path: PathLike, layer: int, *, format: Optional[str] = None,
 
 def load_experts(path: PathLike, layer: int, *, format: Optional[str] = None,
                  isa: Optional[str] = None, num_threads: Optional[int] = None,
-                 activation: Optional[str] = None):
+                 activation: Optional[str] = None, requantize: Optional[str] = None):
     """The packed layer (for :func:`cpumoe.fused_moe`) of MoE layer ``layer``'s routed experts in
     the checkpoint ``path``: a GGUF file, or a GPTQ / AWQ / compressed-tensors / FP8 / gpt-oss
     MXFP4 safetensors checkpoint (see the module doc), in the cpumoe weight format its stored
@@ -183,8 +191,9 @@ def load_experts(path: PathLike, layer: int, *, format: Optional[str] = None,
     Args:
       format: one of :data:`LOADERS`, or None to detect it from the file / config.
       isa, num_threads: as in the prepack functions.
-      activation: as in :func:`read_experts` (None: the checkpoint's).
+      activation, requantize: as in :func:`read_experts` (None: the checkpoint's; none).
     Raises UnsupportedCheckpoint (a ValueError) naming the tensor or setting that does not fit.
     """
-    experts = read_experts(path, layer, format=format, activation=activation)
+    experts = read_experts(path, layer, format=format, activation=activation,
+                           requantize=requantize)
     return experts.prepack(isa=isa, num_threads=num_threads)

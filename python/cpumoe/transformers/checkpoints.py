@@ -256,13 +256,16 @@ def _widened(w, fmt: str):
     return dataclasses.replace(w, weight_format=fmt, w13=w13, w2=w2, s13=s13, s2=s2)
 
 
-def _experts_of_checkpoint(ck, kind: str, layer: int, lay: Layout, name: str):
+def _experts_of_checkpoint(ck, kind: str, layer: int, lay: Layout, name: str,
+                           requantize: Optional[str] = None):
     """One layer's routed experts read from the checkpoint, in the form whose ``prepack``
     packs them (shapes checked against the model's experts module). ``kind``: the weight format
     (int8, int4, fp8, mxfp4) of the checkpoint's reader, gptq / awq (int4 or int4_affine, as the
-    layer's zero points say) or gguf (``ck`` the file's path; the format its types say)."""
+    layer's zero points say) or gguf (``ck`` the file's path; the format its types say;
+    ``requantize`` as :func:`cpumoe.loaders.read_experts`')."""
     if kind in ("gptq", "awq", "gguf"):
-        w = _loaders.read_experts(ck, layer, format=kind, activation=lay.activation)
+        w = _loaders.read_experts(ck, layer, format=kind, activation=lay.activation,
+                                  requantize=requantize)
     elif kind == "int8":
         w = _ck.load_moe_layer(ck, layer, activation=lay.activation)
     elif kind == "int4":

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import numpy as np
 import torch
@@ -19,12 +19,15 @@ from .checkpoints import _experts_of_checkpoint, fill_model, packed_model
 _EXPERT_TENSOR = re.compile(r"blk\.\d+\.ffn_(gate|up|down)_exps\.(weight|bias)$")
 
 
-def load_gguf(path, *, dtype: torch.dtype = torch.bfloat16, model_class: Any = None):
+def load_gguf(path, *, dtype: torch.dtype = torch.bfloat16, model_class: Any = None,
+              requantize: Optional[str] = None):
     """The model of the GGUF file ``path`` with every MoE layer's experts packed from the
     file's blocks as :func:`cpumoe.load_experts` reads them (Q4_0 -> int4, Q4_1 / Q4_K ->
-    int4_affine, MXFP4 -> mxfp4, BF16 -> bf16; other types refused naming them), running on
-    the cpumoe backend of that format (W4A8: int8 activations per token; a file whose layers
-    mix Q4_0 with Q4_1 / Q4_K runs them all as int4_affine, the same weights).
+    int4_affine, Q8_0 / Q5_0 / Q5_1 / Q5_K -> int8_affine, MXFP4 -> mxfp4, BF16 -> bf16; other
+    types refused naming them, or with ``requantize="int8_affine"`` re-quantized to 8-bit groups
+    of 32, e.g. the Q6_K down projections of llama.cpp's Q4_K_M files), running on the cpumoe
+    backend of that format (W4A8: int8 activations per token; a file whose layers mix these
+    integer formats runs them all in the widest, the same weights).
 
     The config comes from the file's metadata through transformers
     (``AutoConfig.from_pretrained(folder, gguf_file=name)``), with ``moe_intermediate_size``
@@ -52,10 +55,11 @@ def load_gguf(path, *, dtype: torch.dtype = torch.bfloat16, model_class: Any = N
     reader = _ckg._open(p)
     arch = _ckg._field(reader, "general.architecture")
     config = AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name)
-    kind = _expert_format(reader, config, p)
+    kind = _expert_format(reader, config, p, requantize)
     model, skip = packed_model(
         config, kind, dtype, model_class,
-        lambda layer, lay, name: _experts_of_checkpoint(p, "gguf", layer, lay, name))
+        lambda layer, lay, name: _experts_of_checkpoint(p, "gguf", layer, lay, name,
+                                                        requantize=requantize))
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
     names = get_gguf_hf_weights_map(model, processor)
     tensors: Dict[str, np.ndarray] = {}
@@ -76,7 +80,7 @@ def _magic(p: Path) -> bytes:
         return f.read(4)
 
 
-def _expert_format(reader, config: Any, path: Path) -> str:
+def _expert_format(reader, config: Any, path: Path, requantize: Optional[str] = None) -> str:
     """The cpumoe format of the first MoE layer's gate experts (the likely one: the layers read
     decide), after setting ``config.moe_intermediate_size`` from that tensor where the config
     has one."""
@@ -87,10 +91,11 @@ def _expert_format(reader, config: Any, path: Path) -> str:
         qtype = _ckg._type_name(t)
         if hasattr(config, "moe_intermediate_size"):
             config.moe_intermediate_size = int(_ckg._np_shape(t)[1])  # [E, I, H]
-        fmt = _ckg.GGUF_FORMATS.get(qtype)
+        fmt = _ckg.GGUF_FORMATS.get(qtype, requantize)
         if fmt is None:
             raise _ckg.GgufUnsupported(f"{path}: {t.name}: GGUF type {qtype}: "
-                                       f"{_ckg._why_not(qtype)}")
+                                       f"{_ckg._why_not(qtype)} (requantize='int8_affine' "
+                                       f"reads it re-quantized to 8-bit groups of 32)")
         return fmt
     raise _ck.UnsupportedCheckpoint(f"{path}: no blk.N.ffn_gate_exps.weight tensor: not a MoE "
                                     f"model cpumoe runs (fused experts per layer)")
