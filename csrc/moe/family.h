@@ -81,12 +81,13 @@ struct Family<QGemmUkernel> {
   // gscale (the row's act_groups scales) is given.
   template <class AnyPacked>
   static void sums(const RowOps&, const AnyPacked&, const Elem*, int64_t, float*, const float*) {}
-  // One task's GEMM with its epilogue (columns [tk.n0, tk.n0 + tk.n) of n_total); row_scale, gscale (the rows' group scales, when
-  // act_groups says there are, else nullptr) and sums (the rows' group sums, when groups says
-  // there are) at the task's first row, col_scale and bias (nullable) at the expert's column 0;
-  // scratch: the thread's kernel_scratch bytes.
+  // One task's GEMM with its epilogue (its columns [tk.n0, tk.n0 + tk.n) of the matrix's
+  // n_total); row_scale, gscale (the rows' group scales, when act_groups says there are, else
+  // nullptr) and sums (the rows' group sums, when groups says there are) at the task's first
+  // row, col_scale and bias (nullable) at the expert's column 0; scratch: the thread's
+  // kernel_scratch bytes.
   // stream: dst is large and read only later (QGemmEpilogue::stream_dst).
-  static void run(const QGemmUkernel& kern, const Packed&, const Task& tk, int64_t n_total, int64_t depth,
+  static void run(const QGemmUkernel& kern, const Packed&, const Task& tk, int64_t, int64_t depth,
                   const float*, const void* lhs, const void* rhs, float* dst, int64_t dst_stride,
                   const float* row_scale, const float*, const float* col_scale,
                   const float* bias, void*, bool stream = false) {
@@ -128,7 +129,7 @@ struct Family<BGemmUkernel> {
   }
   template <class AnyPacked>
   static void sums(const RowOps&, const AnyPacked&, const Elem*, int64_t, float*, const float*) {}
-  static void run(const BGemmUkernel& kern, const Packed&, const Task& tk, int64_t n_total, int64_t depth,
+  static void run(const BGemmUkernel& kern, const Packed&, const Task& tk, int64_t, int64_t depth,
                   const float*, const void* lhs, const void* rhs, float* dst, int64_t dst_stride,
                   const float*, const float*,
                   const float*, const float* bias, void*, bool = false) {
@@ -211,7 +212,8 @@ struct Family<Q4GemmUkernel> : Family<QGemmUkernel> {
       ro.add_group_offsets(tk.m, tk.n0, tk.n, groups, sums, offsets, row_scale, dst, dst_stride);
     if (pk.planes() == 1) return;
     float* tile = reinterpret_cast<float*>(
-        static_cast<uint8_t*>(scratch) + align_up(kern.scratch_bytes(tk.m, tk.n, depth, pk.layout())));
+        static_cast<uint8_t*>(scratch) +
+        align_up(kern.scratch_bytes(tk.m, tk.n, depth, pk.layout())));
     const Q4GemmEpilogue ep_lo{row_scale, nullptr, false, scratch, gscale};
     kern.run_f32(tk.m, tk.n, depth, pk.layout(), lhs,
                  static_cast<const uint8_t*>(rhs) + pk.plane_bytes(n_total, depth), tile, tk.n,
@@ -253,7 +255,8 @@ struct Family<F8GemmUkernel> : Family<BGemmUkernel> {
       most = std::max(most, at(F8Layout{g, 1}));
     return align_up(most);
   }
-  static void run(const F8GemmUkernel& kern, const Packed& pk, const Task& tk, int64_t n_total, int64_t depth,
+  static void run(const F8GemmUkernel& kern, const Packed& pk, const Task& tk, int64_t,
+                  int64_t depth,
                   const float*, const void* lhs, const void* rhs, float* dst, int64_t dst_stride,
                   const float*, const float*,
                   const float*, const float* bias, void* scratch, bool stream = false) {

@@ -5,7 +5,7 @@
 //   cpumoe_moe_bench [--H 2048] [--I 768] [--E 128] [--k 8] [--T 16] [--iters 3]
 //                    [--act SPEC, e.g. silu or silu_clamp(limit=10)] [--dtype f32|bf16|f16]
 //                    [--isa CAP] [--threads N] [--phases 0|1] [--tasks 0|1]
-//                    [--format int8|int4|int4_affine|mxfp4|bf16|fp8] [--group G]
+//                    [--format int8|int4|int4_affine|int8_affine|mxfp4|bf16|fp8] [--group G]
 //                    [--fuse 0|1|2]
 //                    [--routings N]
 //
@@ -330,29 +330,37 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  if (format != "int4" && format != "int4_affine" && format != "mxfp4") {
-    std::fprintf(stderr, "unknown format %s (int8, int4, int4_affine, mxfp4, bf16, fp8)\n",
+  if (format != "int4" && format != "int4_affine" && format != "int8_affine" &&
+      format != "mxfp4") {
+    std::fprintf(stderr,
+                 "unknown format %s (int8, int4, int4_affine, int8_affine, mxfp4, bf16, fp8)\n",
                  format.c_str());
     return 2;
   }
-  const bool mx = format == "mxfp4", affine = format == "int4_affine";
+  const bool mx = format == "mxfp4", bytes = format == "int8_affine";
+  const bool affine = format == "int4_affine" || bytes;
   if (mx) group = 32;
   auto w = shaped(cpumoe::MoeWeightsW4{});
-  w.format = mx ? cpumoe::W4Format::mxfp4
-                : affine ? cpumoe::W4Format::int4_affine : cpumoe::W4Format::int4;
+  w.format = mx       ? cpumoe::W4Format::mxfp4
+             : bytes  ? cpumoe::W4Format::int8_affine
+             : affine ? cpumoe::W4Format::int4_affine
+                      : cpumoe::W4Format::int4;
   w.group_size = group;
-  if (!mx)
-    for (auto* v : {&w13, &w2})  // int4: in [-8, 7]; int4_affine: codes in [0, 15]
+  if (!mx && !bytes)  // int4: in [-8, 7]; int4_affine: codes in [0, 15]; int8_affine: any byte
+    for (auto* v : {&w13, &w2})
       for (auto& x : *v) x = affine ? int8_t(uint8_t(x) >> 4) : int8_t(x >> 4);
-  // int4: fp32 group scales; int4_affine: (scale, min) pairs (min -8.5 scales); mxfp4: E8M0
-  // bytes (2^-7 ... 2^-5).
+  // int4: fp32 group scales; the affine formats: (scale, min) pairs (min -8.5 scales, 8-bit:
+  // -136 sixteenths); mxfp4: E8M0 bytes (2^-7 ... 2^-5).
   const int64_t groups13 = E * 2 * I * (H / group), groups2 = E * H * (I / group);
   const size_t per = affine ? 2 : 1;
   std::vector<float> g13(size_t(mx ? 0 : groups13) * per, 16e-3f),
       g2(size_t(mx ? 0 : groups2) * per, 16e-3f);
   if (affine)
     for (auto* g : {&g13, &g2})
-      for (size_t i = 1; i < g->size(); i += 2) (*g)[i] = -8.5f * 16e-3f;
+      for (size_t i = 0; i < g->size(); i += 2) {
+        if (bytes) (*g)[i] = 1e-3f;
+        (*g)[i + 1] = -8.5f * 16e-3f;
+      }
   std::vector<uint8_t> e13(size_t(mx ? groups13 : 0)), e2(size_t(mx ? groups2 : 0));
   for (size_t i = 0; i < e13.size(); ++i) e13[i] = uint8_t(120 + i % 3);
   for (size_t i = 0; i < e2.size(); ++i) e2[i] = uint8_t(120 + i % 3);
