@@ -278,7 +278,7 @@ def _ct_zero_points(words: torch.Tensor, n: int, groups: int, what: str, name: s
     if tuple(words.shape) != (E, n // 8, groups) or words.dtype != torch.int32:
         raise ValueError(f"cpumoe ({name}): {what}_weight_zero_point {words.dtype} "
                          f"{list(words.shape)}, expected int32 {[E, n // 8, groups]}")
-    nib = _nibbles(words.transpose(1, 2).contiguous())  # [E, groups, n / 8, 8]
+    nib = _fields(words.transpose(1, 2).contiguous())  # [E, groups, n / 8, 8]
     return nib.reshape(E, groups, n).transpose(0, 2, 1).astype("int16")
 
 
@@ -300,16 +300,17 @@ def _affine_from_zero_points(w13: torch.Tensor, w2: torch.Tensor, s13: torch.Ten
                                     group_size=w13.size(2) // max(1, s13.size(2)))
 
 
-def _nibbles(words: torch.Tensor) -> Any:
-    """int32 [..., M] -> uint8 numpy [..., M, 8]: nibble i is bits 4i..4i+3 of each word."""
-    from cpumoe.checkpoint import nibbles
-    return nibbles(words.numpy())
+def _fields(words: torch.Tensor, bits: int = 4) -> Any:
+    """int32 [..., M] -> uint8 numpy [..., M, 32 / bits]: field i is bits (bits * i) onward of
+    each word (cpumoe.checkpoint.fields)."""
+    from cpumoe.checkpoint import fields
+    return fields(words.numpy(), bits)
 
 
 def gptq_awq_layer(method: str, w13_qweight: torch.Tensor, w2_qweight: torch.Tensor,
                    w13_scales: torch.Tensor, w2_scales: torch.Tensor, w13_qzeros: torch.Tensor,
                    w2_qzeros: torch.Tensor, group_size: int, zero_offset: int = 0,
-                   name: str = "?") -> Tuple[str, int, Any, Any, Any, Any]:
+                   name: str = "?", bits: int = 4) -> Tuple[str, int, Any, Any, Any, Any]:
     """A GPTQ / AWQ MoE layer as vLLM's AutoGPTQMoEMethod / AutoAWQMoEMethod load it -> cpumoe's
     prepack input: (format, g, w13, w2, s13, s2), numpy.
 
@@ -323,21 +324,22 @@ def gptq_awq_layer(method: str, w13_qweight: torch.Tensor, w2_qweight: torch.Ten
     "int4" when every zero point is 8 (values q - 8, scales), else "int4_affine" (codes q,
     (s, -s * z) pairs: exact for fp16 / bf16 scales), with cpumoe's group size g: the largest
     multiple of 32 dividing the checkpoint's groups and both depths
-    (:mod:`cpumoe.checkpoint_gptq`'s rule)."""
+    (:mod:`cpumoe.checkpoint_gptq`'s rule). ``bits`` 8 (GPTQ only: four codes per word, packed
+    as above with 4 for 8): "int8_affine", the same pairs."""
     import numpy as np
     from cpumoe.checkpoint_gptq import AWQ_ORDER, _common_group
     rev = list(np.argsort(AWQ_ORDER))
     E = w13_qweight.size(0)
 
     def codes(qw):  # -> uint8 [E, N, K]
-        nib = _nibbles(qw)
-        if method == "gptq":  # [E, K / 8, N, 8] -> [E, N, K / 8, 8]
+        nib = _fields(qw, bits)
+        if method == "gptq":  # [E, K / p, N, p] -> [E, N, K / p, p] (p = 32 / bits)
             return np.ascontiguousarray(nib.transpose(0, 2, 1, 3)).reshape(E, qw.size(2), -1)
         # AWQ: [E, K, N / 8, 8] in AWQ's order -> [E, K, N] -> [E, N, K]
         return np.ascontiguousarray(nib[..., rev].reshape(E, qw.size(1), -1).transpose(0, 2, 1))
 
     def zeros(qz):  # -> int16 [E, G, N]
-        nib = _nibbles(qz)
+        nib = _fields(qz, bits)
         if method == "awq":
             nib = nib[..., rev]
         return nib.reshape(E, qz.size(1), -1).astype(np.int16) + np.int16(zero_offset)
@@ -361,14 +363,14 @@ def gptq_awq_layer(method: str, w13_qweight: torch.Tensor, w2_qweight: torch.Ten
         ge = k if group_size == -1 else group_size
         return np.ascontiguousarray(per_group[:, (np.arange(k // g) * g) // ge].transpose(0, 2, 1))
 
-    if (z13 == 8).all() and (z2 == 8).all():
+    if bits == 4 and (z13 == 8).all() and (z2 == 8).all():
         return ("int4", g, (c13.astype(np.int8) - np.int8(8)), (c2.astype(np.int8) - np.int8(8)),
                 regrid(s13, H), regrid(s2, I))
     pairs = []
     for s, z, k in ((s13, z13, H), (s2, z2, I)):
         pairs.append(np.stack([regrid(s, k), regrid(np.float32(0) - s * z.astype(np.float32), k)],
                               axis=-1))
-    return "int4_affine", g, c13, c2, pairs[0], pairs[1]
+    return "int4_affine" if bits == 4 else "int8_affine", g, c13, c2, pairs[0], pairs[1]
 
 
 class CpumoeGptqAwqExperts(_CpumoeExperts):
@@ -384,7 +386,8 @@ class CpumoeGptqAwqExperts(_CpumoeExperts):
     def _supports_quant_scheme(weight_key: Optional[QuantKey],
                                activation_key: Optional[QuantKey]) -> bool:
         from vllm.model_executor.layers.quantization.utils import quant_utils as qu
-        return activation_key is None and weight_key in (qu.kInt4Static, qu.kInt4StaticAsym)
+        return activation_key is None and weight_key in (qu.kInt4Static, qu.kInt4StaticAsym,
+                                                         qu.kInt8Static)
 
     def _prepack(self, layer: torch.nn.Module) -> Any:
         info = layer.cpumoe_gptq_awq
@@ -392,12 +395,15 @@ class CpumoeGptqAwqExperts(_CpumoeExperts):
         fmt, g, w13, w2, s13, s2 = gptq_awq_layer(
             info["method"], layer.w13_qweight.data, layer.w2_qweight.data,
             layer.w13_scales.data, layer.w2_scales.data, layer.w13_qzeros.data,
-            layer.w2_qzeros.data, info["group_size"], info["zero_offset"], self.layer_name)
-        fn = _ops.prepack_int4 if fmt == "int4" else _ops.prepack_int4_affine
+            layer.w2_qzeros.data, info["group_size"], info["zero_offset"], self.layer_name,
+            info.get("bits", 4))
+        fn = getattr(_ops, f"prepack_{fmt}")  # int4, int4_affine or int8_affine
         packed = fn(w13, w2, s13, s2, _bias(layer, "w13_bias"), _bias(layer, "w2_bias"),
                     group_size=g)
         label = {"gptq": "GPTQ v1", "gptq_v2": "GPTQ v2"}.get(info["checkpoint_format"],
                                                             "AWQ GEMM")
+        if info.get("bits", 4) == 8:
+            label += " 8-bit"
         ck_g = "" if info["group_size"] == g else f" group_size {info['group_size']}"
         self.source = f"{label} checkpoint{ck_g}, int8 activations"
         for name in ("w13_qweight", "w2_qweight", "w13_qzeros", "w2_qzeros", "w13_scales",
@@ -407,7 +413,8 @@ class CpumoeGptqAwqExperts(_CpumoeExperts):
 
     def _format_name(self) -> str:
         p = self.packed
-        return f"W4A8 {p.weight_format} g{p.group_size} ({getattr(self, 'source', '')})"
+        bits = "W8A8" if p.weight_format == "int8_affine" else "W4A8"  # the int8-activation op
+        return f"{bits} {p.weight_format} g{p.group_size} ({getattr(self, 'source', '')})"
 
 
 class CpumoeMxfp4Experts(_CpumoeExperts):

@@ -290,8 +290,9 @@ def _gptq_awq_kind(layer: RoutedExperts, prefix: str, quant_config: Any,
         kind = "awq"
     else:
         return None, "", False, None
-    if bits != 4:
-        return None, f"{name} {bits}-bit weights (cpumoe's GPTQ / AWQ path is 4-bit)", True, cfg
+    if bits != 4 and not (kind == "gptq" and bits == 8):
+        return None, (f"{name} {bits}-bit weights (cpumoe's GPTQ path is 4- and 8-bit, its AWQ "
+                      f"path 4-bit)"), True, cfg
     if not isinstance(g, int) or not (g == -1 or g > 0) or (kind == "awq" and g == -1):
         return None, f"{name} group_size {g!r}", True, cfg
     from cpumoe.checkpoint import UnsupportedCheckpoint

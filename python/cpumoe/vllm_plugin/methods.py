@@ -221,7 +221,8 @@ def method_classes() -> Dict[str, type]:
                 "method": self.method, "group_size": qc.group_size,
                 "zero_offset": {"gptq": 1, "gptq_v2": 0}.get(fmt, 1) if self.method == "gptq"
                 else 0,
-                "checkpoint_format": fmt if self.method == "gptq" else "gemm"}
+                "checkpoint_format": fmt if self.method == "gptq" else "gemm",
+                "bits": qc.weight_bits}
 
         def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
             # As vLLM's GPTQ method: expert biases the checkpoint did not hold are dropped (its
@@ -234,9 +235,9 @@ def method_classes() -> Dict[str, type]:
             super().process_weights_after_loading(layer)
 
     class CpumoeGptqMoEMethod(_GptqAwq, AutoGPTQMoEMethod):
-        """vLLM's GPTQ MoE method (4-bit; its parameters, ``w13_qweight`` [E, H / 8, 2I]
-        packed along K, ``w13_qzeros`` [E, G, 2I / 8] along N, and loader) with cpumoe's
-        experts."""
+        """vLLM's GPTQ MoE method (4- and 8-bit; its parameters, ``w13_qweight`` [E, H / 8, 2I]
+        packed along K, ``w13_qzeros`` [E, G, 2I / 8] along N (8-bit: / 4), and loader) with
+        cpumoe's experts."""
 
         method = "gptq"
 
