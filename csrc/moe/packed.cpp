@@ -278,6 +278,12 @@ const MoeWeightsW4& checked(const MoeWeightsW4& w) {
   return w;
 }
 
+// Bytes of one 4-bit plane of a packed [n, depth] matrix: the kernel's, rounded up to 64 (each
+// plane starts aligned). W4Packer lays the planes out by it; PackedMoeW4::plane_bytes finds them.
+size_t w4_plane_bytes(const Q4GemmUkernel& k, int64_t n, int64_t depth, const W4Layout& layout) {
+  return moe_detail::align_up(k.rhs_packed_size(n, depth, layout));
+}
+
 // One expert's w13 and w2 turned into codes (one per byte) and packed with their group scales.
 // Affine formats: codes c become the int4 values c - 8 (the nibble c ^ 8) and the (scale, min)
 // pairs give the kernel its scales; the mins are PackedMoeW4's offsets. int8_affine: each matrix
@@ -295,9 +301,8 @@ struct W4Packer final : RhsPacker {
     if (w.w13 == nullptr) fail("w13: missing");
     if (w.w2 == nullptr) fail("w2: missing");
   }
-  // One plane's bytes of an [n, depth] matrix (64-byte multiple: each plane starts aligned).
   size_t plane_bytes(int64_t n, int64_t depth) const {
-    return moe_detail::align_up(k->rhs_packed_size(n, depth, layout));
+    return w4_plane_bytes(*k, n, depth, layout);
   }
   size_t w13_bytes() const override {
     return size_t(planes()) * plane_bytes(2 * w.intermediate, w.hidden);
@@ -403,10 +408,8 @@ PackedMoeW4::PackedMoeW4(const MoeWeightsW4& w, const MoeConfig<Q4GemmUkernel>& 
                     W4Packer(config.gemm, w), w.b13, w.b13_dtype, w.b2, w.b2_dtype, num_threads),
       layout_{w4_kernel_format(w.format), w.group_size}, format_(w.format),
       act_quant_(w.act_quant) {
-  const int64_t E = w.num_experts, H = w.hidden, I = w.intermediate, g = w.group_size;
-  plane13_ = moe_detail::align_up(kernel().rhs_packed_size(2 * I, H, layout_));
-  plane2_ = moe_detail::align_up(kernel().rhs_packed_size(H, I, layout_));
   if (!w4_affine(format_)) return;
+  const int64_t E = w.num_experts, H = w.hidden, I = w.intermediate, g = w.group_size;
   const size_t planes = size_t(w4_planes(format_));
   o13_stride_ = planes * group_offset_floats(2 * I, H, g);
   o2_stride_ = planes * group_offset_floats(H, I, g);
@@ -420,6 +423,10 @@ PackedMoeW4::PackedMoeW4(const MoeWeightsW4& w, const MoeConfig<Q4GemmUkernel>& 
     fill_offsets(format_, static_cast<const float*>(w.s2), e, H, I, g,
                  offsets_.get() + size_t(E) * o13_stride_ + size_t(e) * o2_stride_);
   });
+}
+
+size_t PackedMoeW4::plane_bytes(int64_t n, int64_t depth) const {
+  return w4_plane_bytes(kernel(), n, depth, layout_);
 }
 
 PackedMoeBf16::PackedMoeBf16(const MoeWeightsBf16& w, const BGemmUkernel* kernel, int num_threads)

@@ -130,9 +130,7 @@ class PackedMoeW4 : public PackedExperts<Q4GemmUkernel> {
   int planes() const { return w4_planes(format_); }
   /// Bytes from one plane of an expert's packed [n, depth] matrix (w13: n = 2I, depth = H; w2:
   /// n = H, depth = I) to the next.
-  size_t plane_bytes(int64_t n, int64_t depth) const {
-    return n == 2 * intermediate() && depth == hidden() ? plane13_ : plane2_;
-  }
+  size_t plane_bytes(int64_t n, int64_t depth) const;
   /// The affine formats: expert e's group offsets of w13 / w2 in RowOps::add_group_offsets'
   /// panels (group_offset_floats floats per plane, the planes in turn); nullptr for the others.
   const float* o13(int64_t e) const {
@@ -150,7 +148,6 @@ class PackedMoeW4 : public PackedExperts<Q4GemmUkernel> {
   ActQuant act_quant_;
   std::unique_ptr<float[]> offsets_;  // [E] w13 panels, then [E] w2 panels
   size_t o13_stride_ = 0, o2_stride_ = 0;
-  size_t plane13_ = 0, plane2_ = 0;  // plane_bytes
 };
 
 /// Bf16 expert weights packed for one BGemmUkernel.
