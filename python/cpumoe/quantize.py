@@ -322,9 +322,6 @@ def _e4m3(code: int) -> float:
 E4M3_VALUES = np.array([_e4m3(c) for c in range(256)], dtype=np.float32)
 #: The largest finite E4M3 magnitude.
 E4M3_MAX = 448.0
-#: The E4M3 code of each integer -16..16 (index v + 16; +0 for 0).
-_E4M3_OF_INT = np.array([int(np.flatnonzero(E4M3_VALUES == np.float32(v))[0]) for v in
-                         range(-16, 17)], dtype=np.uint8)
 
 
 def e4m3_codes(v) -> np.ndarray:
@@ -346,6 +343,11 @@ def e4m3_codes(v) -> np.ndarray:
     code = ((exp_field << 3) | np.rint(man).astype(np.int64)).astype(np.uint8)
     code = code | np.where(np.signbit(v), 0x80, 0).astype(np.uint8)
     return np.where(np.isnan(v), np.uint8(0x7F), code).astype(np.uint8)
+
+
+#: The E4M3 code of each integer -16..16 (index v + 16; all exact, +0 for 0): a lookup for
+#: small_ints_as_e4m3, which converts whole layers.
+_E4M3_OF_INT = e4m3_codes(np.arange(-16, 17))
 
 
 def _block_amax(w32: np.ndarray, bn: int, bk: int) -> np.ndarray:

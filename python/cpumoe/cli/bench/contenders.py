@@ -117,13 +117,12 @@ def _cpumoe_w4(layer, name: str, q) -> Contender:
     """cpumoe's op on ``q`` (a QuantizedExperts, packed here)."""
     import cpumoe
     fmt, g = QUANT_CONTENDERS[name]
-    packed = q.prepack(num_threads=layer.threads,
-                       **({"act_quant": "bf16"} if name.endswith("-a16") else {}))
+    a16 = name.endswith("-a16")  # read: an E4M3 byte per weight and an fp32 scale per group
+    packed = q.prepack(num_threads=layer.threads, **({"act_quant": "bf16"} if a16 else {}))
     act, threads = layer.activation, layer.threads
 
     def fn(x, w, i, out):
         cpumoe.fused_moe(x, packed, w, i, activation=act, out=out, num_threads=threads)
-    a16 = name.endswith("-a16")  # read: an E4M3 byte per weight and an fp32 scale per group
     return Contender(name, f"{name} {packed.path}", packed.path, packed.kernel,
                      1 + 4 / g if a16 else q.bytes_per_weight(), fn,
                      f"{fmt} g{g}" + (" bf16 activations" if a16 else ""))
