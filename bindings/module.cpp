@@ -429,10 +429,16 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("act_quant", [](py::handle h) {
         return packed_of<PackedMoeW4>(h)->act_quant() == ActQuant::group ? "group" : "row";
       });
-  def_packed<PackedMoeFp8>(m).def_property_readonly("block_size", [](py::handle h) {
-    const auto p = packed_of<PackedMoeFp8>(h);
-    return py::make_tuple(p->block_n(), p->block_k());
-  });
+  def_packed<PackedMoeFp8>(m)
+      .def_property_readonly("block_size",
+                             [](py::handle h) {
+                               const auto p = packed_of<PackedMoeFp8>(h);
+                               return py::make_tuple(p->block_n(), p->block_k());
+                             })
+      .def_property_readonly(
+          "code_bits", [](py::handle h) { return packed_of<PackedMoeFp8>(h)->code_bits(); },
+          "Bits per packed weight: 8 (E4M3 codes), or 4 (W4A16 from prepack_int4 / "
+          "prepack_mxfp4 with act_quant='bf16', on a kernel that keeps 4-bit codes).");
 
   m.def(
       "prepack",
@@ -510,11 +516,13 @@ PYBIND11_MODULE(_C, m) {
       [](int64_t E, int64_t H, int64_t I, int64_t block_n, int64_t block_k, uintptr_t w13,
          uintptr_t w2, uintptr_t s13, uintptr_t s2, uintptr_t b13, const std::string& b13_dtype,
          uintptr_t b2, const std::string& b2_dtype, std::optional<std::string> isa,
-         int num_threads) {
+         int num_threads, int code_bits, uintptr_t codebook) {
         MoeWeightsFp8 w;
         fill_weights(&w, E, H, I, w13, w2, b13, b13_dtype, b2, b2_dtype);
         w.block_n = block_n;
         w.block_k = block_k;
+        w.code_bits = code_bits;
+        w.codebook = ptr<const uint8_t>(codebook);
         w.s13 = ptr<const float>(s13);
         w.s2 = ptr<const float>(s2);
         const MoeConfig<F8GemmUkernel> config = config_for(isa, fp8_config);
@@ -524,9 +532,10 @@ PYBIND11_MODULE(_C, m) {
       py::arg("E"), py::arg("H"), py::arg("I"), py::arg("block_n"), py::arg("block_k"),
       py::arg("w13"), py::arg("w2"), py::arg("s13"), py::arg("s2"), py::arg("b13"),
       py::arg("b13_dtype"), py::arg("b2"), py::arg("b2_dtype"), py::arg("isa"),
-      py::arg("num_threads"),
+      py::arg("num_threads"), py::arg("code_bits") = 8, py::arg("codebook") = 0,
       "Packs FP8 (E4M3) expert weights with fp32 block scales (addresses of contiguous "
-      "buffers; block_k 0: the whole depth).");
+      "buffers; block_k 0: the whole depth); code_bits 4: the weights are indices 0..15 into "
+      "codebook (16 E4M3 codes; W4A16) and the scales may be negative.");
 
   def_op<PackedMoeFp8>(m, "fused_moe_fp8", fused_moe_bf16,
                        "Runs the fused BF16 MoE op on FP8 weights on raw row-major buffers.");

@@ -61,6 +61,10 @@ class F8GemmTester {
   /// 2^-9 below 2^15 in magnitude, exact in fp32 in any order, so the result must be the
   /// oracle's bit for bit (needs groups below 4369 k).
   F8GemmTester& exact(bool v) { exact_ = v; return *this; }
+  /// 4-bit codes (F8Layout::code_bits 4): indices into a random codebook of 16 distinct codes
+  /// (one of them a zero); the kernel must have F8GemmUkernel::codes4. The whole call must also
+  /// give, bit for bit, what the same weights packed as 8-bit codes give.
+  F8GemmTester& codes4(bool v) { codes4_ = v; return *this; }
   /// Also call the kernel on sub-blocks at m / n offsets.
   F8GemmTester& offsets(bool v) { offsets_ = v; return *this; }
   F8GemmTester& seed(uint32_t v) { seed_ = v; return *this; }
@@ -69,6 +73,7 @@ class F8GemmTester {
     SCOPED_TRACE(testing::Message() << kern.name << " m=" << m_ << " n=" << n_ << " k=" << k_
                                     << " group=" << w_.group << " block_n=" << w_.block_n
                                     << (exact_ ? " exact" : " reals")
+                                    << (codes4_ ? " 4-bit codes" : "")
                                     << (extreme_ ? " extreme scales" : ""));
     ASSERT_GE(k_, 1) << "bad test shape";
     ASSERT_TRUE(w_.group >= k_ || (w_.group > 0 && w_.group % cpumoe::kF8GroupMultiple == 0))
@@ -126,6 +131,26 @@ class F8GemmTester {
         scales[size_t(r * lds + g)] = v;
       }
     }
+    // 4-bit codes: the weights become codebook[index] (the oracle's codes); `packed_codes` is
+    // what the kernel packs (indices, the row padding random bytes).
+    cpumoe::F8Layout wk = w_;
+    std::vector<uint8_t> packed_codes = codes;
+    if (codes4_) {
+      ASSERT_TRUE(kern.codes4) << "codes4() on a kernel without 4-bit codes";
+      std::vector<uint8_t> pool = allowed;
+      std::shuffle(pool.begin(), pool.end(), rng);
+      pool.erase(std::remove_if(pool.begin(), pool.end(), [](uint8_t c) { return (c & 0x7F) == 0; }),
+                 pool.end());
+      wk.code_bits = 4;
+      for (int i = 0; i < 16; ++i) wk.codebook[size_t(i)] = pool[size_t(i)];
+      wk.codebook[rng() % 16] = uint8_t(rng() % 2 ? 0x80 : 0x00);  // the padding's zero
+      for (int64_t j = 0; j < n_; ++j)
+        for (int64_t x = 0; x < k_; ++x) {
+          const uint8_t idx = uint8_t(rng() % 16);
+          packed_codes[size_t(j * ldc + x)] = idx;
+          codes[size_t(j * ldc + x)] = wk.codebook[idx];
+        }
+    }
     std::vector<float> bias(static_cast<size_t>(n_));
     std::uniform_real_distribution<float> db(-5.0f, 5.0f);
     for (auto& v : bias) v = exact_ ? float(int(db(rng))) : db(rng);
@@ -138,10 +163,10 @@ class F8GemmTester {
                         scales.data(), lds, bias.data(), want_b.data(), n_);
 
     const size_t lhs_size = kern.lhs_packed_size(m_, k_);
-    const size_t rhs_size = kern.rhs_packed_size(n_, k_, w_);
+    const size_t rhs_size = kern.rhs_packed_size(n_, k_, wk);
     GuardedBuffer lhs(lhs_size), rhs(rhs_size);
     kern.pack_lhs(m_, k_, rows.data(), lhs.data());
-    kern.pack_rhs(n_, k_, w_, codes.data(), ldc, scales.data(), lds, rhs.data());
+    kern.pack_rhs(n_, k_, wk, packed_codes.data(), ldc, scales.data(), lds, rhs.data());
     ASSERT_TRUE(lhs.guard_intact()) << "pack_lhs wrote past lhs_packed_size";
     ASSERT_TRUE(rhs.guard_intact()) << "pack_rhs wrote past rhs_packed_size";
 
@@ -164,17 +189,17 @@ class F8GemmTester {
       SCOPED_TRACE(testing::Message() << "block rows [" << blk.m0 << ", " << blk.m0 + blk.mc
                                       << ") cols [" << blk.n0 << ", " << blk.n0 + blk.nc << ")");
       if (blk.n0 > 0) {
-        ASSERT_EQ(kern.rhs_packed_offset(blk.n0, k_, w_) % 64, 0u);
+        ASSERT_EQ(kern.rhs_packed_offset(blk.n0, k_, wk) % 64, 0u);
       }
       const uint8_t* lp = lhs.data() + kern.lhs_packed_offset(blk.m0, k_);
-      const uint8_t* rp = rhs.data() + kern.rhs_packed_offset(blk.n0, k_, w_);
+      const uint8_t* rp = rhs.data() + kern.rhs_packed_offset(blk.n0, k_, wk);
       for (int kind = 0; kind < 3; ++kind) {  // no bias, bias, bias + stream_dst
         const bool with_bias = kind >= 1;
         SCOPED_TRACE(kind == 0 ? "without bias" : kind == 1 ? "with bias" : "stream_dst");
         // The call's scratch as the dispatcher plans it: scratch_bytes of this shape, 64-byte
         // aligned, starting as garbage (GuardedBuffer's pattern); none when that is 0.
-        const size_t sbytes = kern.scratch_bytes(blk.mc, blk.nc, k_, w_);
-        ASSERT_LE(sbytes, kern.scratch_bytes(m_, n_, k_, w_)) << "scratch_bytes not monotone";
+        const size_t sbytes = kern.scratch_bytes(blk.mc, blk.nc, k_, wk);
+        ASSERT_LE(sbytes, kern.scratch_bytes(m_, n_, k_, wk)) << "scratch_bytes not monotone";
         GuardedBuffer scratch(sbytes);
         cpumoe::F8GemmEpilogue ep;
         ep.bias = with_bias ? bias.data() + blk.n0 : nullptr;
@@ -184,7 +209,7 @@ class F8GemmTester {
         std::vector<float> df_store(size_t((m_ + 1) * ldd) + 16, kSentinel);
         float* df = df_store.data() +
                     (16 - (reinterpret_cast<uintptr_t>(df_store.data()) / 4) % 16) % 16;
-        kern.run_f32(blk.mc, blk.nc, k_, w_, lp, rp, df + blk.m0 * ldd + blk.n0, ldd, ep);
+        kern.run_f32(blk.mc, blk.nc, k_, wk, lp, rp, df + blk.m0 * ldd + blk.n0, ldd, ep);
         ASSERT_TRUE(scratch.guard_intact()) << "run_f32 wrote past scratch_bytes";
         const bool first = bi == 0 && kind < 2;  // the whole call: against the oracle
         std::vector<float>& mine = whole[with_bias ? 1 : 0];
@@ -220,6 +245,22 @@ class F8GemmTester {
         }
       }
     }
+    if (codes4_ && m_ > 0 && n_ > 0) {  // the same weights as 8-bit codes: the same bits
+      SCOPED_TRACE("8-bit codes of the same weights");
+      GuardedBuffer rhs8(kern.rhs_packed_size(n_, k_, w_));
+      kern.pack_rhs(n_, k_, w_, codes.data(), ldc, scales.data(), lds, rhs8.data());
+      ASSERT_LE(rhs_size, kern.rhs_packed_size(n_, k_, w_)) << "4-bit codes packed larger";
+      if (k_ >= 128)  // beyond the 64-byte padding of a block
+        ASSERT_LT(rhs_size, kern.rhs_packed_size(n_, k_, w_)) << "4-bit codes packed no smaller";
+      GuardedBuffer scratch(kern.scratch_bytes(m_, n_, k_, w_));
+      cpumoe::F8GemmEpilogue ep;
+      ep.scratch = scratch.data();
+      std::vector<float> d8(size_t(m_ * n_));
+      kern.run_f32(m_, n_, k_, w_, lhs.data(), rhs8.data(), d8.data(), n_, ep);
+      for (size_t at = 0; at < d8.size(); ++at)
+        ASSERT_EQ(std::memcmp(&d8[at], &whole[0][at], 4), 0)
+            << "at " << at << ": 8-bit codes " << d8[at] << ", 4-bit " << whole[0][at];
+    }
   }
 
  private:
@@ -237,7 +278,7 @@ class F8GemmTester {
 
   cpumoe::F8Layout w_{};
   int64_t m_ = 1, n_ = 1, k_ = 32;
-  bool extreme_ = false, exact_ = false, offsets_ = true;
+  bool extreme_ = false, exact_ = false, offsets_ = true, codes4_ = false;
   uint32_t seed_ = 42;
 };
 

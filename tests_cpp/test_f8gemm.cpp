@@ -139,6 +139,31 @@ TEST_P(F8GemmKernelTest, ExtremeScales) {
         }
 }
 
+// 4-bit codes (W4A16: indices into a 16-code codebook, F8Layout::code_bits 4) on the kernels
+// that take them: every tail, depth and group class, real and exact sums, and the same bits as
+// the same weights packed as 8-bit codes (the tester checks it). Kernels without them skip.
+TEST_P(F8GemmKernelTest, FourBitCodes) {
+  if (!kernel().codes4) GTEST_SKIP() << kernel().name << " takes 8-bit codes only";
+  for (int64_t k : {1, 17, 40, 128, 136, 392, 2880})
+    for (int64_t group : kGroups) {
+      if (!valid_group(group, k)) continue;
+      for (int64_t m : ms())
+        for (int64_t n : ns())
+          for (bool exact : {false, true}) {
+            if (exact && group > 4096) continue;
+            F8GemmTester().m(m).n(n).k(k).group(group).block_n(n % 2 ? 1 : 3).exact(exact)
+                .codes4(true).offsets(k <= 392).Test(kernel());
+            if (HasFatalFailure()) return;
+          }
+    }
+}
+
+// The portable kernel, the floor of every chain, takes 4-bit codes, so a layer packed with
+// them runs on every CPU.
+TEST(F8GemmRegistry, PortableTakesFourBitCodes) {
+  EXPECT_TRUE(cpumoe::f8gemm_registry().back()->codes4);
+}
+
 // One-hot rows of A (bf16 1.0) read every code back through the kernel's decoding: C[i][j] =
 // e4m3(B[j][i]) * s exactly (one non-zero product per output), for all 254 non-NaN codes.
 TEST_P(F8GemmKernelTest, DecodesEveryCode) {
@@ -244,6 +269,20 @@ TEST_P(F8GemmKernelTest, PackingIsFullyDetermined) {
         kernel().pack_rhs(n, k, w, codes.data(), ldc, sc.data(), lds, r0.data());
         kernel().pack_rhs(n, k, w, codes2.data(), ldc, sc2.data(), lds, r1.data());
         ASSERT_EQ(r0, r1) << "pack_rhs left bytes unwritten or read past the codes or scales";
+        if (!kernel().codes4) continue;
+        // 4-bit codes: the indices (codes & 15), the padding's zero at index 5.
+        F8Layout w4 = w;
+        w4.code_bits = 4;
+        for (int i = 0; i < 16; ++i) w4.codebook[size_t(i)] = all[size_t(i * 11)];
+        w4.codebook[5] = 0x80;
+        for (auto* c : {&codes, &codes2})
+          for (int64_t j = 0; j < n; ++j)
+            for (int64_t x = 0; x < k; ++x) (*c)[size_t(j * ldc + x)] &= 15;
+        const size_t rs4 = kernel().rhs_packed_size(n, k, w4);
+        std::vector<uint8_t> q0(rs4, 0x00), q1(rs4, 0xff);
+        kernel().pack_rhs(n, k, w4, codes.data(), ldc, sc.data(), lds, q0.data());
+        kernel().pack_rhs(n, k, w4, codes2.data(), ldc, sc2.data(), lds, q1.data());
+        ASSERT_EQ(q0, q1) << "4-bit pack_rhs left bytes unwritten or read past the codes";
       }
     }
   }

@@ -202,6 +202,137 @@ TEST(MoeFp8, ExpertMap) {
   }
 }
 
+// W4A16's form: 4-bit codebook indices (code_bits 4) with (1, 32) block scales, against the
+// same weights as E4M3 codes (the 8-bit twin, a negative scale's sign in its codes). Every kernel
+// this CPU runs, those that keep 4-bit codes and those that get them widened.
+struct Codes4Data {
+  Fp8Data f;  // f.ref: the 8-bit twin
+  std::vector<uint8_t> idx13, idx2;
+  std::vector<float> s13, s2;  // as given to the 4-bit form (any sign)
+  uint8_t codebook[16];
+};
+
+Codes4Data to_codes4(MoeData d, bool negative_scales, uint32_t seed) {
+  Codes4Data c;
+  for (int i = 0; i < 16; ++i) c.codebook[i] = e4m3_code(float(i - 8));  // int4: 0 at index 8
+  std::mt19937 rng(seed);
+  const auto& r = d.ref;
+  Fp8Data& f = c.f;
+  f.ref.E = r.E;
+  f.ref.H = r.H;
+  f.ref.I = r.I;
+  f.ref.block_n = 1;
+  f.ref.block_k = 32;
+  const auto fill = [&](int64_t N, int64_t K, std::vector<uint8_t>* idx, std::vector<float>* sc,
+                        std::vector<uint8_t>* twin, std::vector<float>* tsc) {
+    const int64_t groups = (K + 31) / 32;
+    for (int64_t e = 0; e < r.E; ++e)
+      for (int64_t n = 0; n < N; ++n) {
+        std::vector<float> s(static_cast<size_t>(groups));
+        for (auto& v : s) {
+          v = std::ldexp(1.0f + float(rng() % 64) / 64.0f, -7);
+          if (negative_scales && rng() % 4 == 0) v = -v;
+          sc->push_back(v);
+          tsc->push_back(std::fabs(v));
+        }
+        for (int64_t k = 0; k < K; ++k) {
+          const uint8_t i = uint8_t(rng() % 16);
+          idx->push_back(i);
+          twin->push_back(uint8_t(c.codebook[i] ^ (s[size_t(k / 32)] < 0.0f ? 0x80 : 0)));
+        }
+      }
+  };
+  fill(2 * r.I, r.H, &c.idx13, &c.s13, &f.ref.w13, &f.ref.s13);
+  fill(r.H, r.I, &c.idx2, &c.s2, &f.ref.w2, &f.ref.s2);
+  f.ref.b13 = r.b13;
+  f.ref.b2 = r.b2;
+  f.d = std::move(d);
+  return c;
+}
+
+cpumoe::MoeWeightsFp8 weights_of(const Codes4Data& c) {
+  cpumoe::MoeWeightsFp8 w = weights_of(c.f);
+  w.code_bits = 4;
+  w.codebook = c.codebook;
+  w.w13 = c.idx13.data();
+  w.w2 = c.idx2.data();
+  w.s13 = c.s13.data();
+  w.s2 = c.s2.data();
+  return w;
+}
+
+TEST(MoeFp8, FourBitCodesGiveTheTwinsBits) {
+  for (MoeShape s : {MoeShape{9, 6, 2, 96, 64}, MoeShape{40, 4, 2, 64, 200}}) {
+    for (bool negative : {false, true}) {
+      const Codes4Data c = to_codes4(
+          make_moe_data(s, DType::bf16, Activation::silu, true, 17), negative, 23);
+      SCOPED_TRACE(c.f.d.describe() + (negative ? " negative scales" : ""));
+      for (const cpumoe::F8GemmUkernel* kern : supported_f8_kernels()) {
+        SCOPED_TRACE(kern->name);
+        const cpumoe::PackedMoeFp8 p4(weights_of(c), kern), p8(weights_of(c.f), kern);
+        EXPECT_EQ(p4.code_bits(), kern->codes4 ? 4 : 8);
+        EXPECT_EQ(p8.code_bits(), 8);
+        if (kern->codes4) EXPECT_LT(p4.packed_bytes(), p8.packed_bytes() * 6 / 10);
+        const std::vector<uint8_t> out = cpumoe_test::run_moe(p4, c.f.d, 2);
+        if (!negative) {  // a negative scale flips the sign of some zero sums in the twin
+          EXPECT_TRUE(out == cpumoe_test::run_moe(p8, c.f.d, 2)) << "not the 8-bit twin's bits";
+        }
+        cpumoe_test::expect_close(cpumoe_test::output_values(c.f.d, out),
+                                  cpumoe_ref::fused_moe_fp8(c.f.ref, c.f.d.ref_inputs()), kTol);
+      }
+    }
+  }
+}
+
+// 4-bit codes: an index above 15, a codebook without a zero or with a NaN code, a code_bits
+// other than 4 or 8, or no codebook, each a clear error; a negative scale is one for 8-bit codes.
+TEST(MoeFp8, FourBitCodesBadInput) {
+  const Codes4Data c =
+      to_codes4(make_moe_data({3, 4, 2, 64, 32}, DType::bf16, Activation::silu, false, 3), true, 5);
+  const auto expect_error = [&](const cpumoe::MoeWeightsFp8& w, const std::string& part) {
+    try {
+      const cpumoe::PackedMoeFp8 p(w);
+      ADD_FAILURE() << "no error, wanted one naming " << part;
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+    }
+  };
+  {
+    std::vector<uint8_t> idx = c.idx13;
+    idx[77] = 16;
+    cpumoe::MoeWeightsFp8 w = weights_of(c);
+    w.w13 = idx.data();
+    expect_error(w, "above 15");
+  }
+  for (uint8_t bad : {uint8_t(0x7F), uint8_t(0xFF)}) {
+    uint8_t book[16];
+    std::copy(c.codebook, c.codebook + 16, book);
+    book[3] = bad;
+    cpumoe::MoeWeightsFp8 w = weights_of(c);
+    w.codebook = book;
+    expect_error(w, "is NaN");
+  }
+  {
+    uint8_t book[16];
+    std::copy(c.codebook, c.codebook + 16, book);
+    book[8] = 0x38;
+    cpumoe::MoeWeightsFp8 w = weights_of(c);
+    w.codebook = book;
+    expect_error(w, "needs a zero");
+  }
+  {
+    cpumoe::MoeWeightsFp8 w = weights_of(c);
+    w.codebook = nullptr;
+    expect_error(w, "codebook: missing");
+    w = weights_of(c);
+    w.code_bits = 2;
+    expect_error(w, "code_bits");
+    w = weights_of(c.f);  // 8-bit codes with the 4-bit form's negative scales
+    w.s13 = c.s13.data();
+    expect_error(w, ">= 0");
+  }
+}
+
 // The scratch bound of a kernel (any block shape) covers the packed layer's own.
 TEST(MoeFp8, ScratchBoundsHold) {
   const Fp8Data f = to_fp8(make_moe_data({40, 8, 2, 256, 128}, DType::bf16, Activation::silu,

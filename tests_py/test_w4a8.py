@@ -175,23 +175,25 @@ def test_act_quant_errors(backend):
     assert p.prepack().act_quant == "row"
 
 
-def test_small_ints_as_e4m3_are_the_same_weights():
-    """The W4A16 form: every integer in [-16, 16] times scales of either sign (and zero) as E4M3
-    codes times |scale|: dequantize_fp8 of it is dequantize_int4's weights, bit for bit up to the
-    sign of zero; out-of-range values and non-finite scales are errors."""
-    rng = np.random.default_rng(8)
-    v = rng.integers(-16, 17, (3, 5, 64)).astype(np.int8)
-    s = (rng.standard_normal((3, 5, 2)) * 0.01).astype(np.float32)
-    s[0, 0, 0] = 0.0
-    s[1, 2, 1] = -0.0
-    codes, sa = Q.small_ints_as_e4m3(v, s)
-    assert codes.dtype == np.uint8 and (sa >= 0).all() and not np.signbit(sa).any()
-    assert np.array_equal(Q.dequantize_fp8(codes, sa, (1, 32)), R.dequantize_int4(v, s, 32))
-    with pytest.raises(ValueError, match="w13: values must be integers in \\[-16, 16\\]"):
-        Q.small_ints_as_e4m3(v * 2, s, "w13")
-    s[2, 0, 0] = np.nan
-    with pytest.raises(ValueError, match="every scale must be finite"):
-        Q.small_ints_as_e4m3(v, s)
+def test_w4a16_errors_and_code_bits(backend):
+    """The W4A16 form: 4-bit codes where the path keeps them (``code_bits`` 4 on AVX-512 and
+    the portable path, half the packed bytes of the E4M3 form), negative scales kept, and a
+    non-finite scale (mxfp4's E8M0 255) a clear error."""
+    p = W4Problem(backend, "int4", 4, 8, 2, 256, 128, g=32)
+    sizes = {}
+    for path in cpumoe.available_paths("fp8"):
+        packed = p.prepack(act_quant="bf16", isa=path)
+        assert packed.code_bits in (4, 8), path
+        sizes[packed.code_bits] = packed.packed_bytes
+    assert cpumoe.available_paths("fp8")[-1] == "portable"
+    assert 4 in sizes  # the portable path keeps 4-bit codes
+    if 8 in sizes:
+        assert sizes[4] < 0.6 * sizes[8], sizes
+    m = W4Problem(backend, "mxfp4", 4, 8, 2, 256, 128)
+    b13, e13, b2, e2 = (Q.to_numpy(a).copy() for a in m.weights)
+    e13[0, 0, 0] = 255
+    with pytest.raises(ValueError, match="s13: every scale must be finite"):
+        cpumoe.prepack_mxfp4(b13, e13, b2, e2, act_quant="bf16")
 
 
 @pytest.mark.parametrize("fmt,g", [("int4", 32), ("int4", 128), ("mxfp4", 32)])

@@ -440,9 +440,14 @@ PackedMoeBf16::PackedMoeBf16(const MoeWeightsBf16& w, const MoeConfig<BGemmUkern
 namespace {
 
 // The kernels' layout of an fp8 layer: block_k 0 (the whole depth) is one group over both
-// depths.
-F8Layout fp8_layout(const MoeWeightsFp8& w) {
-  return F8Layout{w.block_k == 0 ? std::max(w.hidden, w.intermediate) : w.block_k, w.block_n};
+// depths; 4-bit codes where the kernel takes them (else its packer gets the E4M3 codes).
+F8Layout fp8_layout(const MoeWeightsFp8& w, const F8GemmUkernel& kernel) {
+  F8Layout l{w.block_k == 0 ? std::max(w.hidden, w.intermediate) : w.block_k, w.block_n};
+  if (w.code_bits == 4 && w.codebook != nullptr) {
+    std::copy(w.codebook, w.codebook + 16, l.codebook.begin());
+    if (kernel.codes4) l.code_bits = 4;
+  }
+  return l;
 }
 
 // The scale rows of one [n, depth] matrix: ceil(n / block_n) rows of f8_groups(depth) scales.
@@ -472,54 +477,83 @@ const MoeWeightsFp8& checked(const MoeWeightsFp8& w) {
   if (w.w2 == nullptr) fail("w2: missing");
   if (w.s13 == nullptr) fail("s13: missing");
   if (w.s2 == nullptr) fail("s2: missing");
+  if (w.code_bits != 8 && w.code_bits != 4)
+    fail("code_bits: must be 8 (E4M3 codes) or 4 (codebook indices), got " +
+         std::to_string(w.code_bits));
+  const bool indices = w.code_bits == 4;
+  if (indices) {
+    if (w.codebook == nullptr) fail("codebook: missing (4-bit codes)");
+    bool zero = false;
+    for (int i = 0; i < 16; ++i) {
+      if ((w.codebook[i] & 0x7F) == 0x7F)
+        fail("codebook: E4M3 code " + std::to_string(int(w.codebook[i])) + " is NaN (entry " +
+             std::to_string(i) + ")");
+      zero = zero || (w.codebook[i] & 0x7F) == 0;
+    }
+    if (!zero) fail("codebook: needs a zero (+0 or -0) among its 16 codes");
+  }
+  // A code is bad when NaN (E4M3 0x7F, 0xFF) or, for indices, above 15.
+  const auto bad_code = [indices](uint8_t c) { return indices ? c > 15 : (c & 0x7F) == 0x7F; };
   for (auto [p, n, name] : {std::tuple{w.w13, n13, "w13"}, std::tuple{w.w2, n2, "w2"}}) {
-    // E4M3's NaN codes (0x7F, 0xFF): in chunks without an early exit, as the int4 range check.
+    // In chunks without an early exit, as the int4 range check.
     constexpr int64_t kChunk = int64_t(1) << 16;
     for (int64_t x0 = 0; x0 < n; x0 += kChunk) {
       const int64_t x1 = std::min(n, x0 + kChunk);
       uint8_t bad = 0;
-      for (int64_t x = x0; x < x1; ++x) bad |= uint8_t((p[x] & 0x7F) == 0x7F);
+      for (int64_t x = x0; x < x1; ++x) bad |= uint8_t(bad_code(p[x]));
       if (bad == 0) continue;
       for (int64_t x = x0; x < x1; ++x)
-        if ((p[x] & 0x7F) == 0x7F)
-          fail(std::string(name) + ": E4M3 code " + std::to_string(int(p[x])) +
-               " is NaN (element " + std::to_string(x) + ")");
+        if (bad_code(p[x]))
+          fail(std::string(name) + (indices ? ": codebook index " : ": E4M3 code ") +
+               std::to_string(int(p[x])) + (indices ? " is above 15" : " is NaN") +
+               " (element " + std::to_string(x) + ")");
     }
   }
-  const F8Layout l = fp8_layout(w);
+  const F8Layout l{w.block_k == 0 ? std::max(H, I) : w.block_k, w.block_n};
   for (auto [s, count, name] :
        {std::tuple{w.s13, checked_mul(E, fp8_scale_count(2 * I, H, l), "s13"), "s13"},
         std::tuple{w.s2, checked_mul(E, fp8_scale_count(H, I, l), "s2"), "s2"}}) {
     for (int64_t x = 0; x < count; ++x)
-      if (!(s[x] >= 0.0f) || !std::isfinite(s[x]))
-        fail(std::string(name) + ": every scale must be finite and >= 0 (element " +
-             std::to_string(x) + " is " + std::to_string(s[x]) + ")");
+      if (!std::isfinite(s[x]) || (!indices && !(s[x] >= 0.0f)))
+        fail(std::string(name) + ": every scale must be finite" + (indices ? "" : " and >= 0") +
+             " (element " + std::to_string(x) + " is " + std::to_string(s[x]) + ")");
   }
   return w;
 }
 
-// One expert's w13 and w2 packed with their block scales by the kernel's pack_rhs.
+// One expert's w13 and w2 packed with their block scales by the kernel's pack_rhs; 4-bit codes
+// for a kernel without them first become their E4M3 codes (in the call's scratch).
 struct Fp8Packer final : RhsPacker {
   const F8GemmUkernel* k;
   const MoeWeightsFp8& w;
   F8Layout layout;
+  bool widen;  // indices given, 8-bit codes packed
   Fp8Packer(const F8GemmUkernel* kern, const MoeWeightsFp8& weights)
-      : k(kern), w(weights), layout(fp8_layout(weights)) {}
+      : k(kern), w(weights), layout(fp8_layout(weights, *kern)),
+        widen(weights.code_bits == 4 && layout.code_bits == 8) {}
   void check() const override {}  // checked() has seen every pointer
   size_t w13_bytes() const override {
     return k->rhs_packed_size(2 * w.intermediate, w.hidden, layout);
   }
   size_t w2_bytes() const override { return k->rhs_packed_size(w.hidden, w.intermediate, layout); }
-  size_t scratch_bytes() const override { return 0; }
+  size_t scratch_bytes() const override {
+    return widen ? size_t(2 * w.intermediate) * size_t(w.hidden) : 0;  // w13's, the larger
+  }
   void pack_one(const uint8_t* codes, const float* scales, int64_t e, int64_t n, int64_t depth,
-                void* dst) const {
+                void* dst, void* scratch) const {
     const int64_t groups = f8_groups(depth, layout);
-    k->pack_rhs(n, depth, layout, codes + size_t(e) * size_t(n) * size_t(depth), depth,
+    const uint8_t* mine = codes + size_t(e) * size_t(n) * size_t(depth);
+    if (widen) {
+      auto* c = static_cast<uint8_t*>(scratch);
+      for (size_t x = 0; x < size_t(n) * size_t(depth); ++x) c[x] = layout.codebook[mine[x]];
+      mine = c;
+    }
+    k->pack_rhs(n, depth, layout, mine, depth,
                 scales + size_t(e) * size_t(fp8_scale_count(n, depth, layout)), groups, dst);
   }
-  void pack(int64_t e, void* d13, void* d2, void*) const override {
-    pack_one(w.w13, w.s13, e, 2 * w.intermediate, w.hidden, d13);
-    pack_one(w.w2, w.s2, e, w.hidden, w.intermediate, d2);
+  void pack(int64_t e, void* d13, void* d2, void* scratch) const override {
+    pack_one(w.w13, w.s13, e, 2 * w.intermediate, w.hidden, d13, scratch);
+    pack_one(w.w2, w.s2, e, w.hidden, w.intermediate, d2, scratch);
   }
 };
 
@@ -532,7 +566,7 @@ PackedMoeFp8::PackedMoeFp8(const MoeWeightsFp8& w, const MoeConfig<F8GemmUkernel
                            int num_threads)
     : PackedExperts(checked(w).num_experts, w.hidden, w.intermediate, config,
                     Fp8Packer(config.gemm, w), w.b13, w.b13_dtype, w.b2, w.b2_dtype, num_threads),
-      layout_(fp8_layout(w)),
+      layout_(fp8_layout(w, *config.gemm)),
       block_k_(w.block_k) {}
 
 }  // namespace cpumoe

@@ -296,10 +296,12 @@ def prepack_int4(w13: Any, w2: Any, s13: Any, s2: Any, b13: Any = None, b2: Any 
         the default) or "group" (one scale per g values of a row, aligned with the weight
         groups: closer to the float layer where a row's magnitudes vary along k, for one more
         multiply per group; ``packed.act_quant`` tells). See cpumoe.reference's module comment.
-        "bf16" (W4A16, accuracy over speed): no activation quantization; the values become
-        E4M3 codes with the group scales as (1, g) blocks (exact, a negative scale's sign in
-        its codes) and the result is a :class:`PackedMoeFp8` (weight_format "fp8") that the
-        FP8 op runs with bf16 activations (8 bits read per weight).
+        "bf16" (W4A16, accuracy over speed): no activation quantization; the result is a
+        :class:`PackedMoeFp8` (weight_format "fp8") that the FP8 op runs with bf16
+        activations: the 4-bit codes index a 16-entry E4M3 codebook of the values (exact),
+        the group scales are (1, g) blocks. Kernels that keep 4-bit codes (AVX-512, the
+        portable one: ``packed.code_bits`` 4) read 4 bits per weight plus the scales; the
+        others get the E4M3 codes (8 bits).
     The packed layer holds 4 bits per weight plus the scales. Each GEMM output is
     ``s_x * sum_g (exact int32 group sum) * s[n, g] + b[n]``, fp32 over the groups in order.
     """
@@ -319,16 +321,25 @@ def _act_quant_arg(act_quant: Any, fmt: str = "int4_affine") -> str:
     return act_quant
 
 
-def _prepack_w4a16(values13, values2, scales13, scales2, b13, b2, g, isa, num_threads):
-    """act_quant="bf16" (W4A16): the 4-bit values (integers up to 12 in magnitude) as E4M3 codes
-    with the group scales as (1, g) blocks (cpumoe.quantize.small_ints_as_e4m3: exact), packed
-    for the FP8 op, which keeps the activations in bf16 (a PackedMoeFp8, weight_format "fp8").
-    The conversion needs numpy and cpumoe.quantize's tables, hence the import here."""
-    from .quantize import small_ints_as_e4m3
-    c13, s13 = small_ints_as_e4m3(values13, scales13, "w13")
-    c2, s2 = small_ints_as_e4m3(values2, scales2, "w2")
-    return prepack_fp8(c13, c2, s13, s2, b13, b2, block_size=(1, g), isa=isa,
-                       num_threads=num_threads)
+def _prepack_w4a16(idx13, idx2, book, scales13, scales2, b13, b2, g, isa, num_threads):
+    """act_quant="bf16" (W4A16): the 4-bit codes (uint8 indices [E, N, K] into ``book``, the 16
+    integer values of the format: int4's -8..7, mxfp4's 2 E2M1) with the group scales as (1, g)
+    blocks, packed for the FP8 op (a PackedMoeFp8, weight_format "fp8"), which keeps the
+    activations in bf16. The codebook is the values' E4M3 codes (exact: integers up to 12);
+    kernels that keep 4-bit codes read half a byte per weight, the others get the E4M3 codes
+    (``packed.code_bits``). The scales keep their sign (a codebook has none to spare); a
+    non-finite one is an error."""
+    import numpy as np
+    from .quantize import e4m3_codes, to_numpy
+    codebook = np.ascontiguousarray(e4m3_codes(np.asarray(book, np.float32)))
+    w13, v13, v2, E, H, I = _expert_weights(to_numpy(idx13).astype(np.uint8),
+                                            to_numpy(idx2).astype(np.uint8), "uint8", isa)
+    s13, vs13 = _block_scales("s13", scales13, E, 2 * I, H, 1, g)
+    s2, vs2 = _block_scales("s2", scales2, E, H, I, 1, g)
+    keep, (b13a, b13d, b2a, b2d) = _w4_bias_and_isa(E, H, I, b13, b2, isa)
+    return _C.prepack_fp8(E, H, I, 1, g, v13.address, v2.address, vs13.address, vs2.address,
+                          b13a, b13d, b2a, b2d, isa, _num_threads(num_threads, w13), 4,
+                          codebook.ctypes.data)
 
 
 def _prepack_int_groups(fmt, w13, w2, s13, s2, b13, b2, group_size, isa, num_threads,
@@ -352,11 +363,13 @@ def _prepack_int_groups(fmt, w13, w2, s13, s2, b13, b2, group_size, isa, num_thr
     check_shape(vs2, "s2", (E, H, I // g) + pair, f" (group_size {g})")
     keep, (b13a, b13d, b2a, b2d) = _w4_bias_and_isa(E, H, I, b13, b2, isa)
     if act_quant == "bf16":
+        import numpy as np
         from .quantize import to_numpy
         v = [to_numpy(a) for a in (w13, w2)]
         if any(a.size and (a.min() < -8 or a.max() > 7) for a in v):
             raise ValueError("w13/w2: int4 values must be in [-8, 7]")
-        return _prepack_w4a16(*v, to_numpy(s13), to_numpy(s2), b13, b2, g, isa, num_threads)
+        return _prepack_w4a16(*((a.astype(np.int16) + 8).astype(np.uint8) for a in v),
+                              np.arange(-8, 8), s13, s2, b13, b2, g, isa, num_threads)
     return _C.prepack_w4(E, H, I, fmt, g, v13.address, v2.address, vs13.address, vs2.address,
                          b13a, b13d, b2a, b2d, isa, _num_threads(num_threads, w13), act_quant)
 
@@ -454,9 +467,9 @@ def prepack_mxfp4(w13_blocks: Any, w13_scales: Any, w2_blocks: Any, w2_scales: A
     keep, (b13a, b13d, b2a, b2d) = _w4_bias_and_isa(E, H, I, b13, b2, isa)
     if act_quant == "bf16":
         from .quantize import MXFP4_INT, e8m0_scale, mxfp4_codes
-        return _prepack_w4a16(MXFP4_INT[mxfp4_codes(w13_blocks)],
-                              MXFP4_INT[mxfp4_codes(w2_blocks)], e8m0_scale(w13_scales, True),
-                              e8m0_scale(w2_scales, True), b13, b2, 32, isa, num_threads)
+        return _prepack_w4a16(mxfp4_codes(w13_blocks), mxfp4_codes(w2_blocks), MXFP4_INT,
+                              e8m0_scale(w13_scales, True), e8m0_scale(w2_scales, True), b13, b2,
+                              32, isa, num_threads)
     return _C.prepack_w4(E, H, I, "mxfp4", 32, v13.address, v2.address, vs13.address,
                          vs2.address, b13a, b13d, b2a, b2d, isa,
                          _num_threads(num_threads, w13_blocks), act_quant)

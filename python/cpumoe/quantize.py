@@ -185,26 +185,6 @@ def e8m0_scale(e, halve: bool) -> np.ndarray:
     return np.where(e == 255, np.float32(np.nan), v).astype(np.float32)
 
 
-def small_ints_as_e4m3(values, scales, what: str = "values"):
-    """Integer weight values v (|v| <= 16, e.g. int4's [-8, 7] or mxfp4's 2 * E2M1) with group
-    scales s [..., N, K / g] as (E4M3 codes uint8 [..., N, K], scales |s| float32): the same
-    weights e4m3(code) * |s| = v * s exactly (E4M3 holds every integer up to 16; a negative
-    scale's sign goes into its group's codes). ValueError for a value outside [-16, 16] or a
-    non-finite scale (naming ``what``)."""
-    v = np.asarray(values)
-    s = np.asarray(scales, dtype=np.float32)
-    if v.size and (v.min() < -16 or v.max() > 16):
-        raise ValueError(f"{what}: values must be integers in [-16, 16] for an FP8 form, got "
-                         f"[{v.min()}, {v.max()}]")
-    if not np.isfinite(s).all():
-        raise ValueError(f"{what}: every scale must be finite for an FP8 form (E8M0 255 / NaN "
-                         f"has none)")
-    g = v.shape[-1] // s.shape[-1]
-    neg = np.repeat(np.signbit(s), g, axis=-1)
-    iv = np.where(neg, -v.astype(np.int16), v.astype(np.int16))
-    return _E4M3_OF_INT[iv + 16], np.abs(s)
-
-
 def dequantize_int4(values, scales, group_size: int):
     """The real weights of int4 values [..., N, K] with group scales [..., N, K / g] (float32)."""
     v = to_numpy(values).astype(np.float32)
@@ -343,11 +323,6 @@ def e4m3_codes(v) -> np.ndarray:
     code = ((exp_field << 3) | np.rint(man).astype(np.int64)).astype(np.uint8)
     code = code | np.where(np.signbit(v), 0x80, 0).astype(np.uint8)
     return np.where(np.isnan(v), np.uint8(0x7F), code).astype(np.uint8)
-
-
-#: The E4M3 code of each integer -16..16 (index v + 16; all exact, +0 for 0): a lookup for
-#: small_ints_as_e4m3, which converts whole layers.
-_E4M3_OF_INT = e4m3_codes(np.arange(-16, 17))
 
 
 def _block_amax(w32: np.ndarray, bn: int, bk: int) -> np.ndarray:

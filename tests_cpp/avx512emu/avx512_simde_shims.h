@@ -20,11 +20,14 @@ inline simde__m512 cvtepi32_ps(simde__m512i a) {
   std::memcpy(&r, y, 64);
   return r;
 }
-inline simde__m512i cvtepu8_epi32(simde__m128i a) {
-  uint8_t x[16];
-  int32_t y[16];
-  std::memcpy(x, &a, 16);
-  for (int i = 0; i < 16; ++i) y[i] = x[i];
+// vpmovzxb*: the bytes of @p a zero-extended to the 64 / sizeof(Lane) lanes of a zmm.
+template <class Lane, class In>
+inline simde__m512i cvtepu8(In a) {
+  constexpr int kN = 64 / int(sizeof(Lane));
+  uint8_t x[kN];
+  Lane y[kN];
+  std::memcpy(x, &a, kN);
+  for (int i = 0; i < kN; ++i) y[i] = x[i];
   simde__m512i r;
   std::memcpy(&r, y, 64);
   return r;
@@ -139,7 +142,8 @@ inline simde__m512 dpbf16_ps(simde__m512 src, simde__m512i a, simde__m512i b) {
 }  // namespace cpumoe_test
 
 #define _mm512_cvtepi32_ps(a) cpumoe_test::simde_shim::cvtepi32_ps(a)
-#define _mm512_cvtepu8_epi32(a) cpumoe_test::simde_shim::cvtepu8_epi32(a)
+#define _mm512_cvtepu8_epi32(a) cpumoe_test::simde_shim::cvtepu8<int32_t>(a)
+#define _mm512_cvtepu8_epi16(a) cpumoe_test::simde_shim::cvtepu8<uint16_t>(a)
 #define _mm512_cmplt_epu32_mask(a, b) cpumoe_test::simde_shim::cmplt_epu32_mask(a, b)
 #define _mm512_mask_sllv_epi32(s, k, a, c) cpumoe_test::simde_shim::mask_sllv_epi32(s, k, a, c)
 #define _mm512_maskz_loadu_ps(k, p) cpumoe_test::simde_shim::maskz_loadu_ps(k, p)

@@ -34,6 +34,7 @@
 /// n >= 0, k >= 1; callers never pad themselves.
 #pragma once
 
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -50,7 +51,23 @@ struct F8Layout {
   int64_t group = 128;
   /// Rows of B (output columns) per scale block: >= 1 (1: a scale per column).
   int64_t block_n = 128;
+  /// Bits of one stored weight code: 8 (the E4M3 code itself) or 4 (W4A16: an index into
+  /// `codebook`, two per byte, half the bytes read; only for kernels with
+  /// F8GemmUkernel::codes4). The weight is then e4m3(codebook[index]); everything else, the
+  /// arithmetic included, is as for 8-bit codes, so both forms of the same weights give the same
+  /// bits.
+  int64_t code_bits = 8;
+  /// code_bits 4: the E4M3 code of each index (none NaN, at least one of value zero: the
+  /// packing's padding). Unused for 8-bit codes.
+  std::array<uint8_t, 16> codebook{};
 };
+
+/// The index of the first zero (+0 or -0) in @p w's codebook, or -1 if it has none.
+inline int f8_codebook_zero(const F8Layout& w) {
+  for (int i = 0; i < 16; ++i)
+    if ((w.codebook[size_t(i)] & 0x7F) == 0) return i;
+  return -1;
+}
 
 /// Every group size below K is a multiple of this, so every group but the last is a multiple of
 /// each kernel's kr.
@@ -81,6 +98,8 @@ struct F8GemmUkernel {
   int64_t mr;        ///< rows of the main register tile; lhs offsets are taken at multiples of it
   int64_t nr;        ///< columns of a packed B block; rhs offsets are taken at multiples of it
   int64_t kr;        ///< divides kF8GroupMultiple; the last group is padded to a multiple of it
+  /// Takes F8Layout::code_bits 4 (4-bit indices into a codebook) besides 8.
+  bool codes4;
 
   /// Bytes of packed A for @p m rows of depth @p k.
   size_t (*lhs_packed_size)(int64_t m, int64_t k);
@@ -94,9 +113,11 @@ struct F8GemmUkernel {
   size_t (*rhs_packed_size)(int64_t n, int64_t k, const F8Layout& w);
   /// Byte offset of output column @p n_idx (a multiple of nr) in packed B; a multiple of 64.
   size_t (*rhs_packed_offset)(int64_t n_idx, int64_t k, const F8Layout& w);
-  /// Packs B: column j's k E4M3 codes at codes + j * code_stride; the scale of column j's group
-  /// g at scales[(j / w.block_n) * scale_stride + g] (fp32, finite; f8_groups(k, w) per block
-  /// row). Every column's codes and scales are read, nothing else.
+  /// Packs B: column j's k E4M3 codes at codes + j * code_stride (w.code_bits 4: codebook
+  /// indices 0..15, one per byte; the codebook is w's: @pre codes4 and f8_codebook_zero(w) >= 0);
+  /// the scale of column j's group g at scales[(j / w.block_n) * scale_stride + g] (fp32,
+  /// finite; f8_groups(k, w) per block row). Every column's codes and scales are read, nothing
+  /// else.
   void (*pack_rhs)(int64_t n, int64_t k, const F8Layout& w, const uint8_t* codes,
                    int64_t code_stride, const float* scales, int64_t scale_stride,
                    void* rhs_packed);

@@ -84,8 +84,15 @@ struct MoeWeightsFp8 {
   int64_t intermediate = 0;
   int64_t block_n = 128;  ///< >= 1
   int64_t block_k = 128;  ///< >= 0 (0: the whole depth)
-  const uint8_t* w13 = nullptr;  ///< [E, 2I, H] E4M3 codes
+  const uint8_t* w13 = nullptr;  ///< [E, 2I, H] E4M3 codes (code_bits 4: codebook indices)
   const uint8_t* w2 = nullptr;   ///< [E, H, I]
+  /// 8: w13 / w2 hold E4M3 codes and every scale is >= 0. 4 (W4A16: 4-bit weights with bf16
+  /// activations): they hold indices 0..15 into `codebook`, one per byte, the weight
+  /// e4m3(codebook[index]) times its block scale, which may then have either sign (a 4-bit
+  /// codebook has no sign to spare). Kernels with F8GemmUkernel::codes4 keep the indices (half
+  /// the bytes); the others get the codes.
+  int code_bits = 8;
+  const uint8_t* codebook = nullptr;  ///< code_bits 4: 16 E4M3 codes, none NaN, one a zero
   const float* s13 = nullptr;    ///< [E, ceil(2I / block_n), ceil(H / block_k)]
   const float* s2 = nullptr;     ///< [E, ceil(H / block_n), ceil(I / block_k)]
   const void* b13 = nullptr;     ///< [E, 2I] or nullptr, of type b13_dtype

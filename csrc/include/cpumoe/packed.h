@@ -182,6 +182,9 @@ class PackedMoeFp8 : public PackedExperts<F8GemmUkernel> {
   int64_t block_k() const { return block_k_; }
   /// The kernels' layout (group: block_k, or the largest depth when that is 0).
   const F8Layout& layout() const { return layout_; }
+  /// Bits per packed weight code: 8, or 4 when 4-bit codes were given and the kernel keeps
+  /// them (F8GemmUkernel::codes4).
+  int64_t code_bits() const { return layout_.code_bits; }
 
  private:
   F8Layout layout_;

@@ -28,19 +28,27 @@ namespace {
 /// line: rhs_offset(j) is a multiple of 64 for j a multiple of Nr). A block holds the groups of k
 /// in order; group g (k in [g * gk, g * gk + len), gk = group_k(k, w), len = gk except for the
 /// last group) is
-///   - the codes: Nr * gp bytes, gp = round_up(len, Kr) (= gk for all but the last group, as
+///   - the codes: Nr * gp positions, gp = round_up(len, Kr) (= gk for all but the last group, as
 ///     kF8GroupMultiple is a multiple of Kr), in the kernel's arrangement (pack_rhs_f8's Arrange),
-///     codes past len and columns past n stored as the recoded code 0 (the value +0);
-///   - zero bytes up to a multiple of 4 (none when Nr * Kr is a multiple of 4);
+///     codes past len and columns past n stored as the recoded code 0 (the value +0). A position
+///     is a byte for 8-bit codes. For 4-bit codes (kernels with NibbleSpan S > 0), positions
+///     [2 S c, 2 S c + S) are the low nibbles of bytes [S c, S c + S) and the next S positions
+///     their high nibbles (a vector of S bytes unpacks into two of S codes, each in the order
+///     the 8-bit form has them); padding is the codebook's first zero;
+///   - zero bytes up to a multiple of 4 (none when Nr * Kr * bits / 8 is a multiple of 4);
 ///   - the Nr fp32 scales of the group, column c's at 4 c (the kernel's Recode::scale of the
 ///     block scale of column c: as given unless a kernel folds a power of two in), 0 for columns
 ///     past n.
 /// Groups follow each other at a fixed stride (group_stride): only the last may be shorter. Zero
 /// bytes pad the block to a multiple of 64. Offsets at multiples of Nr.
-template <int64_t Nr, int64_t Kr, int64_t LhsBytes, int64_t LhsRows = 1>
+template <int64_t Nr, int64_t Kr, int64_t LhsBytes, int64_t LhsRows = 1, int64_t NibbleSpan = 0>
 struct F8Packing : RowLhsPacking<Kr, LhsBytes, LhsRows> {
   static_assert(kF8GroupMultiple % Kr == 0, "every group but the last must be whole k steps");
+  static_assert(NibbleSpan == 0 || (Nr * Kr) % (2 * NibbleSpan) == 0,
+                "a k step's 4-bit codes fill whole spans");
   static constexpr int64_t kNr = Nr;
+  /// 0: 8-bit codes only; else 4-bit codes too, S = NibbleSpan (above).
+  static constexpr int64_t kNibbleSpan = NibbleSpan;
 
   /// k per group (every group but the last): the layout's group, or k when that covers k.
   static int64_t group_k(int64_t k, const F8Layout& w) { return w.group >= k ? k : w.group; }
@@ -54,16 +62,18 @@ struct F8Packing : RowLhsPacking<Kr, LhsBytes, LhsRows> {
     return round_up(group_len(g, k, w), Kr);
   }
   /// Bytes of a group's codes and the padding after them, for a group of @p gp padded k.
-  static int64_t codes_bytes(int64_t gp) { return round_up(Nr * gp, 4); }
+  static int64_t codes_bytes(int64_t gp, const F8Layout& w) {
+    return round_up(Nr * gp * w.code_bits / 8, 4);
+  }
   /// Bytes from one group of a block to the next.
   static int64_t group_stride(int64_t k, const F8Layout& w) {
-    return codes_bytes(round_up(group_k(k, w), Kr)) + 4 * Nr;
+    return codes_bytes(round_up(group_k(k, w), Kr), w) + 4 * Nr;
   }
   /// Bytes of a block's groups (before the padding to 64).
   static int64_t groups_bytes(int64_t k, const F8Layout& w) {
     const int64_t groups = f8_groups(k, w);
     const int64_t last = round_up(group_len(groups - 1, k, w), Kr);
-    return (groups - 1) * group_stride(k, w) + codes_bytes(last) + 4 * Nr;
+    return (groups - 1) * group_stride(k, w) + codes_bytes(last, w) + 4 * Nr;
   }
   static size_t block_bytes(int64_t k, const F8Layout& w) {
     return size_t(round_up(groups_bytes(k, w), 64));
@@ -96,16 +106,19 @@ struct KeepF8 {
 };
 
 /// F8GemmUkernel::pack_rhs for packing P, codes at Arrange::index(c, kk, gp) (0 <= index <
-/// Nr * gp, one byte each) within each group, each code stored as Recode::code, each scale as
-/// Recode::scale. Reads each column's k codes and its block row's f8_groups scales, nothing
-/// else; writes every byte of rhs_size(n, k, w).
+/// Nr * gp, one position each) within each group, each code stored as Recode::code, each scale
+/// as Recode::scale; 4-bit codes (w.code_bits 4, P::kNibbleSpan > 0) as they are, in nibbles
+/// (F8Packing). Reads each column's k codes and its block row's f8_groups scales, nothing else;
+/// writes every byte of rhs_size(n, k, w).
 template <class P, class Arrange, class Recode = KeepF8>
 void pack_rhs_f8(int64_t n, int64_t k, const F8Layout& w, const uint8_t* codes,
                  int64_t code_stride, const float* scales, int64_t scale_stride, void* packed) {
-  constexpr int64_t Nr = P::kNr;
+  constexpr int64_t Nr = P::kNr, S = P::kNibbleSpan;
   if (n <= 0) return;
+  const bool nibbles = w.code_bits == 4;
+  if (nibbles && (S == 0 || f8_codebook_zero(w) < 0)) return;  // the interface's precondition
   const int64_t groups = f8_groups(k, w), gk = P::group_k(k, w), stride = P::group_stride(k, w);
-  const uint8_t zero = Recode::code(0);
+  const uint8_t zero = nibbles ? uint8_t(f8_codebook_zero(w)) : Recode::code(0);
   auto* dst = static_cast<uint8_t*>(packed);
   for (int64_t j0 = 0; j0 < n; j0 += Nr) {
     uint8_t* blk = dst + P::rhs_offset(j0, k, w);
@@ -113,17 +126,26 @@ void pack_rhs_f8(int64_t n, int64_t k, const F8Layout& w, const uint8_t* codes,
     for (int64_t g = 0; g < groups; ++g) {
       uint8_t* grp = blk + g * stride;
       const int64_t len = P::group_len(g, k, w), gp = round_up(len, P::kKr);
+      const int64_t cb = P::codes_bytes(gp, w), used = nibbles ? Nr * gp / 2 : Nr * gp;
       // Padding k and padding columns: the zero code; then each real code at its place.
-      std::memset(grp, zero, size_t(Nr * gp));
-      std::memset(grp + Nr * gp, 0, size_t(P::codes_bytes(gp) - Nr * gp));
+      std::memset(grp, nibbles ? zero | zero << 4 : zero, size_t(used));
+      std::memset(grp + used, 0, size_t(cb - used));
       for (int64_t c = 0; c < valid; ++c) {
         const uint8_t* col = codes + (j0 + c) * code_stride + g * gk;
-        for (int64_t kk = 0; kk < len; ++kk) grp[Arrange::index(c, kk, gp)] = Recode::code(col[kk]);
+        for (int64_t kk = 0; kk < len; ++kk) {
+          const int64_t p = Arrange::index(c, kk, gp);
+          if (!nibbles) {
+            grp[p] = Recode::code(col[kk]);
+            continue;
+          }
+          const int64_t r = p % (2 * S), byte = p / (2 * S) * S + r % S, shift = r < S ? 0 : 4;
+          grp[byte] = uint8_t((grp[byte] & ~(15 << shift)) | (col[kk] & 15) << shift);
+        }
       }
       float s[Nr];
       for (int64_t c = 0; c < Nr; ++c)
         s[c] = c < valid ? Recode::scale(scales[((j0 + c) / w.block_n) * scale_stride + g]) : 0.0f;
-      std::memcpy(grp + P::codes_bytes(gp), s, sizeof(s));
+      std::memcpy(grp + cb, s, sizeof(s));
     }
     const size_t used = size_t(P::groups_bytes(k, w));
     std::memset(blk + used, 0, P::block_bytes(k, w) - used);
@@ -156,6 +178,12 @@ constexpr E4m3Table make_e4m3_table() {
 }
 constexpr E4m3Table kE4m3Table = make_e4m3_table();
 
+/// The values of @p w's 16 codebook entries times @p factor (a power of two: exact), for a
+/// kernel's 4-bit decode table.
+inline void f8_codebook_values(const F8Layout& w, float factor, float* out) {
+  for (int i = 0; i < 16; ++i) out[i] = kE4m3Table.v[w.codebook[size_t(i)]] * factor;
+}
+
 /// dst[j] = acc[j] (+ bias[j]) for j < n: the scalar final step of every kernel.
 inline void store_f8_row(float* dst, const float* acc, int64_t n, const float* bias) {
   if (bias != nullptr) {
@@ -186,7 +214,8 @@ F8Call f8_call(int64_t k, const F8Layout& w) {
 inline size_t f8_no_scratch(int64_t, int64_t, int64_t, const F8Layout&) { return 0; }
 
 /// The interface table of an f8gemm kernel with packing P (an F8Packing, or any class with its
-/// members kNr, kKr, lhs_size, lhs_offset, rhs_size, rhs_offset).
+/// members kNr, kKr, kNibbleSpan, lhs_size, lhs_offset, rhs_size, rhs_offset); the kernel takes
+/// 4-bit codes when P has a nibble span.
 template <class P>
 constexpr F8GemmUkernel make_f8gemm(const char* name, Isa isa, int64_t mr,
                                     decltype(F8GemmUkernel::pack_lhs) pack_lhs,
@@ -195,9 +224,11 @@ constexpr F8GemmUkernel make_f8gemm(const char* name, Isa isa, int64_t mr,
                                     decltype(F8GemmUkernel::scratch_bytes) scratch_bytes =
                                         f8_no_scratch) {
   static_assert(kF8GroupMultiple % P::kKr == 0, "kr must divide kF8GroupMultiple");
-  return F8GemmUkernel{name,        isa,           mr,       P::kNr,      P::kKr,
-                       P::lhs_size, P::lhs_offset, pack_lhs, P::rhs_size, P::rhs_offset,
-                       pack_rhs,    scratch_bytes, run_f32};
+  return F8GemmUkernel{name,          isa,         mr,
+                       P::kNr,        P::kKr,      P::kNibbleSpan > 0,
+                       P::lhs_size,   P::lhs_offset, pack_lhs,
+                       P::rhs_size,   P::rhs_offset, pack_rhs,
+                       scratch_bytes, run_f32};
 }
 
 }  // namespace

@@ -206,7 +206,7 @@ void tile(const Call& cl, const bfloat16_t* a, const uint8_t* b, float* dst, int
     const int64_t gp = Packing::group_kp(g, cl.k, *cl.w);
     const uint8_t* grp = b + g * cl.gstride;
     group_sums<NP, NB, false>(a + 2 * g * cl.gk, 2 * cl.kp, grp, cl.block_bytes, gp / kBf16pKr,
-                              nullptr, nullptr, &tot[0][0], grp + Packing::codes_bytes(gp));
+                              nullptr, nullptr, &tot[0][0], grp + Packing::codes_bytes(gp, *cl.w));
   }
   store_tile<NP, NB>(tot, dst, dst_stride, rows, cols, bias);
 }
@@ -265,7 +265,7 @@ void run_decoded(const Call& cl, int64_t m, int64_t n, const bfloat16_t* a, cons
           kDecodedSums[np](a + t * kMr * cl.kp + 2 * (g * cl.gk + x0), 2 * cl.kp,
                            reinterpret_cast<const uint8_t*>(dec), 0, kc / kBf16pKr,
                            x0 == 0 ? nullptr : st, x0 + kc == gp ? nullptr : st,
-                           tot + t * kTileFloats, grp + Packing::codes_bytes(gp));
+                           tot + t * kTileFloats, grp + Packing::codes_bytes(gp, *cl.w));
         }
       }
     }

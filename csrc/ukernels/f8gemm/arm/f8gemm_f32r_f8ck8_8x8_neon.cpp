@@ -136,7 +136,7 @@ void tile(const Call& cl, const float* a, const uint8_t* b, float* dst, int64_t 
     const int64_t gp = Packing::group_kp(g, cl.k, *cl.w);
     const uint8_t* grp = b + g * cl.gstride;
     group_sums<MR, NB>(a + g * cl.gk, cl.kp, grp, cl.block_bytes, gp, &tot[0][0],
-                       grp + Packing::codes_bytes(gp));
+                       grp + Packing::codes_bytes(gp, *cl.w));
   }
   for (int r = 0; r < MR; ++r)
     for (int nb = 0; nb < NB; ++nb)

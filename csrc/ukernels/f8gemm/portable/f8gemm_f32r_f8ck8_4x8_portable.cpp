@@ -8,8 +8,9 @@
 // decoded once through the E4M3 table into fp32 in the call's scratch (kKChunk x 8 floats, in
 // L1), then every 4-row tile runs over it as the bf16 kernel does: per k step two 4-lane loads,
 // per row one broadcast and two multiplies and adds into a 4 x 8 tile of group sums (8 vector
-// registers). Each output's group sum runs over k in order from 0, whatever the call's offsets
-// and extents, so sub-block calls give the whole call's bits. After a group, the sums are scaled
+// registers). 4-bit codes (W4A16, two per byte) are decoded through the layout's codebook
+// instead. Each output's group sum runs over k in order from 0, whatever the call's offsets and
+// extents, so sub-block calls give the whole call's bits. After a group, the sums are scaled
 // into fp32 accumulators: acc = acc + S_g * s (no FMA: the build disables contraction).
 // Features used: none.
 #include <algorithm>
@@ -21,7 +22,7 @@ namespace cpumoe {
 namespace {
 
 // Kr = 4: any Kr dividing 32 would do for this layout; 4 exercises the last group's padding.
-using Packing = F8Packing</*Nr=*/8, /*Kr=*/4, /*LhsBytes=*/4>;
+using Packing = F8Packing</*Nr=*/8, /*Kr=*/4, /*LhsBytes=*/4, /*LhsRows=*/1, /*NibbleSpan=*/4>;
 constexpr int64_t kMr = 4;
 constexpr int64_t kNr = Packing::kNr;
 constexpr int64_t kRowChunk = 64;  // group sums and accumulators of 64 rows x 8: 4 KB of stack
@@ -72,6 +73,9 @@ void run_f32(int64_t m, int64_t n, int64_t k, const F8Layout& w, const void* lhs
   const int64_t kp = Packing::padded_k(k), groups = f8_groups(k, w), gk = Packing::group_k(k, w);
   const int64_t gstride = Packing::group_stride(k, w);
   const float* table = kE4m3Table.v;
+  const bool nibbles = w.code_bits == 4;
+  float book[16];  // 4-bit codes: the codebook's values
+  f8_codebook_values(w, 1.0f, book);
   const auto* a = static_cast<const float*>(lhs);
   const auto* b = static_cast<const uint8_t*>(rhs);
   float* const dec = static_cast<float*>(ep.scratch);
@@ -88,8 +92,18 @@ void run_f32(int64_t m, int64_t n, int64_t k, const F8Layout& w, const void* lhs
         std::memset(sum, 0, sizeof(float) * size_t(mc * kNr));
         for (int64_t x0 = 0; x0 < gp; x0 += kKChunk) {
           const int64_t kc = std::min(kKChunk, gp - x0);
-          const uint8_t* codes = grp + x0 * kNr;
-          for (int64_t t = 0; t < kc * kNr; ++t) dec[t] = table[codes[t]];
+          if (nibbles) {  // a k step's 4 bytes: columns 0-3 low nibbles, 4-7 high
+            const uint8_t* codes = grp + x0 * kNr / 2;
+            for (int64_t t = 0; t < kc * kNr; t += 2 * 4)
+              for (int64_t c = 0; c < 4; ++c) {
+                const uint8_t byte = codes[t / 2 + c];
+                dec[t + c] = book[byte & 15];
+                dec[t + 4 + c] = book[byte >> 4];
+              }
+          } else {
+            const uint8_t* codes = grp + x0 * kNr;
+            for (int64_t t = 0; t < kc * kNr; ++t) dec[t] = table[codes[t]];
+          }
           const float* ai = a + i0 * kp + g * gk + x0;
           int64_t i = 0;
           for (; i + kMr <= mc; i += kMr) tile<4>(ai + i * kp, kp, dec, kc, sum + i);
@@ -101,7 +115,7 @@ void run_f32(int64_t m, int64_t n, int64_t k, const F8Layout& w, const void* lhs
           }
         }
         float s[kNr];
-        std::memcpy(s, grp + Packing::codes_bytes(gp), sizeof(s));
+        std::memcpy(s, grp + Packing::codes_bytes(gp, w), sizeof(s));
         for (int64_t i = 0; i < mc; ++i)
           for (int64_t c = 0; c < kNr; ++c) acc[i][c] = acc[i][c] + sum[i][c] * s[c];
       }

@@ -19,6 +19,9 @@
 // would take 7 instructions, three of them conversions: 0.65x the rate on Zen 5). The 2^8
 // comes back per group, (S * 256) * s, as in the fp32 kernels: any finite scale works.
 //
+// 4-bit codes (W4A16, F8Layout::code_bits 4): Codes<4> below, the same operands from half the
+// bytes.
+//
 // Panel (the expansion): block b's codes over the whole padded depth kp, decoded once into
 // scratch as two halves of 16 columns, half h at panel + h * 32 kp bytes, k pair q at + 64 q:
 // `bf16ci16x2` per half (bgemm's VDPBF16PS operand). Group g's pairs start at pair g * gk / 2.
@@ -35,6 +38,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "cpumoe/f8gemm.h"
 #include "ukernels/f8gemm/f8gemm_common.h"
@@ -76,19 +80,62 @@ inline __m512i decode16x2(const uint8_t* p) {
   return _mm512_ternarylogic_epi32(y, x, _mm512_set1_epi16(short(0x8000)), 0xF8);
 }
 
+/// The 32-word decode table of @p w's codebook (Codes<4>), zero for 8-bit codes.
+inline __m512i codebook_table(const F8Layout& w) {
+  alignas(64) uint16_t t[32] = {};
+  if (w.code_bits == 4) {
+    float v[16];
+    f8_codebook_values(w, 1.0f / 256.0f, v);
+    for (int i = 0; i < 32; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, &v[i & 15], 4);
+      t[i] = uint16_t(bits >> 16);  // exact: E4M3 values have 4 significant bits
+    }
+  }
+  return _mm512_load_si512(t);
+}
+
+/// A kernel call's weight codes (F8Layout::code_bits): Bits 8, the E4M3 codes (decode16x2); Bits
+/// 4, codebook indices, two per byte (F8Packing's nibble span 32: byte j of a 32-byte step holds
+/// position j in its low nibble and position 32 + j in its high one, so one step is the 64
+/// positions of an 8-bit k pair step), looked up in a 32-word table of the codebook's bf16 values
+/// times 2^-8 (entries i and i + 16 alike: the index's bit 4 is the other nibble's bit 0), 4
+/// instructions per 64 weights (vpmovzxbw with the load, vpsrlw, two vpermw) where 8-bit codes
+/// take 12. The same bf16 values, so the same bits.
+template <int Bits>
+struct Codes {
+  static_assert(Bits == 8 || Bits == 4, "E4M3 codes or 4-bit indices");
+  /// Code bytes of one k pair step of a block.
+  static constexpr int64_t kStep = Bits * 8;
+  __m512i tbl;  ///< Bits 4: codebook_table's
+  /// The step at @p p -> the VDPBF16PS operands of columns 0-15 (@p w0) and 16-31 (@p w1).
+  void decode(const uint8_t* p, __m512i& w0, __m512i& w1) const {
+    if constexpr (Bits == 8) {
+      w0 = decode16x2(p);
+      w1 = decode16x2(p + 32);
+    } else {
+      const __m512i x =
+          _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+      w0 = _mm512_permutexvar_epi16(x, tbl);
+      w1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(x, 4), tbl);
+    }
+  }
+};
+
 /// Decodes the block at @p blk (all groups, padded to kr with zero codes) into @p panel (64-byte
 /// aligned, panel_bytes(kp)): the layout above. Every byte of the panel up to kp is written.
-template <class P>
-inline void expand(const uint8_t* blk, const F8Call& c, uint8_t* panel) {
+template <class P, int Bits>
+inline void expand(const uint8_t* blk, const F8Call& c, const Codes<Bits>& codes, uint8_t* panel) {
+  constexpr int64_t kStep = Codes<Bits>::kStep;
   uint8_t* h1 = panel + half_bytes(c.kp);
   for (int64_t g = 0; g < c.groups; ++g) {
     const uint8_t* grp = blk + g * c.gstride;
     const int64_t pairs = P::group_kp(g, c.k, *c.w) / 2, q0 = g * c.gk / 2;
     for (int64_t q = 0; q < pairs; ++q) {
-      _mm_prefetch(reinterpret_cast<const char*>(grp + q * kPairBytes + kPrefetchExpand),
+      _mm_prefetch(reinterpret_cast<const char*>(grp + q * kStep + kPrefetchExpand),
                    _MM_HINT_T0);
-      const __m512i b0 = decode16x2(grp + q * kPairBytes);
-      const __m512i b1 = decode16x2(grp + q * kPairBytes + 32);
+      __m512i b0, b1;
+      codes.decode(grp + q * kStep, b0, b1);
       _mm512_store_si512(panel + (q0 + q) * kPairBytes, b0);
       _mm512_store_si512(h1 + (q0 + q) * kPairBytes, b1);
     }
@@ -98,7 +145,7 @@ inline void expand(const uint8_t* blk, const F8Call& c, uint8_t* panel) {
 /// The 32 scales of group @p g of the block at @p blk (F8Packing: after the group's codes).
 template <class P>
 inline const uint8_t* group_scales(const uint8_t* blk, const F8Call& c, int64_t g) {
-  return blk + g * c.gstride + P::codes_bytes(P::group_kp(g, c.k, *c.w));
+  return blk + g * c.gstride + P::codes_bytes(P::group_kp(g, c.k, *c.w), *c.w);
 }
 
 }  // namespace f8_bf16

@@ -31,6 +31,8 @@
 // a row gives the same bits whichever path its call takes (the tester's calls at offsets mix
 // them). vdpbf16ps reads bf16 subnormals in A as zero and flushes subnormal sums (f8gemm.h allows
 // it); the weights are bf16 normals (f8gemm_bf16_x86.h).
+// 4-bit codes (W4A16, F8Layout::code_bits 4): the same paths and arithmetic, each k pair step
+// decoded by f8_bf16::Codes<4> from 32 bytes (4 instructions per 64 weights).
 // Column tails are masked stores; stream_dst stores whole aligned lines non-temporally.
 // Features used: AVX-512 F, BW, VL, BF16.
 #if !defined(__x86_64__) || !defined(__AVX512F__) || !defined(__AVX512BW__) || \
@@ -51,7 +53,8 @@
 namespace cpumoe {
 namespace {
 
-using Packing = F8Packing</*Nr=*/f8_bf16::kNr, /*Kr=*/2, /*LhsBytes=*/2>;
+using Packing = F8Packing</*Nr=*/f8_bf16::kNr, /*Kr=*/2, /*LhsBytes=*/2, /*LhsRows=*/1,
+                          /*NibbleSpan=*/32>;
 using f8_bf16::kPairBytes;
 
 /// Calls of at most this many rows decode in registers (one row tile); larger ones expand.
@@ -68,6 +71,7 @@ struct Call {
   float* dst;
   int64_t ld;
   const F8GemmEpilogue& ep;
+  __m512i tbl;  // f8_bf16::codebook_table (4-bit codes)
 };
 
 inline __m512 dot(__m512 s, __m512i a, __m512i b) {
@@ -100,8 +104,10 @@ inline void store_tile(const Call& c, const float (&acc)[MR][NB][2][16], int64_t
 
 /// The direct path: rows [i0, i0 + MR) x blocks [jb, jb + NB), each k pair's codes decoded in
 /// registers and used by every row.
-template <int MR, int NB>
+template <int Bits, int MR, int NB>
 void direct_tile(const Call& c, int64_t i0, int64_t jb) {
+  using C = f8_bf16::Codes<Bits>;
+  const C dec{c.tbl};
   const F8Call& l = c.l;
   const int64_t lda = 2 * l.kp;
   const uint8_t* a = c.a + i0 * lda;
@@ -119,14 +125,15 @@ void direct_tile(const Call& c, int64_t i0, int64_t jb) {
     for (int64_t q = 0; q < pairs; ++q) {
       // Each block's stream kPrefetch bytes ahead; past the block's end, the same place in the
       // block NB on (the next column step's), so a new step does not start from memory.
-      const int64_t ahead = g * l.gstride + q * kPairBytes + f8_bf16::kPrefetch;
-      const int64_t pf = ahead - g * l.gstride - q * kPairBytes +
+      const int64_t ahead = g * l.gstride + q * C::kStep + f8_bf16::kPrefetch;
+      const int64_t pf = ahead - g * l.gstride - q * C::kStep +
                          (ahead >= l.block_bytes ? (NB - 1) * l.block_bytes : 0);
 #pragma GCC unroll 4
       for (int b = 0; b < NB; ++b) {
-        const uint8_t* codes = grp + b * l.block_bytes + q * kPairBytes;
+        const uint8_t* codes = grp + b * l.block_bytes + q * C::kStep;
         _mm_prefetch(reinterpret_cast<const char*>(codes + pf), _MM_HINT_T0);
-        const __m512i w0 = f8_bf16::decode16x2(codes), w1 = f8_bf16::decode16x2(codes + 32);
+        __m512i w0, w1;
+        dec.decode(codes, w0, w1);
 #pragma GCC unroll 8
         for (int r = 0; r < MR; ++r) {
           const __m512i av = bcast_pair(ag, lda, r, q);
@@ -154,9 +161,11 @@ void direct_tile(const Call& c, int64_t i0, int64_t jb) {
 /// @p next_panel, a k pair per k pair: the decode's integer and permute instructions then issue
 /// beside the vdpbf16ps chains instead of before them (the walk spreads the groups over the row
 /// tiles).
-template <int MR>
+template <int Bits, int MR>
 void panel_tile(const Call& c, const uint8_t* panel, int64_t i0, int64_t jb, const uint8_t* next,
                 uint8_t* next_panel, int64_t eg0, int64_t eg1) {
+  using C = f8_bf16::Codes<Bits>;
+  const C dec{c.tbl};
   const F8Call& l = c.l;
   const int64_t lda = 2 * l.kp;
   const uint8_t* a = c.a + i0 * lda;
@@ -178,10 +187,12 @@ void panel_tile(const Call& c, const uint8_t* panel, int64_t i0, int64_t jb, con
       uint8_t* dst = kEx ? next_panel + q0 * kPairBytes : nullptr;
       for (int64_t q = 0; q < pairs; ++q) {
         if constexpr (kEx) {
-          const uint8_t* cq = src + q * kPairBytes;
+          const uint8_t* cq = src + q * C::kStep;
           _mm_prefetch(reinterpret_cast<const char*>(cq + f8_bf16::kPrefetchExpand), _MM_HINT_T0);
-          _mm512_store_si512(dst + q * kPairBytes, f8_bf16::decode16x2(cq));
-          _mm512_store_si512(dst + half + q * kPairBytes, f8_bf16::decode16x2(cq + 32));
+          __m512i e0, e1;
+          dec.decode(cq, e0, e1);
+          _mm512_store_si512(dst + q * kPairBytes, e0);
+          _mm512_store_si512(dst + half + q * kPairBytes, e1);
         }
         const __m512i w0 = _mm512_load_si512(p0 + q * kPairBytes);
         const __m512i w1 = _mm512_load_si512(p0 + half + q * kPairBytes);
@@ -210,19 +221,21 @@ void panel_tile(const Call& c, const uint8_t* panel, int64_t i0, int64_t jb, con
 /// independent chains for fewer rows (16 accumulators from 2 rows up).
 constexpr int direct_blocks(int rows) { return rows <= 2 ? 4 : rows <= 4 ? 2 : 1; }
 
+template <int Bits>
 struct DirectPick {
   using Fn = void (*)(const Call&, int64_t, int64_t);
   template <int MR, int NB>
   static constexpr Fn fn() {
-    if constexpr (NB <= direct_blocks(MR)) return &direct_tile<MR, NB>;
+    if constexpr (NB <= direct_blocks(MR)) return &direct_tile<Bits, MR, NB>;
     else return nullptr;
   }
 };
+template <int Bits>
 struct PanelPick {
   using Fn = void (*)(const Call&, const uint8_t*, int64_t, int64_t, const uint8_t*, uint8_t*,
                       int64_t, int64_t);
   template <int MR, int NB>
-  static constexpr Fn fn() { return &panel_tile<MR>; }
+  static constexpr Fn fn() { return &panel_tile<Bits, MR>; }
 };
 
 size_t scratch_bytes(int64_t m, int64_t n, int64_t k, const F8Layout&) {
@@ -232,39 +245,48 @@ size_t scratch_bytes(int64_t m, int64_t n, int64_t k, const F8Layout&) {
   return 2 * f8_bf16::panel_bytes(Packing::padded_k(k));
 }
 
+// run_f32 for codes of Bits bits.
+template <int Bits>
+void run(const Call& c, int64_t m) {
+  using Direct = DirectPick<Bits>;
+  using Panel = PanelPick<Bits>;
+  const int64_t blocks = (c.n + f8_bf16::kNr - 1) / f8_bf16::kNr;
+  if (m <= kDirectRows) {
+    static constexpr auto table =
+        TileFnGrid<Direct, typename Direct::Fn, kDirectRows, direct_blocks(1)>::table;
+    const int64_t step = direct_blocks(int(m));
+    for (int64_t jb = 0; jb < blocks; jb += step)
+      table[size_t(m - 1)][size_t(std::min(step, blocks - jb) - 1)](c, 0, jb);
+    return;
+  }
+  static constexpr auto table = TileFnGrid<Panel, typename Panel::Fn, kPanelRows, 1>::table;
+  uint8_t* panels[2] = {static_cast<uint8_t*>(c.ep.scratch),
+                        static_cast<uint8_t*>(c.ep.scratch) + f8_bf16::panel_bytes(c.l.kp)};
+  const int64_t tiles = (m + kPanelRows - 1) / kPanelRows;
+  f8_bf16::expand<Packing>(c.b, c.l, f8_bf16::Codes<Bits>{c.tbl}, panels[0]);
+  for (int64_t jb = 0; jb < blocks; ++jb) {
+    const uint8_t* panel = panels[jb & 1];
+    uint8_t* next_panel = panels[(jb + 1) & 1];
+    const uint8_t* next = jb + 1 < blocks ? c.b + (jb + 1) * c.l.block_bytes : nullptr;
+    for (int64_t t = 0, i0 = 0; t < tiles; ++t) {
+      // Rows split evenly over the fewest tiles (17 rows: 9 + 8, not 12 + 5); the next block's
+      // groups split over the tiles too (none after the last block).
+      const int64_t rows = (m - i0 + (tiles - t) - 1) / (tiles - t);
+      const int64_t eg0 = next != nullptr ? t * c.l.groups / tiles : 0;
+      const int64_t eg1 = next != nullptr ? (t + 1) * c.l.groups / tiles : 0;
+      table[size_t(rows - 1)][0](c, panel, i0, jb, next, next_panel, eg0, eg1);
+      i0 += rows;
+    }
+  }
+}
+
 void run_f32(int64_t m, int64_t n, int64_t k, const F8Layout& w, const void* lhs, const void* rhs,
              float* dst, int64_t ld, const F8GemmEpilogue& ep) {
   if (m <= 0 || n <= 0) return;
   const Call c{f8_call<Packing>(k, w), static_cast<const uint8_t*>(lhs),
-               static_cast<const uint8_t*>(rhs), n, dst, ld, ep};
-  const int64_t blocks = (n + f8_bf16::kNr - 1) / f8_bf16::kNr;
-  if (m <= kDirectRows) {
-    static constexpr auto table =
-        TileFnGrid<DirectPick, DirectPick::Fn, kDirectRows, direct_blocks(1)>::table;
-    const int64_t step = direct_blocks(int(m));
-    for (int64_t jb = 0; jb < blocks; jb += step)
-      table[size_t(m - 1)][size_t(std::min(step, blocks - jb) - 1)](c, 0, jb);
-  } else {
-    static constexpr auto table = TileFnGrid<PanelPick, PanelPick::Fn, kPanelRows, 1>::table;
-    uint8_t* panels[2] = {static_cast<uint8_t*>(ep.scratch),
-                          static_cast<uint8_t*>(ep.scratch) + f8_bf16::panel_bytes(c.l.kp)};
-    const int64_t tiles = (m + kPanelRows - 1) / kPanelRows;
-    f8_bf16::expand<Packing>(c.b, c.l, panels[0]);
-    for (int64_t jb = 0; jb < blocks; ++jb) {
-      const uint8_t* panel = panels[jb & 1];
-      uint8_t* next_panel = panels[(jb + 1) & 1];
-      const uint8_t* next = jb + 1 < blocks ? c.b + (jb + 1) * c.l.block_bytes : nullptr;
-      for (int64_t t = 0, i0 = 0; t < tiles; ++t) {
-        // Rows split evenly over the fewest tiles (17 rows: 9 + 8, not 12 + 5); the next block's
-        // groups split over the tiles too (none after the last block).
-        const int64_t rows = (m - i0 + (tiles - t) - 1) / (tiles - t);
-        const int64_t eg0 = next != nullptr ? t * c.l.groups / tiles : 0;
-        const int64_t eg1 = next != nullptr ? (t + 1) * c.l.groups / tiles : 0;
-        table[size_t(rows - 1)][0](c, panel, i0, jb, next, next_panel, eg0, eg1);
-        i0 += rows;
-      }
-    }
-  }
+               static_cast<const uint8_t*>(rhs), n, dst, ld, ep, f8_bf16::codebook_table(w)};
+  if (w.code_bits == 4) run<4>(c, m);
+  else run<8>(c, m);
   if (ep.stream_dst) _mm_sfence();  // the non-temporal stores visible before the call returns
 }
 

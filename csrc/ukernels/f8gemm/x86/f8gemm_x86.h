@@ -67,6 +67,7 @@ struct Steps {
 
 /// What a tile reads besides its position.
 struct Call {
+  alignas(64) float tbl[16];  // 4-bit codes: the codebook's values times 2^-8 (V::decode4)
   const float* a;       // packed A, row 0 of the call
   const uint8_t* b;     // packed B, block 0 of the call
   int64_t kp;           // A's row stride (floats)
@@ -75,6 +76,7 @@ struct Call {
   float* dst;
   int64_t ld;
   const F8GemmEpilogue& ep;
+  const F8Layout* w;
 };
 
 /// Rows [i0, i0 + MR) x blocks [jb, jb + NB) over the whole depth (the file comment).
@@ -84,19 +86,24 @@ struct Call {
 ///   F add(F, F);
 ///   F load(const float*), void store(float*, F) (aligned, L1 totals); F loadu(const uint8_t*);
 ///   void decode(const uint8_t* codes, F& lo, F& hi): kNr codes -> kNr weights (value 2^-8);
+///   with kCodes4 (4-bit codes): void decode4(const uint8_t* codes, F tbl, F& lo, F& hi), the
+///   kNr / 2 bytes of one k (nibble span kLanes: byte j holds columns j and kLanes + j) -> the
+///   same, tbl = load(Call::tbl);
 ///   void store_row(const Call&, int64_t i, int64_t j0, int64_t nc, F v): dst (+ bias), nc <=
 ///   kLanes columns from j0, nothing past them written; void finish(const F8GemmEpilogue&) after
 ///   the call's last store (run_f32).
-template <class V, int MR, int NB>
+template <class V, int Bits, int MR, int NB>
 void tile(const Call& c, int64_t i0, int64_t jb) {
   using F = typename V::F;
-  constexpr int64_t kL = V::kLanes, kNr = 2 * kL;
-  using P = F8Packing<kNr, kKr, 4>;
+  constexpr int64_t kL = V::kLanes, kNr = 2 * kL, kStep = kNr * Bits / 8;
+  using P = F8Packing<kNr, kKr, 4>;  // its byte offsets (codes_bytes from the layout's bits)
   const float* a = c.a + i0 * c.kp;
   const uint8_t* bp = c.b + jb * c.bstride;
   const int64_t bstride = c.bstride, kp = c.kp;
   alignas(64) float acc[MR][NB][2][kL] = {};
   const F k256 = V::set1(256.0f);
+  [[maybe_unused]] F tbl;
+  if constexpr (Bits == 4) tbl = V::load(c.tbl);
   for (int64_t g = 0; g < c.groups; ++g) {
     const int64_t gp = P::padded_k(std::min(c.gk, c.k - g * c.gk));
     const uint8_t* grp = bp + g * c.gstride;
@@ -112,7 +119,8 @@ void tile(const Call& c, int64_t i0, int64_t jb) {
 #pragma GCC unroll 4
       for (int b = 0; b < NB; ++b) {
         F w0, w1;
-        V::decode(grp + b * bstride + x * kNr, w0, w1);
+        if constexpr (Bits == 4) V::decode4(grp + b * bstride + x * kStep, tbl, w0, w1);
+        else V::decode(grp + b * bstride + x * kStep, w0, w1);
 #pragma GCC unroll 8
         for (int r = 0; r < MR; ++r) {
           const F av = V::bcast(ag + r * kp + x);
@@ -127,9 +135,10 @@ void tile(const Call& c, int64_t i0, int64_t jb) {
       // end of this one: a block's groups are contiguous).
 #pragma GCC unroll 4
       for (int b = 0; b < NB; ++b)
-        for (int64_t off = 0; off < kKr * kNr; off += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(grp + b * bstride + x * kNr + off + kPrefetch),
-                       _MM_HINT_T0);
+        for (int64_t off = 0; off < kKr * kStep; off += 64)
+          _mm_prefetch(
+              reinterpret_cast<const char*>(grp + b * bstride + x * kStep + off + kPrefetch),
+              _MM_HINT_T0);
       step(x);
       step(x + 1);
       step(x + 2);
@@ -137,7 +146,7 @@ void tile(const Call& c, int64_t i0, int64_t jb) {
     }
 #pragma GCC unroll 4
     for (int b = 0; b < NB; ++b) {
-      const uint8_t* sp = grp + b * bstride + P::codes_bytes(gp);
+      const uint8_t* sp = grp + b * bstride + P::codes_bytes(gp, *c.w);
       const F s0 = V::loadu(sp), s1 = V::loadu(sp + 4 * kL);
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
@@ -158,7 +167,7 @@ void tile(const Call& c, int64_t i0, int64_t jb) {
 }
 
 /// The tiles [MR - 1][NB - 1] the walk can ask for under steps K (small, mid, main), else null.
-template <class V, class K>
+template <class V, int Bits, class K>
 struct TileTable {
   using Fn = void (*)(const Call&, int64_t, int64_t);
   static constexpr int kMaxRows = K::kMain.rows;
@@ -168,27 +177,19 @@ struct TileTable {
     constexpr bool used = (MR <= K::kSmall.rows && NB <= K::kSmall.blocks) ||
                           (MR <= K::kMid.rows && NB <= K::kMid.blocks) ||
                           (MR <= K::kMain.rows && NB <= K::kMain.blocks);
-    if constexpr (used) return &tile<V, MR, NB>;
+    if constexpr (used) return &tile<V, Bits, MR, NB>;
     else return nullptr;
   }
   static constexpr auto table = TileFnGrid<TileTable, Fn, kMaxRows, kMaxBlocks>::table;
 };
 
-/// F8GemmUkernel::run_f32 over V's tiles, K's steps (static constexpr Steps kSmall, kMid,
-/// kMain, by increasing rows).
-template <class V, class K>
-void run_f32(int64_t m, int64_t n, int64_t k, const F8Layout& w, const void* lhs, const void* rhs,
-             float* dst, int64_t ld, const F8GemmEpilogue& ep) {
-  static_assert(K::kSmall.rows <= K::kMid.rows && K::kMid.rows <= K::kMain.rows,
-                "steps by increasing rows");
-  using P = F8Packing<2 * V::kLanes, kKr, 4>;
-  if (m <= 0 || n <= 0) return;
-  const Call c{static_cast<const float*>(lhs), static_cast<const uint8_t*>(rhs), P::padded_k(k),
-               int64_t(P::block_bytes(k, w)), n, k, P::group_k(k, w), f8_groups(k, w),
-               P::group_stride(k, w), dst, ld, ep};
+/// The walk over V's tiles for codes of Bits bits, K's steps.
+template <class V, int Bits, class K>
+void walk(const Call& c, int64_t m) {
   const Steps st = m <= K::kSmall.rows ? K::kSmall : m <= K::kMid.rows ? K::kMid : K::kMain;
-  const int64_t blocks = (n + P::kNr - 1) / P::kNr, tiles = (m + st.rows - 1) / st.rows;
-  const auto& table = TileTable<V, K>::table;
+  constexpr int64_t kNr = 2 * V::kLanes;
+  const int64_t blocks = (c.n + kNr - 1) / kNr, tiles = (m + st.rows - 1) / st.rows;
+  const auto& table = TileTable<V, Bits, K>::table;
   for (int64_t jb = 0; jb < blocks; jb += st.blocks) {
     const int64_t nb = std::min<int64_t>(st.blocks, blocks - jb);
     for (int64_t t = 0, i0 = 0; t < tiles; ++t) {
@@ -198,6 +199,40 @@ void run_f32(int64_t m, int64_t n, int64_t k, const F8Layout& w, const void* lhs
       i0 += rows;
     }
   }
+}
+
+/// F8GemmUkernel::run_f32 over V's tiles, K's steps (static constexpr Steps kSmall, kMid,
+/// kMain, by increasing rows); 4-bit codes when V has kCodes4.
+template <class V, class K>
+void run_f32(int64_t m, int64_t n, int64_t k, const F8Layout& w, const void* lhs, const void* rhs,
+             float* dst, int64_t ld, const F8GemmEpilogue& ep) {
+  static_assert(K::kSmall.rows <= K::kMid.rows && K::kMid.rows <= K::kMain.rows,
+                "steps by increasing rows");
+  using P = F8Packing<2 * V::kLanes, kKr, 4>;
+  if (m <= 0 || n <= 0) return;
+  Call c{{},
+         static_cast<const float*>(lhs),
+         static_cast<const uint8_t*>(rhs),
+         P::padded_k(k),
+         int64_t(P::block_bytes(k, w)),
+         n,
+         k,
+         P::group_k(k, w),
+         f8_groups(k, w),
+         P::group_stride(k, w),
+         dst,
+         ld,
+         ep,
+         &w};
+  if constexpr (V::kCodes4) {
+    if (w.code_bits == 4) {
+      f8_codebook_values(w, 1.0f / 256.0f, c.tbl);
+      walk<V, 4, K>(c, m);
+      V::finish(ep);
+      return;
+    }
+  }
+  walk<V, 8, K>(c, m);
   V::finish(ep);
 }
 
