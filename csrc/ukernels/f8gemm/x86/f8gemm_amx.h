@@ -6,6 +6,7 @@
 // padded to whole 32-k tile steps) and A (`bf16r`) padded to kp = round_up(k, 32) and to whole
 // 16-row tiles (zero rows), so every A tile is a full 16 x 64-byte tile.
 //
+// 4-bit codes (W4A16) expand through f8_bf16::Codes<4> into the same panels.
 // Per block of 32 columns, group by group (q4gemm_amx.h's walk, with bf16 instead of int8):
 //   1. expand the group's codes (one 64-byte step per k pair) into a panel of two halves of
 //      16 columns with f8_bf16::decode16x2: each half is `bf16ci16x2`, so every 32 k is one 1 KB
@@ -50,7 +51,7 @@ namespace f8_amx {
 constexpr int64_t kMr = 16;             // rows of one A tile; lhs offsets are taken at multiples
 constexpr int64_t kNr = f8_bf16::kNr;   // 32: one block gives the two B tiles of a k step
 constexpr int64_t kStepK = 32;          // k of one tile step (64 bytes of an A row)
-using Packing = F8Packing<kNr, /*Kr=*/kStepK, /*LhsBytes=*/2, /*LhsRows=*/kMr>;
+using Packing = F8Packing<kNr, /*Kr=*/kStepK, /*LhsBytes=*/2, /*LhsRows=*/kMr, /*NibbleSpan=*/32>;
 using f8_bf16::kPairBytes;
 
 /// Palette 1 with the accumulators (0-3) and A tiles (4, 5) of @p rows rows (a call of at most
@@ -65,15 +66,20 @@ inline amx::TileConfig tile_config(int64_t rows) {
 /// Bytes of a group panel of padded depth @p gp (two halves of gp / 2 pairs x 64 bytes).
 inline int64_t panel_bytes(int64_t gp) { return 64 * gp; }
 
-/// The group at @p grp (gp / 2 steps of 64 code bytes) into @p panel (the file comment); each
-/// code line's counterpart @p ahead bytes on (the next block's) is prefetched to L2.
-inline void expand_group(const uint8_t* grp, int64_t gp, uint8_t* panel, int64_t ahead) {
+/// The group at @p grp (gp / 2 steps of Codes<Bits>::kStep code bytes) into @p panel (the file
+/// comment); each code line's counterpart @p ahead bytes on (the next block's) is prefetched to
+/// L2.
+template <int Bits>
+inline void expand_group(const f8_bf16::Codes<Bits>& codes, const uint8_t* grp, int64_t gp,
+                         uint8_t* panel, int64_t ahead) {
   uint8_t* hi = panel + 32 * gp;
   for (int64_t q = 0; q < gp / 2; ++q) {
-    const uint8_t* p = grp + q * kPairBytes;
+    const uint8_t* p = grp + q * f8_bf16::Codes<Bits>::kStep;
     _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T1);
-    _mm512_store_si512(panel + q * kPairBytes, f8_bf16::decode16x2(p));
-    _mm512_store_si512(hi + q * kPairBytes, f8_bf16::decode16x2(p + 32));
+    __m512i b0, b1;
+    codes.decode(p, b0, b1);
+    _mm512_store_si512(panel + q * kPairBytes, b0);
+    _mm512_store_si512(hi + q * kPairBytes, b1);
   }
 }
 
@@ -109,10 +115,10 @@ inline size_t scratch_bytes(int64_t m, int64_t n, int64_t k, const F8Layout& w) 
   return size_t(2 * panel_bytes(max_group_kp(k, w))) + size_t(m) * kNr * sizeof(float);
 }
 
-template <class Tiles>
-void run_f32(int64_t m, int64_t n, int64_t k, const F8Layout& w, const void* lhs, const void* rhs,
-             float* dst, int64_t ld, const F8GemmEpilogue& ep) {
-  if (m <= 0 || n <= 0) return;
+template <class Tiles, int Bits>
+void run(int64_t m, int64_t n, int64_t k, const F8Layout& w, const void* lhs, const void* rhs,
+         float* dst, int64_t ld, const F8GemmEpilogue& ep) {
+  const f8_bf16::Codes<Bits> codes{f8_bf16::codebook_table(w)};
   const F8Call l = f8_call<Packing>(k, w);
   const int64_t lda = 2 * l.kp;  // bf16 A rows
   const auto* a = static_cast<const uint8_t*>(lhs);
@@ -127,12 +133,12 @@ void run_f32(int64_t m, int64_t n, int64_t k, const F8Layout& w, const void* lhs
   for (int64_t j0 = 0; j0 < n; j0 += kNr) {
     const uint8_t* blk = b + (j0 / kNr) * l.block_bytes;
     std::memset(acc, 0, size_t(m) * kNr * sizeof(float));
-    expand_group(blk, Packing::group_kp(0, k, w), panels[0], l.block_bytes);
+    expand_group(codes, blk, Packing::group_kp(0, k, w), panels[0], l.block_bytes);
     for (int64_t g = 0; g < l.groups; ++g) {
       const uint8_t* grp = blk + g * l.gstride;
       if (g + 1 < l.groups)
-        expand_group(grp + l.gstride, Packing::group_kp(g + 1, k, w), panels[(g + 1) % 2],
-                     l.block_bytes);
+        expand_group(codes, grp + l.gstride, Packing::group_kp(g + 1, k, w),
+                     panels[(g + 1) % 2], l.block_bytes);
       const uint8_t* panel = panels[g % 2];
       const int64_t gp = Packing::group_kp(g, k, w);
       const uint8_t* ag = a + 2 * g * l.gk;
@@ -151,6 +157,16 @@ void run_f32(int64_t m, int64_t n, int64_t k, const F8Layout& w, const void* lhs
     }
   }
   if (ep.stream_dst) _mm_sfence();  // the non-temporal stores visible before the call returns
+}
+
+/// F8GemmUkernel::run_f32: E4M3 codes, or 4-bit ones (W4A16: f8_bf16::Codes<4>, the same
+/// panels from half the bytes).
+template <class Tiles>
+void run_f32(int64_t m, int64_t n, int64_t k, const F8Layout& w, const void* lhs, const void* rhs,
+             float* dst, int64_t ld, const F8GemmEpilogue& ep) {
+  if (m <= 0 || n <= 0) return;
+  if (w.code_bits == 4) run<Tiles, 4>(m, n, k, w, lhs, rhs, dst, ld, ep);
+  else run<Tiles, 8>(m, n, k, w, lhs, rhs, dst, ld, ep);
 }
 
 }  // namespace f8_amx

@@ -117,14 +117,17 @@ def _cpumoe_w4(layer, name: str, q) -> Contender:
     """cpumoe's op on ``q`` (a QuantizedExperts, packed here)."""
     import cpumoe
     fmt, g = QUANT_CONTENDERS[name]
-    a16 = name.endswith("-a16")  # read: an E4M3 byte per weight and an fp32 scale per group
+    a16 = name.endswith("-a16")
     packed = q.prepack(num_threads=layer.threads, **({"act_quant": "bf16"} if a16 else {}))
+    # W4A16 reads per weight the code (4 bits, or an E4M3 byte where the kernel widens them)
+    # and an fp32 scale per group.
+    per_weight = packed.code_bits / 8 + 4 / g if a16 else q.bytes_per_weight()
     act, threads = layer.activation, layer.threads
 
     def fn(x, w, i, out):
         cpumoe.fused_moe(x, packed, w, i, activation=act, out=out, num_threads=threads)
     return Contender(name, f"{name} {packed.path}", packed.path, packed.kernel,
-                     1 + 4 / g if a16 else q.bytes_per_weight(), fn,
+                     per_weight, fn,
                      f"{fmt} g{g}" + (" bf16 activations" if a16 else ""))
 
 
