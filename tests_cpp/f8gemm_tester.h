@@ -250,8 +250,9 @@ class F8GemmTester {
       GuardedBuffer rhs8(kern.rhs_packed_size(n_, k_, w_));
       kern.pack_rhs(n_, k_, w_, codes.data(), ldc, scales.data(), lds, rhs8.data());
       ASSERT_LE(rhs_size, kern.rhs_packed_size(n_, k_, w_)) << "4-bit codes packed larger";
-      if (k_ >= 128)  // beyond the 64-byte padding of a block
+      if (k_ >= 128) {  // beyond the 64-byte padding of a block
         ASSERT_LT(rhs_size, kern.rhs_packed_size(n_, k_, w_)) << "4-bit codes packed no smaller";
+      }
       GuardedBuffer scratch(kern.scratch_bytes(m_, n_, k_, w_));
       cpumoe::F8GemmEpilogue ep;
       ep.scratch = scratch.data();

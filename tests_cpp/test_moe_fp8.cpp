@@ -272,7 +272,9 @@ TEST(MoeFp8, FourBitCodesGiveTheTwinsBits) {
         const cpumoe::PackedMoeFp8 p4(weights_of(c), kern), p8(weights_of(c.f), kern);
         EXPECT_EQ(p4.code_bits(), kern->codes4 ? 4 : 8);
         EXPECT_EQ(p8.code_bits(), 8);
-        if (kern->codes4) EXPECT_LT(p4.packed_bytes(), p8.packed_bytes() * 6 / 10);
+        if (kern->codes4) {
+          EXPECT_LT(p4.packed_bytes(), p8.packed_bytes() * 6 / 10);
+        }
         const std::vector<uint8_t> out = cpumoe_test::run_moe(p4, c.f.d, 2);
         if (!negative) {  // a negative scale flips the sign of some zero sums in the twin
           EXPECT_TRUE(out == cpumoe_test::run_moe(p8, c.f.d, 2)) << "not the 8-bit twin's bits";

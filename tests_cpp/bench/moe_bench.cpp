@@ -5,7 +5,8 @@
 //   cpumoe_moe_bench [--H 2048] [--I 768] [--E 128] [--k 8] [--T 16] [--iters 3]
 //                    [--act SPEC, e.g. silu or silu_clamp(limit=10)] [--dtype f32|bf16|f16]
 //                    [--isa CAP] [--threads N] [--phases 0|1] [--tasks 0|1]
-//                    [--format int8|int4|int4_affine|int8_affine|mxfp4|bf16|fp8] [--group G]
+//                    [--format int8|int4|int4_affine|int8_affine|mxfp4|bf16|fp8|w4a16]
+//                    [--group G]
 //                    [--fuse 0|1|2]
 //                    [--routings N]
 //
@@ -16,7 +17,8 @@
 // bytes (int4: the top four bits of each int8, groups of G k, default 128; mxfp4: the bytes as
 // E2M1 code pairs, E8M0 scales near 2^-7). --format bf16: the BF16 op on the bytes times 2^-10 in
 // bf16; fp8: the BF16 op on FP8 weights (PackedMoeFp8), the bytes as E4M3 codes (NaN codes
-// replaced by zero), one fp32 scale per G x G block (G = --group, default 128).
+// replaced by zero), one fp32 scale per G x G block (G = --group, default 128); w4a16: the FP8
+// op on 4-bit codes (the bytes' low nibbles into int4's codebook, (1, G) blocks: the W4A16 mode).
 // Prints the kernel used, ms per call, the routing (active experts, largest m_e) and the SMMLA
 // floor of the routing (PERF.md: sum_e ceil(m_e / 2) * (2I*H/16 + H*I/16) per call).
 // Marks: one before and one after the `iters` measured calls. With --phases 1 (a build with
@@ -287,7 +289,7 @@ int main(int argc, char** argv) {
     std::vector<int8_t>().swap(w2);
     return measure(packed);
   }
-  if (format == "bf16" || format == "fp8") {
+  if (format == "bf16" || format == "fp8" || format == "w4a16") {
     try {
       if (format == "bf16") {
         std::vector<uint16_t> b13(w13.size()), b2(w2.size());
@@ -305,14 +307,31 @@ int main(int argc, char** argv) {
         std::vector<uint16_t>().swap(b2);
         return measure(packed);
       }
+      // w4a16: 4-bit codes (the bytes' low nibbles) into int4's codebook -8..7, (1, group)
+      // blocks, as prepack_int4(act_quant="bf16") makes them.
+      const bool w4 = format == "w4a16";
+      uint8_t book[16];
+      for (int i = 0; i < 16; ++i) {  // E4M3 of i - 8 (|v| <= 8: 2^e (1 + m / 8) exactly)
+        const int v = i - 8, a = v < 0 ? -v : v;
+        int e = 0;
+        while ((2 << e) <= a) ++e;
+        book[i] = a == 0 ? 0 : uint8_t((v < 0 ? 0x80 : 0) | (e + 7) << 3 | ((a << 3 >> e) & 7));
+      }
       for (auto* v : {&w13, &w2})
-        for (auto& x : *v) x = (uint8_t(x) & 0x7F) == 0x7F ? int8_t(0) : x;  // no NaN codes
+        for (auto& x : *v)
+          x = w4 ? int8_t(x & 15) : (uint8_t(x) & 0x7F) == 0x7F ? int8_t(0) : x;  // no NaN codes
+      const int64_t bn = w4 ? 1 : group;
       auto blocks = [&](int64_t n, int64_t kk) {
-        return size_t(E * ((n + group - 1) / group) * ((kk + group - 1) / group));
+        return size_t(E * ((n + bn - 1) / bn) * ((kk + group - 1) / group));
       };
       std::vector<float> f13(blocks(2 * I, H), 1e-3f), f2(blocks(H, I), 1e-3f);
       auto w = shaped(cpumoe::MoeWeightsFp8{});
-      w.block_n = w.block_k = group;
+      w.block_n = bn;
+      w.block_k = group;
+      if (w4) {
+        w.code_bits = 4;
+        w.codebook = book;
+      }
       w.w13 = reinterpret_cast<const uint8_t*>(w13.data());
       w.w2 = reinterpret_cast<const uint8_t*>(w2.data());
       w.s13 = f13.data();
@@ -322,8 +341,9 @@ int main(int argc, char** argv) {
       cpumoe::PackedMoeFp8 packed(w, cfg, threads);
       std::vector<int8_t>().swap(w13);
       std::vector<int8_t>().swap(w2);
-      std::printf("format fp8 block %lldx%lld packed_bytes %zu\n", (long long)group,
-                  (long long)group, packed.packed_bytes());
+      std::printf("format %s block %lldx%lld code_bits %lld packed_bytes %zu\n", format.c_str(),
+                  (long long)bn, (long long)group, (long long)packed.code_bits(),
+                  packed.packed_bytes());
       return measure(packed);
     } catch (const cpumoe::ArgumentError& e) {
       std::fprintf(stderr, "%s\n", e.what());

@@ -36,6 +36,9 @@
 // tile (16 BFMMLA, 4 A loads, 2 ldp of operands) plus 29 for the decode, once. Same BFMMLA
 // chain and group ends either way, so the same bits.
 //
+// 4-bit codes (W4A16, F8Layout::code_bits 4): Codes<4> decodes a slice from 16 bytes through two
+// table lookups (11 instructions per 32 weights); the same operands, so the same bits.
+//
 // @pre m, n >= 0, k >= 1; packed buffers from this kernel's packers.
 // Features used: NEON, BF16 (BFMMLA).
 #if !defined(__aarch64__) || !defined(__ARM_FEATURE_BF16_VECTOR_ARITHMETIC)
@@ -56,7 +59,8 @@ namespace cpumoe {
 namespace {
 
 // A as bf16p2x4 (2 bytes, row pairs), B in blocks of 8 columns, 4-k slices.
-using Packing = F8Packing</*Nr=*/8, /*Kr=*/kBf16pKr, /*LhsBytes=*/2, /*LhsRows=*/2>;
+using Packing = F8Packing</*Nr=*/8, /*Kr=*/kBf16pKr, /*LhsBytes=*/2, /*LhsRows=*/2,
+                          /*NibbleSpan=*/16>;
 constexpr int64_t kMr = 8;
 constexpr int64_t kNr = Packing::kNr;
 
@@ -83,15 +87,51 @@ __attribute__((always_inline)) inline bfloat16x8_t decode8(int8x8_t c) {
   return vreinterpretq_bf16_u16(vuzp2q_u16(vreinterpretq_u16_f32(lo), vreinterpretq_u16_f32(hi)));
 }
 
-// The 4 operands of one 4-k slice of a block (32 codes at p).
-__attribute__((always_inline)) inline void decode_slice(const uint8_t* p, bfloat16x8_t (&op)[4]) {
-  const int8x16_t c01 = vld1q_s8(reinterpret_cast<const int8_t*>(p));
-  const int8x16_t c23 = vld1q_s8(reinterpret_cast<const int8_t*>(p + 16));
-  op[0] = decode8(vget_low_s8(c01));
-  op[1] = decode8(vget_high_s8(c01));
-  op[2] = decode8(vget_low_s8(c23));
-  op[3] = decode8(vget_high_s8(c23));
-}
+// A call's codes (F8Layout::code_bits): Bits 8, E4M3 (decode8); Bits 4, codebook indices, a
+// slice's 32 in 16 bytes (nibble span 16: byte j holds positions j and 16 + j), looked up with
+// tbl in the low and high bytes of the codebook's bf16 values times 2^-8 (normal bf16: small
+// integers or E2M1 values) and zipped: 11 instructions per slice where E4M3 codes take 22.
+template <int Bits>
+struct Codes {
+  static_assert(Bits == 8 || Bits == 4, "E4M3 codes or 4-bit indices");
+  static constexpr int64_t kSlice = 4 * Bits;  // code bytes of one 4-k slice of a block
+  uint8x16_t lo, hi;                           // Bits 4: the table's low and high bytes
+  // The table of @p w's codebook (Bits 4).
+  static Codes of(const F8Layout& w) {
+    uint8_t t[2][16] = {};
+    if (Bits == 4) {
+      float v[16];
+      f8_codebook_values(w, 1.0f / 256.0f, v);
+      for (int i = 0; i < 16; ++i) {
+        uint32_t u;
+        std::memcpy(&u, &v[i], 4);
+        t[0][i] = uint8_t(u >> 16);  // bf16 (exact: 4 significant bits), its low byte
+        t[1][i] = uint8_t(u >> 24);
+      }
+    }
+    return Codes{vld1q_u8(t[0]), vld1q_u8(t[1])};
+  }
+  // The 4 operands of one 4-k slice of a block (its codes at p).
+  __attribute__((always_inline)) void slice(const uint8_t* p, bfloat16x8_t (&op)[4]) const {
+    if constexpr (Bits == 8) {
+      const int8x16_t c01 = vld1q_s8(reinterpret_cast<const int8_t*>(p));
+      const int8x16_t c23 = vld1q_s8(reinterpret_cast<const int8_t*>(p + 16));
+      op[0] = decode8(vget_low_s8(c01));
+      op[1] = decode8(vget_high_s8(c01));
+      op[2] = decode8(vget_low_s8(c23));
+      op[3] = decode8(vget_high_s8(c23));
+    } else {
+      const uint8x16_t x = vld1q_u8(p);
+      const uint8x16_t i01 = vandq_u8(x, vdupq_n_u8(15)), i23 = vshrq_n_u8(x, 4);
+      const uint8x16_t l01 = vqtbl1q_u8(lo, i01), h01 = vqtbl1q_u8(hi, i01);
+      const uint8x16_t l23 = vqtbl1q_u8(lo, i23), h23 = vqtbl1q_u8(hi, i23);
+      op[0] = vreinterpretq_bf16_u8(vzip1q_u8(l01, h01));
+      op[1] = vreinterpretq_bf16_u8(vzip2q_u8(l01, h01));
+      op[2] = vreinterpretq_bf16_u8(vzip1q_u8(l23, h23));
+      op[3] = vreinterpretq_bf16_u8(vzip2q_u8(l23, h23));
+    }
+  }
+};
 
 // The group sums of an NP x NB tile over `slices` (>= 1) 4-k slices: row pair p of A at
 // a + p * pair_stride (bf16). B: Decoded = false: block nb's codes at b + nb * bstride, decoded
@@ -103,11 +143,11 @@ __attribute__((always_inline)) inline void decode_slice(const uint8_t* p, bfloat
 // block's columns [s_2c s_2c+1 s_2c s_2c+1] (block nb's scales at sc + nb * bstride). Either way
 // each sum is the same chain of BFMMLA over its k in order. Not inlined: the loop is
 // register-allocated on its own.
-template <int NP, int NB, bool Decoded>
+template <int NP, int NB, bool Decoded, int Bits = 8>
 __attribute__((noinline)) void group_sums(const bfloat16_t* a, int64_t pair_stride,
                                           const uint8_t* b, int64_t bstride, int64_t slices,
                                           const float* init, float* out, float* tot,
-                                          const uint8_t* sc) {
+                                          const uint8_t* sc, const Codes<Bits>& codes) {
   static_assert(!Decoded || NB == 1, "decoded operands are one block's");
   float32x4_t acc[NP][4 * NB];
 #pragma GCC unroll 4
@@ -130,7 +170,7 @@ __attribute__((noinline)) void group_sums(const bfloat16_t* a, int64_t pair_stri
         op[2] = vld1q_bf16(d + 16);
         op[3] = vld1q_bf16(d + 24);
       } else {
-        decode_slice(b + nb * bstride, op);
+        codes.slice(b + nb * bstride, op);
       }
 #pragma GCC unroll 4
       for (int c = 0; c < 4; ++c)
@@ -138,7 +178,7 @@ __attribute__((noinline)) void group_sums(const bfloat16_t* a, int64_t pair_stri
         for (int p = 0; p < NP; ++p)
           acc[p][4 * nb + c] = vbfmmlaq_f32(acc[p][4 * nb + c], av[p], op[c]);
     }
-    b += Decoded ? 64 : 32;
+    b += Decoded ? 64 : Codes<Bits>::kSlice;
   } while (--slices > 0);
   if (out != nullptr) {
 #pragma GCC unroll 4
@@ -164,10 +204,11 @@ __attribute__((noinline)) void group_sums(const bfloat16_t* a, int64_t pair_stri
 }
 
 // The operands of `slices` 4-k slices of one block (codes at b) into d, 64 bytes per slice.
-void decode_chunk(const uint8_t* b, int64_t slices, bfloat16_t* d) {
-  for (int64_t x = 0; x < slices; ++x, b += 32, d += 32) {
+template <int Bits>
+void decode_chunk(const Codes<Bits>& codes, const uint8_t* b, int64_t slices, bfloat16_t* d) {
+  for (int64_t x = 0; x < slices; ++x, b += Codes<Bits>::kSlice, d += 32) {
     bfloat16x8_t op[4];
-    decode_slice(b, op);
+    codes.slice(b, op);
     vst1q_bf16(d, op[0]);
     vst1q_bf16(d + 8, op[1]);
     vst1q_bf16(d + 16, op[2]);
@@ -196,30 +237,33 @@ void store_tile(const float (*tot)[4], float* dst, int64_t dst_stride, int64_t r
 
 // An NP x NB tile over the whole depth, decoding in registers: row pairs of A at a (2 kp bf16
 // apart), NB blocks of B from b; destination as store_tile.
-template <int NP, int NB>
-void tile(const Call& cl, const bfloat16_t* a, const uint8_t* b, float* dst, int64_t dst_stride,
-          int64_t rows, int64_t cols, const float* bias) {
+template <int Bits, int NP, int NB>
+void tile(const Call& cl, const Codes<Bits>& codes, const bfloat16_t* a, const uint8_t* b,
+          float* dst, int64_t dst_stride, int64_t rows, int64_t cols, const float* bias) {
   constexpr int kAcc = NP * 4 * NB;
   float tot[kAcc][4];  // the totals, in memory: touched once per group, by group_sums
   std::memset(tot, 0, sizeof tot);
   for (int64_t g = 0; g < cl.groups; ++g) {
     const int64_t gp = Packing::group_kp(g, cl.k, *cl.w);
     const uint8_t* grp = b + g * cl.gstride;
-    group_sums<NP, NB, false>(a + 2 * g * cl.gk, 2 * cl.kp, grp, cl.block_bytes, gp / kBf16pKr,
-                              nullptr, nullptr, &tot[0][0], grp + Packing::codes_bytes(gp, *cl.w));
+    group_sums<NP, NB, false, Bits>(a + 2 * g * cl.gk, 2 * cl.kp, grp, cl.block_bytes,
+                                    gp / kBf16pKr, nullptr, nullptr, &tot[0][0],
+                                    grp + Packing::codes_bytes(gp, *cl.w), codes);
   }
   store_tile<NP, NB>(tot, dst, dst_stride, rows, cols, bias);
 }
 
-using TileFn = void (*)(const Call&, const bfloat16_t*, const uint8_t*, float*, int64_t, int64_t,
-                        int64_t, const float*);
+template <int Bits>
+using TileFn = void (*)(const Call&, const Codes<Bits>&, const bfloat16_t*, const uint8_t*, float*,
+                        int64_t, int64_t, int64_t, const float*);
 // By [row pairs][blocks]: the shapes run_f32 below can ask for.
-constexpr TileFn kTiles[5][5] = {
+template <int Bits>
+constexpr TileFn<Bits> kTiles[5][5] = {
     {},
-    {nullptr, tile<1, 1>, tile<1, 2>, tile<1, 3>, tile<1, 4>},
-    {nullptr, tile<2, 1>, tile<2, 2>},
-    {nullptr, tile<3, 1>},
-    {nullptr, tile<4, 1>},
+    {nullptr, tile<Bits, 1, 1>, tile<Bits, 1, 2>, tile<Bits, 1, 3>, tile<Bits, 1, 4>},
+    {nullptr, tile<Bits, 2, 1>, tile<Bits, 2, 2>},
+    {nullptr, tile<Bits, 3, 1>},
+    {nullptr, tile<Bits, 4, 1>},
 };
 
 // More than one row tile (m > kMr): per block, group and piece of at most kChunk k, the codes
@@ -236,15 +280,18 @@ size_t scratch_bytes(int64_t m, int64_t n, int64_t k, const F8Layout& w) {
 }
 
 using SumsFn = void (*)(const bfloat16_t*, int64_t, const uint8_t*, int64_t, int64_t,
-                        const float*, float*, float*, const uint8_t*);
+                        const float*, float*, float*, const uint8_t*, const Codes<8>&);
 using StoreFn = void (*)(const float (*)[4], float*, int64_t, int64_t, int64_t, const float*);
 constexpr SumsFn kDecodedSums[5] = {nullptr, group_sums<1, 1, true>, group_sums<2, 1, true>,
                                     group_sums<3, 1, true>, group_sums<4, 1, true>};
 constexpr StoreFn kStore[5] = {nullptr, store_tile<1, 1>, store_tile<2, 1>, store_tile<3, 1>,
                                store_tile<4, 1>};
 
-void run_decoded(const Call& cl, int64_t m, int64_t n, const bfloat16_t* a, const uint8_t* b,
-                 float* dst, int64_t dst_stride, const F8GemmEpilogue& ep) {
+template <int Bits>
+void run_decoded(const Call& cl, const Codes<Bits>& codes, int64_t m, int64_t n,
+                 const bfloat16_t* a, const uint8_t* b, float* dst, int64_t dst_stride,
+                 const F8GemmEpilogue& ep) {
+  const Codes<8> decoded{};  // unused: the operands are decoded already
   const int64_t tiles = (m + kMr - 1) / kMr, blocks = (n + kNr - 1) / kNr;
   auto* dec = static_cast<bfloat16_t*>(ep.scratch);
   const int64_t piece = std::min(kChunk, Packing::padded_k(cl.gk));
@@ -258,14 +305,15 @@ void run_decoded(const Call& cl, int64_t m, int64_t n, const bfloat16_t* a, cons
       const uint8_t* grp = bj + g * cl.gstride;
       for (int64_t x0 = 0; x0 < gp; x0 += kChunk) {
         const int64_t kc = std::min(kChunk, gp - x0);
-        decode_chunk(grp + x0 * kNr, kc / kBf16pKr, dec);
+        decode_chunk(codes, grp + x0 * Codes<Bits>::kSlice / kBf16pKr, kc / kBf16pKr, dec);
         for (int64_t t = 0; t < tiles; ++t) {
           const int64_t np = (std::min(kMr, m - t * kMr) + 1) / 2;
           float* st = sums + t * kTileFloats;
           kDecodedSums[np](a + t * kMr * cl.kp + 2 * (g * cl.gk + x0), 2 * cl.kp,
                            reinterpret_cast<const uint8_t*>(dec), 0, kc / kBf16pKr,
                            x0 == 0 ? nullptr : st, x0 + kc == gp ? nullptr : st,
-                           tot + t * kTileFloats, grp + Packing::codes_bytes(gp, *cl.w));
+                           tot + t * kTileFloats, grp + Packing::codes_bytes(gp, *cl.w),
+                           decoded);
         }
       }
     }
@@ -279,24 +327,32 @@ void run_decoded(const Call& cl, int64_t m, int64_t n, const bfloat16_t* a, cons
   }
 }
 
-void run_f32(int64_t m, int64_t n, int64_t k, const F8Layout& w, const void* lhs, const void* rhs,
-             float* dst, int64_t dst_stride, const F8GemmEpilogue& ep) {
-  if (m <= 0 || n <= 0) return;
-  const Call cl = f8_call<Packing>(k, w);
-  const auto* a = static_cast<const bfloat16_t*>(lhs);
-  const auto* b = static_cast<const uint8_t*>(rhs);
+template <int Bits>
+void run(const Call& cl, int64_t m, int64_t n, const bfloat16_t* a, const uint8_t* b, float* dst,
+         int64_t dst_stride, const F8GemmEpilogue& ep) {
+  const Codes<Bits> codes = Codes<Bits>::of(*cl.w);
   if (m > kMr) {
-    run_decoded(cl, m, n, a, b, dst, dst_stride, ep);
+    run_decoded(cl, codes, m, n, a, b, dst, dst_stride, ep);
     return;
   }
   const int64_t blocks = (n + kNr - 1) / kNr;
   const int64_t step = m <= 2 ? 4 : m <= 4 ? 2 : 1;  // column blocks per tile
   for (int64_t jb = 0; jb < blocks; jb += step) {
     const int64_t nb = std::min(step, blocks - jb), j0 = jb * kNr;
-    kTiles[(m + 1) / 2][nb](cl, a, b + jb * cl.block_bytes, dst + j0, dst_stride, m,
-                            std::min(nb * kNr, n - j0),
-                            ep.bias != nullptr ? ep.bias + j0 : nullptr);
+    kTiles<Bits>[(m + 1) / 2][nb](cl, codes, a, b + jb * cl.block_bytes, dst + j0, dst_stride, m,
+                                  std::min(nb * kNr, n - j0),
+                                  ep.bias != nullptr ? ep.bias + j0 : nullptr);
   }
+}
+
+void run_f32(int64_t m, int64_t n, int64_t k, const F8Layout& w, const void* lhs, const void* rhs,
+             float* dst, int64_t dst_stride, const F8GemmEpilogue& ep) {
+  if (m <= 0 || n <= 0) return;
+  const Call cl = f8_call<Packing>(k, w);
+  const auto* a = static_cast<const bfloat16_t*>(lhs);
+  const auto* b = static_cast<const uint8_t*>(rhs);
+  if (w.code_bits == 4) run<4>(cl, m, n, a, b, dst, dst_stride, ep);
+  else run<8>(cl, m, n, a, b, dst, dst_stride, ep);
 }
 
 }  // namespace
