@@ -179,6 +179,30 @@ def test_supported_type_loads_exactly_and_runs(tmp_path, kind):
     assert np.array_equal(part.w2[0], lw.w2[3]) and list(part.expert_map()) == [-1, 1, -1, 0]
 
 
+@pytest.mark.parametrize("kind", ["Q4_0", "MXFP4"])
+def test_load_experts_act_quant(tmp_path, kind):
+    """load_experts(act_quant=...): "group" keeps the W4A8 layer with group-wise activations,
+    "bf16" runs it W4A16 (the BF16 op's result on gguf's dequantized weights, every path);
+    a layer whose format has one activation mode (BF16 here) refuses it by name."""
+    E, H, I, L = 4, 128, 64, 1
+    rng = np.random.default_rng(5)
+    raw = _layer(kind, rng, E, H, I)
+    path = _write(tmp_path / "m.gguf", {f"{n.format(L)}.weight": (r, Q[kind])
+                                        for n, r in zip((GATE, UP, DOWN), raw)})
+    x, tw, ids = _routing(9, E, 2, H, seed=2)
+    assert cpumoe.load_experts(path, L, act_quant="group").act_quant == "group"
+    gate, up, down = (dequantize(r, Q[kind]) for r in raw)
+    ref = R.ref_fused_moe_bf16(x, np.concatenate([gate, up], axis=1), down, tw, ids, "silu")
+    for isa in cpumoe.available_paths("fp8"):
+        packed = cpumoe.load_experts(path, L, isa=isa, act_quant="bf16")
+        assert isinstance(packed, cpumoe.PackedMoeFp8) and packed.code_bits in (4, 8)
+        assert_moe_close(Backend("numpy"), cpumoe.fused_moe(x, packed, tw, ids), ref)
+    bpath = _write(tmp_path / "b.gguf", {f"{n.format(L)}.weight": (r, Q.BF16) for n, r in
+                                         zip((GATE, UP, DOWN), _layer("BF16", rng, E, H, I))})
+    with pytest.raises(ValueError, match="act_quant: the bf16 format .* act_quant is for int4"):
+        cpumoe.load_experts(bpath, L, act_quant="bf16")
+
+
 def test_q4_0_scales_of_any_sign_are_exact(tmp_path):
     """Q4_0 blocks with d > 0, d < 0 (llama.cpp's quantizer gives it whenever a block's
     largest-magnitude weight is positive, with q = 0 there: -8 d) and d = 0, in every tensor: the

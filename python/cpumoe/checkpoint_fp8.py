@@ -80,8 +80,13 @@ class Fp8LayerWeights(LoadedExperts):
     layout: str
     scheme: str
 
-    def prepack(self, isa: Optional[str] = None, num_threads: Optional[int] = None):
-        """The packed layer (:func:`cpumoe.prepack_fp8` with this layer's ``block_size``)."""
+    def prepack(self, isa: Optional[str] = None, num_threads: Optional[int] = None,
+                act_quant: Optional[str] = None):
+        """The packed layer (:func:`cpumoe.prepack_fp8` with this layer's ``block_size``);
+        act_quant is refused (FP8 keeps its activations in bf16)."""
+        if act_quant is not None:
+            from .quantize import _check_act_quant_taken
+            _check_act_quant_taken("fp8", _ops.prepack_fp8)
         return _ops.prepack_fp8(self.w13, self.w2, self.s13, self.s2, self.b13, self.b2,
                                 block_size=self.block_size, isa=isa, num_threads=num_threads)
 

@@ -180,7 +180,8 @@ def read_experts(path: PathLike, layer: int, *, format: Optional[str] = None,
 
 def load_experts(path: PathLike, layer: int, *, format: Optional[str] = None,
                  isa: Optional[str] = None, num_threads: Optional[int] = None,
-                 activation: Optional[str] = None, requantize: Optional[str] = None):
+                 activation: Optional[str] = None, requantize: Optional[str] = None,
+                 act_quant: Optional[str] = None):
     """The packed layer (for :func:`cpumoe.fused_moe`) of MoE layer ``layer``'s routed experts in
     the checkpoint ``path``: a GGUF file, or a GPTQ / AWQ / compressed-tensors / FP8 / gpt-oss
     MXFP4 safetensors checkpoint (see the module doc), in the cpumoe weight format its stored
@@ -192,8 +193,13 @@ def load_experts(path: PathLike, layer: int, *, format: Optional[str] = None,
       format: one of :data:`LOADERS`, or None to detect it from the file / config.
       isa, num_threads: as in the prepack functions.
       activation, requantize: as in :func:`read_experts` (None: the checkpoint's; none).
+      act_quant: for layers in a W4A8 format (int4, int4_affine, int8_affine, mxfp4), how the
+        op treats the activations, as in :func:`cpumoe.prepack_int4`: "row" (the default),
+        "group", or for int4 and mxfp4 "bf16" (W4A16: a GPTQ / AWQ-symmetric / Q4_0 / MXFP4
+        layer run as its checkpoint was calibrated, with bf16 activations). ValueError for a
+        layer in another format.
     Raises UnsupportedCheckpoint (a ValueError) naming the tensor or setting that does not fit.
     """
     experts = read_experts(path, layer, format=format, activation=activation,
                            requantize=requantize)
-    return experts.prepack(isa=isa, num_threads=num_threads)
+    return experts.prepack(isa=isa, num_threads=num_threads, act_quant=act_quant)

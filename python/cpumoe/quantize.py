@@ -495,6 +495,17 @@ def dequantize_weights(fmt: str, values, scales, group_size: int = 0):
     return _format_io(fmt).dequantize(values, scales, group_size)
 
 
+def _check_act_quant_taken(fmt: str, fn) -> None:
+    """ValueError unless the prepack function ``fn`` of format ``fmt`` takes act_quant."""
+    import inspect
+    if "act_quant" not in inspect.signature(fn).parameters:
+        from . import ops
+        takes = [r["name"] for r in ops.formats()
+                 if "act_quant" in inspect.signature(getattr(ops, r["prepack"])).parameters]
+        raise ValueError(f"act_quant: the {fmt} format has one activation mode; "
+                         f"act_quant is for {', '.join(takes)}")
+
+
 @dataclasses.dataclass
 class QuantizedExperts:
     """One layer's experts in a weight format's prepack input form (see :func:`quantize_experts`
@@ -525,13 +536,15 @@ class QuantizedExperts:
     def prepack(self, isa: Optional[str] = None, num_threads: Optional[int] = None,
                 act_quant: Optional[str] = None):
         """The packed layer (the format's prepack function of cpumoe.formats()); act_quant
-        ("row" / "group") for the formats with int8 activations that take it (the W4A8 ones)."""
+        ("row" / "group", and "bf16" for int4 and mxfp4) for the formats that take it (the W4A8
+        ones); ValueError for the others."""
         from . import ops
         io = _format_io(self.weight_format)
         fn = getattr(ops, next(r["prepack"] for r in ops.formats()
                                if r["name"] == self.weight_format))
         kw = io.prepack_kw(self.group_size)
         if act_quant is not None:
+            _check_act_quant_taken(self.weight_format, fn)
             kw["act_quant"] = act_quant
         return fn(*io.prepack_args(self.w13, self.w2, self.s13, self.s2), self.b13, self.b2,
                   isa=isa, num_threads=num_threads, **kw)
