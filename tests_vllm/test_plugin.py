@@ -290,6 +290,60 @@ def test_experts_with_expert_map_match_the_reference(kind):
     assert L.stats()["layers"][layer.layer_name]["tokens"] == T
 
 
+@pytest.mark.parametrize("mode", ["bf16", "group"])
+@pytest.mark.parametrize("kind", ["int4_a16", "mxfp4"])
+def test_w4_activation_modes(monkeypatch, kind, mode):
+    """CPUMOE_VLLM_W4_ACT: "bf16" runs a 4-bit layer W4A16 (a PackedMoeFp8 of its codes: the
+    BF16 op's result on the dequantized weights), "group" the W4A8 op with activations per
+    group; an unknown value is a clear error."""
+    monkeypatch.setenv(experts.W4_ACT_ENV, mode)
+    g = torch.Generator().manual_seed(4)
+    E, H, I, k, T = 4, 64, 32, 2, 10
+    w13 = torch.randn(E, 2 * I, H, generator=g)
+    w2 = torch.randn(E, H, I, generator=g) / 4
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, E, (T, k), generator=g, dtype=torch.int32)
+    tw = torch.rand(T, k, generator=g)
+    if kind == "int4_a16":
+        q13, s13 = quantize_int4(w13, 32)
+        q2, s2 = quantize_int4(w2, 32)
+        s13, s2 = s13.to(torch.bfloat16), s2.to(torch.bfloat16)
+        layer = _layer(w13_weight_packed=_pack_int4_words(q13),
+                       w2_weight_packed=_pack_int4_words(q2), w13_weight_scale=s13,
+                       w2_weight_scale=s2)
+        ex = _experts(L.CpumoeInt4Experts, E, H, I, k)
+        d13, d2 = (cpumoe.quantize.dequantize_int4(q.numpy(), s.float().numpy(), 32)
+                   for q, s in ((q13, s13), (q2, s2)))
+        label = "int4 g32"
+        int8_want = ref_fused_moe_int4(x, q13, q2, s13.float(), s2.float(), tw, ids,
+                                       group_size=32, act_quant="group")
+    else:
+        bl13, sc13 = quantize_mxfp4(w13)
+        bl2, sc2 = quantize_mxfp4(w2)
+        layer = _layer(w13_weight=bl13.reshape(E, 2 * I, H // 2), w13_weight_scale=sc13,
+                       w2_weight=bl2.reshape(E, H, I // 2), w2_weight_scale=sc2)
+        ex = _experts(L.CpumoeMxfp4Experts, E, H, I, k)
+        d13, d2 = (cpumoe.quantize.dequantize_mxfp4(b, c) for b, c in ((bl13, sc13), (bl2, sc2)))
+        label = "mxfp4 g32"
+        int8_want = ref_fused_moe_mxfp4(x, bl13, sc13, bl2, sc2, tw, ids, act_quant="group")
+    ex.process_weights_after_loading(layer)
+    if mode == "bf16":
+        assert isinstance(ex.packed, cpumoe.PackedMoeFp8)
+        assert ex._format_name().startswith(f"W4A16 {label}, {ex.packed.code_bits}-bit codes (")
+        assert ex._format_name().endswith("W4A16 checkpoint, bf16 activations)")
+        want = ref_fused_moe_bf16(x, torch.as_tensor(d13), torch.as_tensor(d2), tw, ids)
+    else:
+        assert ex.packed.act_quant == "group"
+        assert ex._format_name().endswith("int8 activations per group)")
+        want = int8_want
+    got = _call(ex, x, tw, ids)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2,
+                               atol=2e-2 * float(want.float().abs().max()))
+    monkeypatch.setenv(experts.W4_ACT_ENV, "fp4")
+    with pytest.raises(ValueError, match="CPUMOE_VLLM_W4_ACT='fp4': must be int8"):
+        experts.w4_act_quant()
+
+
 def test_router_weight_on_input_is_not_applied_twice():
     # vLLM's prepare step multiplies x by the (top-1) router weight before the experts run.
     g = torch.Generator().manual_seed(1)

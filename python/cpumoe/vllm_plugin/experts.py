@@ -44,6 +44,36 @@ _lock = threading.Lock()
 _LAYERS: Dict[str, Dict[str, Any]] = {}
 
 
+#: How the 4-bit layers (int4, GPTQ / AWQ, MXFP4) treat their activations: "int8" (quantized
+#: per token: the W4A8 op, the default), "group" (int8 per weight group) or "bf16" (W4A16: not
+#: quantized, the FP8 kernels on the 4-bit codes; symmetric weights only, asymmetric layers keep
+#: int8 and say so). 8-bit GPTQ layers take int8 or group.
+W4_ACT_ENV = "CPUMOE_VLLM_W4_ACT"
+_W4_ACT = {"": "row", "int8": "row", "group": "group", "bf16": "bf16"}
+_ACT_TEXT = {"row": "int8 activations", "group": "int8 activations per group",
+             "bf16": "bf16 activations"}
+
+
+def w4_act_quant(bf16_ok: bool = True) -> Tuple[str, str]:
+    """(the prepack's act_quant, the log's words) under CPUMOE_VLLM_W4_ACT; ``bf16_ok`` False
+    (an affine layer): "bf16" falls back to "row". ValueError for another value."""
+    v = os.environ.get(W4_ACT_ENV, "").strip().lower()
+    if v not in _W4_ACT:
+        raise ValueError(f"{W4_ACT_ENV}={v!r}: must be int8 (the default), group or bf16")
+    mode = _W4_ACT[v]
+    if mode == "bf16" and not bf16_ok:
+        return "row", "int8 activations: bf16 ones need symmetric weights"
+    return mode, _ACT_TEXT[mode]
+
+
+def _w4_name(p: Any, fmt: str, group: int, source: str) -> str:
+    """The log's name of a 4-bit layer of format ``fmt`` packed as ``p`` (W4A8, or W4A16 as a
+    PackedMoeFp8)."""
+    if isinstance(p, cpumoe.PackedMoeFp8):
+        return f"W4A16 {fmt} g{group}, {p.code_bits}-bit codes ({source})"
+    return f"W4A8 {p.weight_format} g{p.group_size}" + (f" ({source})" if source else "")
+
+
 def stats() -> Dict[str, Any]:
     """What cpumoe did in this process: its pid and, per layer it took, the op kind, path,
     kernel and the number of calls and tokens the kernel ran (for tests, e.g. through
@@ -236,10 +266,12 @@ class CpumoeInt4Experts(_CpumoeExperts):
     def _prepack(self, layer: torch.nn.Module) -> Any:
         s13, s2 = layer.w13_weight_scale.data, layer.w2_weight_scale.data
         words = getattr(layer, "w13_weight_packed", None)
+        act_quant, acts = w4_act_quant()
+        self.source = "" if act_quant == "row" else f"W4A8 checkpoint, {acts}"
         if words is not None and words.dtype == torch.int32 and words.numel():
             # W4A16 pack-quantized: int32 words of eight values + 8 each (vLLM's WNA16 names).
             from cpumoe.checkpoint_w4 import unpack_int4
-            self.source = "W4A16 checkpoint, int8 activations"
+            self.source = f"W4A16 checkpoint, {acts}"
             E, N13, H = s13.size(0), s13.size(1), words.size(2) * 8
             N2, I = s2.size(1), layer.w2_weight_packed.size(2) * 8
             w13 = torch.from_numpy(unpack_int4(words.numpy().reshape(E * N13, -1), H))
@@ -256,18 +288,20 @@ class CpumoeInt4Experts(_CpumoeExperts):
                 for name in ("w13_weight_zero_point", "w2_weight_zero_point"):
                     replace_parameter(layer, name, torch.empty(0, dtype=torch.int32))
                 if not ((z13 == 8).all() and (z2 == 8).all()):
-                    self.source = "W4A16 asymmetric checkpoint, int8 activations"
-                    return _affine_from_zero_points(w13, w2, s13, s2, z13, z2, layer)
+                    act_quant, acts = w4_act_quant(bf16_ok=False)
+                    self.source = f"W4A16 asymmetric checkpoint, {acts}"
+                    return _affine_from_zero_points(w13, w2, s13, s2, z13, z2, layer,
+                                                    act_quant)
         else:
             w13, w2 = layer.w13_weight.data, layer.w2_weight.data
+        self.group = w13.size(2) // max(1, s13.size(2))
         return _ops.prepack_int4(w13, w2, s13.float(), s2.float(), _bias(layer, "w13_bias"),
-                                 _bias(layer, "w2_bias"),
-                                 group_size=w13.size(2) // max(1, s13.size(2)))
+                                 _bias(layer, "w2_bias"), group_size=self.group,
+                                 act_quant=act_quant)
 
     def _format_name(self) -> str:
-        src = getattr(self, "source", "")
-        p = self.packed
-        return f"W4A8 {p.weight_format} g{p.group_size}" + (f" ({src})" if src else "")
+        return _w4_name(self.packed, "int4", getattr(self, "group", 0),
+                        getattr(self, "source", ""))
 
 
 def _ct_zero_points(words: torch.Tensor, n: int, groups: int, what: str, name: str) -> Any:
@@ -283,7 +317,8 @@ def _ct_zero_points(words: torch.Tensor, n: int, groups: int, what: str, name: s
 
 
 def _affine_from_zero_points(w13: torch.Tensor, w2: torch.Tensor, s13: torch.Tensor,
-                             s2: torch.Tensor, z13: Any, z2: Any, layer: torch.nn.Module) -> Any:
+                             s2: torch.Tensor, z13: Any, z2: Any, layer: torch.nn.Module,
+                             act_quant: str = "row") -> Any:
     """int4 values q (int8 in [-8, 7]) with group scales s and stored zero points zs = zp + 8 ->
     the packed int4_affine layer: codes q + 8, (s, -s * zs) per group, so s * code + min is
     (q - zp) * s (exact for fp16 / bf16 scales)."""
@@ -297,7 +332,8 @@ def _affine_from_zero_points(w13: torch.Tensor, w2: torch.Tensor, s13: torch.Ten
     codes = [(t.numpy().astype(np.int16) + 8).astype(np.uint8) for t in (w13, w2)]
     return _ops.prepack_int4_affine(codes[0], codes[1], pairs[0], pairs[1],
                                     _bias(layer, "w13_bias"), _bias(layer, "w2_bias"),
-                                    group_size=w13.size(2) // max(1, s13.size(2)))
+                                    group_size=w13.size(2) // max(1, s13.size(2)),
+                                    act_quant=act_quant)
 
 
 def _fields(words: torch.Tensor, bits: int = 4) -> Any:
@@ -398,14 +434,16 @@ class CpumoeGptqAwqExperts(_CpumoeExperts):
             layer.w2_qzeros.data, info["group_size"], info["zero_offset"], self.layer_name,
             info.get("bits", 4))
         fn = getattr(_ops, f"prepack_{fmt}")  # int4, int4_affine or int8_affine
+        act_quant, acts = w4_act_quant(bf16_ok=fmt == "int4")
+        self.group = g
         packed = fn(w13, w2, s13, s2, _bias(layer, "w13_bias"), _bias(layer, "w2_bias"),
-                    group_size=g)
+                    group_size=g, act_quant=act_quant)
         label = {"gptq": "GPTQ v1", "gptq_v2": "GPTQ v2"}.get(info["checkpoint_format"],
                                                             "AWQ GEMM")
         if info.get("bits", 4) == 8:
             label += " 8-bit"
         ck_g = "" if info["group_size"] == g else f" group_size {info['group_size']}"
-        self.source = f"{label} checkpoint{ck_g}, int8 activations"
+        self.source = f"{label} checkpoint{ck_g}, {acts}"
         for name in ("w13_qweight", "w2_qweight", "w13_qzeros", "w2_qzeros", "w13_scales",
                      "w2_scales"):
             replace_parameter(layer, name, torch.empty(0, dtype=getattr(layer, name).dtype))
@@ -413,8 +451,9 @@ class CpumoeGptqAwqExperts(_CpumoeExperts):
 
     def _format_name(self) -> str:
         p = self.packed
-        bits = "W8A8" if p.weight_format == "int8_affine" else "W4A8"  # the int8-activation op
-        return f"{bits} {p.weight_format} g{p.group_size} ({getattr(self, 'source', '')})"
+        if not isinstance(p, cpumoe.PackedMoeFp8) and p.weight_format == "int8_affine":
+            return f"W8A8 int8_affine g{p.group_size} ({getattr(self, 'source', '')})"
+        return _w4_name(p, "int4", self.group, getattr(self, "source", ""))
 
 
 class CpumoeMxfp4Experts(_CpumoeExperts):
@@ -438,12 +477,17 @@ class CpumoeMxfp4Experts(_CpumoeExperts):
         w13, w2 = layer.w13_weight.data, layer.w2_weight.data
         E, N13, H = w13.size(0), w13.size(1), w13.size(2) * 2
         I = w2.size(2) * 2
+        act_quant, self.acts = w4_act_quant()
         return _ops.prepack_mxfp4(w13.view(E, N13, H // 32, 16), layer.w13_weight_scale.data,
                                   w2.view(E, H, I // 32, 16), layer.w2_weight_scale.data,
-                                  _bias(layer, "w13_bias"), _bias(layer, "w2_bias"))
+                                  _bias(layer, "w13_bias"), _bias(layer, "w2_bias"),
+                                  act_quant=act_quant)
 
     def _format_name(self) -> str:
-        return "W4A8 mxfp4 (W4A16 checkpoint, int8 activations)"
+        src = f"W4A16 checkpoint, {getattr(self, 'acts', 'int8 activations')}"
+        if isinstance(self.packed, cpumoe.PackedMoeFp8):
+            return _w4_name(self.packed, "mxfp4", 32, src)
+        return f"W4A8 mxfp4 ({src})"
 
 
 class CpumoeFp8Experts(_CpumoeExperts):
