@@ -44,6 +44,12 @@ MODELS = {"qwen3_moe": ("qwen3_moe", None), "qwen3_moe_w8a8": ("qwen3_moe", "w8a
           "qwen3_moe_fp8_compressed": ("qwen3_moe", "fp8_compressed"),
           "qwen3_moe_fp8_bf16": ("qwen3_moe_fp8", "fp8_dequantized"),
           "qwen3_moe_fp8_compressed_bf16": ("qwen3_moe_fp8_compressed", "fp8_dequantized")}
+#: Served a second time by the cpumoe run with these environment settings (the checkpoint of
+#: the named model, the same kind): the 4-bit layers with bf16 activations (W4A16, as their
+#: checkpoints were calibrated). The vLLM run does not serve them again.
+ALIASES = {"qwen3_moe_w4a16_act_bf16": "qwen3_moe_w4a16", "gpt_oss_mxfp4_act_bf16": "gpt_oss_mxfp4"}
+MODEL_ENV = {name: {"CPUMOE_VLLM_W4_ACT": "bf16"} for name in ALIASES}
+MODELS.update({name: MODELS[src] for name, src in ALIASES.items()})
 #: The bf16 checkpoints' kinds (the rest are quantized).
 BF16_KINDS = (None, "int4_grid", "mxfp4_dequantized", "fp8_dequantized")
 #: The bf16 model each quantized checkpoint is compared with.
@@ -51,14 +57,15 @@ REFERENCE = {"qwen3_moe_w8a8": "qwen3_moe", "mixtral_w8a8": "mixtral",
              "qwen3_moe_w4a8": "qwen3_moe_int4_grid", "qwen3_moe_w4a16": "qwen3_moe_int4_grid",
              "gpt_oss_mxfp4": "gpt_oss_mxfp4_bf16", "qwen3_moe_fp8": "qwen3_moe_fp8_bf16",
              "qwen3_moe_fp8_compressed": "qwen3_moe_fp8_compressed_bf16"}
+REFERENCE.update({name: REFERENCE[src] for name, src in ALIASES.items()})
 #: Served by each backend in this order, one engine at a time, in one process per backend (the
 #: two processes run side by side). mixtral_w8a8 and qwen3_moe_fp8_compressed are left out of
 #: the CI run: they take the same kernel paths as qwen3_moe_w8a8 and qwen3_moe_fp8 (the
 #: compressed-tensors FP8 method's parameters are covered by test_plugin.py) and an engine
 #: start costs the whole suite's time budget (CPUMOE_VLLM_ALL_MODELS=1 serves them too).
 ORDER = ["qwen3_moe", "mixtral", "gpt_oss", "qwen3_moe_w8a8", "qwen3_moe_int4_grid",
-         "qwen3_moe_w4a8", "qwen3_moe_w4a16", "gpt_oss_mxfp4_bf16", "gpt_oss_mxfp4",
-         "qwen3_moe_fp8_bf16", "qwen3_moe_fp8"] + (
+         "qwen3_moe_w4a8", "qwen3_moe_w4a16", "qwen3_moe_w4a16_act_bf16", "gpt_oss_mxfp4_bf16",
+         "gpt_oss_mxfp4", "gpt_oss_mxfp4_act_bf16", "qwen3_moe_fp8_bf16", "qwen3_moe_fp8"] + (
     ["mixtral_w8a8", "qwen3_moe_fp8_compressed_bf16", "qwen3_moe_fp8_compressed"]
     if os.environ.get("CPUMOE_VLLM_ALL_MODELS") == "1" else [])
 N_TOKENS = 16
@@ -83,6 +90,8 @@ def vllm_serves(name: str) -> bool:
     import platform
     from cpumoe.cli.bench.vllm_engine import vllm_int8_kernel
     kind = MODELS[name][1]
+    if name in ALIASES:
+        return False
     if kind in BF16_KINDS:
         return True
     if kind == "w8a8":
@@ -153,7 +162,7 @@ SAVERS = {"fp8": save_fp8, "fp8_dequantized": save_fp8_dequantized}
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     out = {}
-    todo = dict(MODELS)
+    todo = {k: v for k, v in MODELS.items() if k not in ALIASES}
     while todo:  # each after its source
         for name, (source, kind) in list(todo.items()):
             if kind is None:
@@ -164,6 +173,7 @@ def checkpoints(tmp_path_factory):
             else:
                 continue
             del todo[name]
+    out.update({name: out[src] for name, src in ALIASES.items()})
     return out
 
 
@@ -171,7 +181,10 @@ def checkpoints(tmp_path_factory):
 def runs(checkpoints, tmp_path_factory):
     """{backend: {"results": {model name: result}, "log": text}} for "vllm" and "cpumoe"."""
     folder = tmp_path_factory.mktemp("runs")
-    by_dir = {str(v): k for k, v in checkpoints.items()}
+    # A model's argument: its folder, and "::NAME=VALUE" per setting of MODEL_ENV (serve.py).
+    arg = {k: str(v) + "".join(f"::{e}={x}" for e, x in MODEL_ENV.get(k, {}).items())
+           for k, v in checkpoints.items()}
+    by_dir = {a: k for k, a in arg.items()}
     t0 = time.perf_counter()
     procs = {}
     for backend in ("vllm", "cpumoe"):
@@ -181,7 +194,7 @@ def runs(checkpoints, tmp_path_factory):
                "--tokens", str(N_TOKENS)]
         serves = cpumoe_serves if backend == "cpumoe" else vllm_serves
         names = [n for n in ORDER if serves(n)]
-        cmd += [str(checkpoints[n]) for n in names]
+        cmd += [arg[n] for n in names]
         logf = open(folder / f"{backend}.log", "w")
         procs[backend] = (subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT,
                                            cwd=folder), out, logf)

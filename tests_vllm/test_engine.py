@@ -18,7 +18,8 @@ from typing import Dict, List, Tuple
 
 import pytest
 
-from conftest import BF16_KINDS, MODELS, N_TOKENS, ORDER, REFERENCE, cpumoe_serves, vllm_serves
+from conftest import (ALIASES, BF16_KINDS, MODELS, N_TOKENS, ORDER, REFERENCE, cpumoe_serves,
+                      vllm_serves)
 
 #: |logprob difference| of the same token, and the largest logprob gap of a divergence that
 #: still counts as a tie. bf16: the two kernels round at other points (cpumoe rounds x and the
@@ -103,8 +104,11 @@ def test_cpumoe_ran_in_the_engine_worker(runs, name):
         assert st["tokens"] >= prompt_tokens + (N_TOKENS - 1) * len(run["prompts"])
         # One INFO line per layer, from that worker, with the layer name and cpumoe's path.
         line = re.compile(rf"\(.*pid={w['pid']}\).*cpumoe: {re.escape(layer)} runs on cpumoe "
-                          rf"\(.*path {st['path']}, kernel {st['kernel']}")
-        assert len(line.findall(runs["cpumoe"]["log"])) == 1, layer
+                          rf"\((.*)path {st['path']}, kernel {st['kernel']}")
+        found = line.findall(runs["cpumoe"]["log"])
+        assert len(found) == 1, layer
+        if name in ALIASES:  # CPUMOE_VLLM_W4_ACT=bf16: the W4A16 op on the 4-bit codes
+            assert found[0].startswith("W4A16 ") and "bf16 activations" in found[0], found[0]
 
 
 @pytest.mark.parametrize("name", BF16)

@@ -44,12 +44,35 @@ def worker_report(model: Any) -> Dict[str, Any]:
     return report
 
 
-def serve(model_dir: str, n_tokens: int = 16, n_prompts: int = 4,
+def serve(model: str, n_tokens: int = 16, n_prompts: int = 4,
           logprobs: int = 5) -> Dict[str, Any]:
     """Greedy generation of one checkpoint; the result dict described in the module doc.
-    (vLLM's CPU platform runs the worker in a process of its own, always.)"""
+    ``model``: its folder, optionally followed by "::NAME=VALUE" environment settings for this
+    model's engine only (e.g. "::CPUMOE_VLLM_W4_ACT=bf16"). (vLLM's CPU platform runs the worker
+    in a process of its own, always; it inherits them.)"""
+    model_dir, *settings = model.split("::")
     for k, v in ENGINE_ENV.items():
         os.environ.setdefault(k, v)
+    saved = {}
+    for kv in settings:
+        k, sep, v = kv.partition("=")
+        if not sep or not k:
+            raise ValueError(f"{model}: expected FOLDER[::NAME=VALUE ...], got {kv!r}")
+        saved[k] = os.environ.get(k)
+        os.environ[k] = v
+    try:
+        result = _serve(model_dir, n_tokens, n_prompts, logprobs)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    result["model"] = model
+    return result
+
+
+def _serve(model_dir: str, n_tokens: int, n_prompts: int, logprobs: int) -> Dict[str, Any]:
     import vllm
     # By module, not __main__'s copy: the function is pickled by reference for the worker.
     from cpumoe.vllm_plugin.serve import worker_report as report_fn
@@ -80,7 +103,9 @@ def serve(model_dir: str, n_tokens: int = 16, n_prompts: int = 4,
 
 def main(argv: List[str] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cpumoe.vllm_plugin.serve", description=__doc__)
-    ap.add_argument("models", nargs="+", help="checkpoint folders")
+    ap.add_argument("models", nargs="+",
+                    help="checkpoint folders, each optionally FOLDER::NAME=VALUE[::...]: "
+                         "environment settings for that model's engine")
     ap.add_argument("--out", required=True, help="JSON file to write")
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--prompts", type=int, default=4)
