@@ -374,7 +374,7 @@ def _gptq_awq_experts(E, k):
 
 @pytest.mark.parametrize("method,sym", [("gptq", True), ("gptq", False), ("awq", True),
                                         ("awq", False)])
-def test_gptq_awq_experts_agree_with_vllms_cpu_processing(method, sym):
+def test_gptq_awq_experts_agree_with_vllms_cpu_processing(method, sym, monkeypatch):
     """The same loaded parameters through vLLM's own CPU path (its _process_weights_cpu, as
     AutoGPTQMoEMethod / AutoAWQMoEMethod call it, then fused_experts_cpu INT4_W4A8 as
     CPUExpertsInt4.apply does; bf16 scales as vLLM's parameters hold them) and through cpumoe's
@@ -410,15 +410,19 @@ def test_gptq_awq_experts_agree_with_vllms_cpu_processing(method, sym):
     torch.ops._C.fused_experts_cpu(theirs, x, w13, w2, wts, ids, 3, s13, s2, z13, z2, None,
                                    None, None, None, None, None, True)
     # cpumoe's experts on the same parameters (a layer as cpumoe's method leaves it).
-    layer = torch.nn.Module()
-    layer.layer_name = f"model.layers.7.mlp.experts.{method}"
-    for name in names:
-        layer.register_parameter(name, torch.nn.Parameter(p[name].clone(), requires_grad=False))
-    layer.cpumoe_gptq_awq = {"method": method, "group_size": g,
-                             "zero_offset": 1 if method == "gptq" else 0,
-                             "checkpoint_format": "gptq" if method == "gptq" else "gemm"}
-    ex = _gptq_awq_experts(E, k)
-    ex.process_weights_after_loading(layer)
+    def experts_on_a_layer():
+        layer = torch.nn.Module()
+        layer.layer_name = f"model.layers.7.mlp.experts.{method}"
+        for name in names:
+            layer.register_parameter(name, torch.nn.Parameter(p[name].clone(),
+                                                              requires_grad=False))
+        layer.cpumoe_gptq_awq = {"method": method, "group_size": g,
+                                 "zero_offset": 1 if method == "gptq" else 0,
+                                 "checkpoint_format": "gptq" if method == "gptq" else "gemm"}
+        ex = _gptq_awq_experts(E, k)
+        ex.process_weights_after_loading(layer)
+        return layer, ex
+    layer, ex = experts_on_a_layer()
     assert ex.packed.weight_format == ("int4" if sym else "int4_affine")
     assert ex.packed.group_size == g and ex.kind == method
     assert ex._format_name() == (f"W4A8 {ex.packed.weight_format} g{g} "
@@ -437,6 +441,23 @@ def test_gptq_awq_experts_agree_with_vllms_cpu_processing(method, sym):
     ref = (R.ref_fused_moe_int4 if fmt == "int4" else R.ref_fused_moe_int4_affine)(
         x, c13, c2, q13, q2, wts, ids, group_size=gg)
     assert_moe_close(get_backend(), ours, ref)
+    # CPUMOE_VLLM_W4_ACT=bf16: the symmetric layer W4A16 (the BF16 op on its dequantized
+    # weights); with zero points it keeps int8 activations and says why.
+    monkeypatch.setenv("CPUMOE_VLLM_W4_ACT", "bf16")
+    layer, ex = experts_on_a_layer()
+    if fmt == "int4":
+        assert isinstance(ex.packed, cpumoe.PackedMoeFp8)
+        assert ex._format_name().startswith(f"W4A16 int4 g{gg}, ")
+        ours = torch.empty_like(x)
+        ex.apply(ours, x, None, None, wts, ids, MoEActivation.SILU, E, None, None, None, None,
+                 None, None, False)
+        d13, d2 = (torch.as_tensor(np.asarray(cpumoe.quantize.dequantize_int4(c, q, gg)))
+                   for c, q in ((c13, q13), (c2, q2)))
+        assert_moe_close(get_backend(), ours, R.ref_fused_moe_bf16(x, d13, d2, wts, ids))
+    else:
+        assert ex.packed.weight_format == "int4_affine"
+        assert ex._format_name().endswith("int8 activations: bf16 ones need symmetric 4-bit "
+                                          "weights)")
 
 
 def _moe_namespace(H=2048, I=768):

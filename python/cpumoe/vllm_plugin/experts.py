@@ -62,7 +62,7 @@ def w4_act_quant(bf16_ok: bool = True) -> Tuple[str, str]:
         raise ValueError(f"{W4_ACT_ENV}={v!r}: must be int8 (the default), group or bf16")
     mode = _W4_ACT[v]
     if mode == "bf16" and not bf16_ok:
-        return "row", "int8 activations: bf16 ones need symmetric weights"
+        return "row", "int8 activations: bf16 ones need symmetric 4-bit weights"
     return mode, _ACT_TEXT[mode]
 
 
