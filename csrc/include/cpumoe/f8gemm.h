@@ -24,7 +24,9 @@
 /// treated as zero by the hardware paths (BFMMLA, VDPBF16PS, AMX do so).
 ///
 /// The packed B layout kernels share (blocks of nr columns; per group the codes, then the nr
-/// fp32 scales) is F8Packing in csrc/ukernels/f8gemm/f8gemm_common.h.
+/// fp32 scales) is F8Packing in csrc/ukernels/f8gemm/f8gemm_common.h. W4A16 layers give 4-bit
+/// codes instead (F8Layout::code_bits 4: indices into a 16-code codebook, two per byte), which
+/// the kernels with F8GemmUkernel::codes4 expand in registers: the same weights, half the bytes.
 ///
 /// Kernel names (f8gemm_<lhs>_<rhs>_<mr>x<nr>_<isa>, file name == kernel name) follow the
 /// grammar in csrc/ukernels/README.md.
