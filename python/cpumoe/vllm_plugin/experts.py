@@ -215,9 +215,10 @@ class _CpumoeExperts(mk.FusedMoEExpertsModular):
             topk_weights = topk_weights.float()
         # apply_router_weight_on_input (top-1): vLLM's prepare step already scaled x by the
         # router weight, so the op must not weight again (its skip_weighted).
-        # bf16 and fp8 (W8A16) run on the BF16 op; the other formats on the int8 op (int8
-        # activations).
-        fn = cpumoe.fused_moe_bf16 if self.kind in ("bf16", "fp8") else cpumoe.fused_moe_int8
+        # bf16, fp8 (W8A16) and the 4-bit layers packed W4A16 (CPUMOE_VLLM_W4_ACT=bf16) run on
+        # the BF16 op, the packed kind says which; the other formats on the int8 op.
+        bf16_op = isinstance(self.packed, (cpumoe.PackedMoeBf16, cpumoe.PackedMoeFp8))
+        fn = cpumoe.fused_moe_bf16 if bf16_op else cpumoe.fused_moe_int8
         fn(hidden_states, self.packed, topk_weights.contiguous(), topk_ids.contiguous(), act,
            bool(apply_router_weight_on_input), out=output,
            expert_map=self._expert_map(expert_map))
