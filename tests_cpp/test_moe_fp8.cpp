@@ -31,22 +31,7 @@ using cpumoe_test::MoeShape;
 // oracle's double ones can flip a bf16 rounding of one activation element.
 constexpr double kTol = 1e-2;
 
-// The nearest E4M3 code of v (ties: the even code; |v| > 448 saturates), by search over the 127
-// non-negative finite codes (their values increase with the code).
-uint8_t e4m3_code(float v) {
-  const float a = std::fabs(v);
-  uint8_t lo = 0, hi = 0x7E;
-  while (lo < hi) {  // the first code whose value is >= a
-    const uint8_t mid = uint8_t((lo + hi) / 2);
-    if (cpumoe_ref::e4m3(mid) < a) lo = uint8_t(mid + 1); else hi = mid;
-  }
-  uint8_t c = lo;
-  if (c > 0) {
-    const float below = cpumoe_ref::e4m3(uint8_t(c - 1)), above = cpumoe_ref::e4m3(c);
-    if (a - below < above - a || (a - below == above - a && (c - 1) % 2 == 0)) c = uint8_t(c - 1);
-  }
-  return uint8_t(c | (std::signbit(v) ? 0x80 : 0));
-}
+using cpumoe_ref::e4m3_code;
 
 struct Fp8Data {
   MoeData d;

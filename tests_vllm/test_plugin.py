@@ -142,6 +142,30 @@ def _layer(**params):
     return layer
 
 
+def _wna16_int4_layer(w13, w2):
+    """w13 / w2 as int4 g32 the way vLLM's WNA16 method loads a pack-quantized checkpoint
+    (int32 words, bf16 scales): (the layer, the values q13, q2 and the bf16 scales s13, s2)."""
+    q13, s13 = quantize_int4(w13, 32)
+    q2, s2 = quantize_int4(w2, 32)
+    s13, s2 = s13.to(torch.bfloat16), s2.to(torch.bfloat16)
+    layer = _layer(w13_weight_packed=_pack_int4_words(q13),
+                   w2_weight_packed=_pack_int4_words(q2), w13_weight_scale=s13,
+                   w2_weight_scale=s2)
+    return layer, q13, q2, s13, s2
+
+
+def _mxfp4_layer(w13, w2, **biases):
+    """w13 / w2 as MXFP4 the way vLLM's gpt-oss MXFP4 method loads them (uint8 [E, N, K / 2]
+    and [E, N, K / 32]), with the given biases: (the layer, bl13, sc13, bl2, sc2)."""
+    E, N13, H = w13.shape
+    I = w2.shape[2]
+    bl13, sc13 = quantize_mxfp4(w13)
+    bl2, sc2 = quantize_mxfp4(w2)
+    layer = _layer(w13_weight=bl13.reshape(E, N13, H // 2), w13_weight_scale=sc13,
+                   w2_weight=bl2.reshape(E, H, I // 2), w2_weight_scale=sc2, **biases)
+    return layer, bl13, sc13, bl2, sc2
+
+
 def _call(ex, x, tw, ids, emap=None, on_input=False):
     out = torch.empty_like(x)
     ex.apply(out, x, None, None, tw, ids, MoEActivation.SILU, 0, emap, None, None, None, None,
@@ -182,12 +206,7 @@ def test_experts_with_expert_map_match_the_reference(kind):
         want = ref_fused_moe_int4(x, q13, q2, s13, s2, tw_ref, ids_ref, group_size=32)
     elif kind == "int4_a16":
         # As vLLM's WNA16 method loads a pack-quantized checkpoint: int32 words, bf16 scales.
-        q13, s13 = quantize_int4(w13, 32)
-        q2, s2 = quantize_int4(w2, 32)
-        s13, s2 = s13.to(torch.bfloat16), s2.to(torch.bfloat16)
-        layer = _layer(w13_weight_packed=_pack_int4_words(q13),
-                       w2_weight_packed=_pack_int4_words(q2), w13_weight_scale=s13,
-                       w2_weight_scale=s2)
+        layer, q13, q2, s13, s2 = _wna16_int4_layer(w13, w2)
         ex = _experts(L.CpumoeInt4Experts, E, H, I, k)
         want = ref_fused_moe_int4(x, q13, q2, s13.float(), s2.float(), tw_ref, ids_ref,
                                   group_size=32)
@@ -231,13 +250,9 @@ def test_experts_with_expert_map_match_the_reference(kind):
     elif kind == "mxfp4":
         # As vLLM's gpt-oss MXFP4 method loads them: uint8 [E, N, K / 2] and [E, N, K / 32],
         # bf16 biases.
-        bl13, sc13 = quantize_mxfp4(w13)
-        bl2, sc2 = quantize_mxfp4(w2)
         b13 = torch.randn(E, 2 * I, generator=g).to(torch.bfloat16)
         b2 = torch.randn(E, H, generator=g).to(torch.bfloat16)
-        layer = _layer(w13_weight=bl13.reshape(E, 2 * I, H // 2), w13_weight_scale=sc13,
-                       w2_weight=bl2.reshape(E, H, I // 2), w2_weight_scale=sc2,
-                       w13_bias=b13, w2_bias=b2)
+        layer, bl13, sc13, bl2, sc2 = _mxfp4_layer(w13, w2, w13_bias=b13, w2_bias=b2)
         ex = _experts(L.CpumoeMxfp4Experts, E, H, I, k)
         want = ref_fused_moe_mxfp4(x, bl13, sc13, bl2, sc2, tw_ref, ids_ref, b13=b13, b2=b2)
     elif kind in ("fp8", "fp8_channel"):
@@ -305,12 +320,7 @@ def test_w4_activation_modes(monkeypatch, kind, mode):
     ids = torch.randint(0, E, (T, k), generator=g, dtype=torch.int32)
     tw = torch.rand(T, k, generator=g)
     if kind == "int4_a16":
-        q13, s13 = quantize_int4(w13, 32)
-        q2, s2 = quantize_int4(w2, 32)
-        s13, s2 = s13.to(torch.bfloat16), s2.to(torch.bfloat16)
-        layer = _layer(w13_weight_packed=_pack_int4_words(q13),
-                       w2_weight_packed=_pack_int4_words(q2), w13_weight_scale=s13,
-                       w2_weight_scale=s2)
+        layer, q13, q2, s13, s2 = _wna16_int4_layer(w13, w2)
         ex = _experts(L.CpumoeInt4Experts, E, H, I, k)
         d13, d2 = (cpumoe.quantize.dequantize_int4(q.numpy(), s.float().numpy(), 32)
                    for q, s in ((q13, s13), (q2, s2)))
@@ -318,10 +328,7 @@ def test_w4_activation_modes(monkeypatch, kind, mode):
         int8_want = ref_fused_moe_int4(x, q13, q2, s13.float(), s2.float(), tw, ids,
                                        group_size=32, act_quant="group")
     else:
-        bl13, sc13 = quantize_mxfp4(w13)
-        bl2, sc2 = quantize_mxfp4(w2)
-        layer = _layer(w13_weight=bl13.reshape(E, 2 * I, H // 2), w13_weight_scale=sc13,
-                       w2_weight=bl2.reshape(E, H, I // 2), w2_weight_scale=sc2)
+        layer, bl13, sc13, bl2, sc2 = _mxfp4_layer(w13, w2)
         ex = _experts(L.CpumoeMxfp4Experts, E, H, I, k)
         d13, d2 = (cpumoe.quantize.dequantize_mxfp4(b, c) for b, c in ((bl13, sc13), (bl2, sc2)))
         label = "mxfp4 g32"

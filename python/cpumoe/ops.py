@@ -299,9 +299,9 @@ def prepack_int4(w13: Any, w2: Any, s13: Any, s2: Any, b13: Any = None, b2: Any 
         "bf16" (W4A16, accuracy over speed): no activation quantization; the result is a
         :class:`PackedMoeFp8` (weight_format "fp8") that the FP8 op runs with bf16
         activations: the 4-bit codes index a 16-entry E4M3 codebook of the values (exact),
-        the group scales are (1, g) blocks. Kernels that keep 4-bit codes (AVX-512, the
-        portable one: ``packed.code_bits`` 4) read 4 bits per weight plus the scales; the
-        others get the E4M3 codes (8 bits).
+        the group scales are (1, g) blocks. Kernels that keep 4-bit codes (AVX-512 BF16, AMX,
+        AVX-512, Arm BF16, portable: ``packed.code_bits`` 4) read 4 bits per weight plus the
+        scales; the others (AVX2, Arm NEON) get the E4M3 codes (8 bits).
     The packed layer holds 4 bits per weight plus the scales. Each GEMM output is
     ``s_x * sum_g (exact int32 group sum) * s[n, g] + b[n]``, fp32 over the groups in order.
     """
@@ -361,8 +361,7 @@ def _prepack_int_groups(fmt, w13, w2, s13, s2, b13, b2, group_size, isa, num_thr
     vs13, vs2 = view("s13", s13), view("s2", s2)
     check_shape(vs13, "s13", (E, 2 * I, H // g) + pair, f" (group_size {g})")
     check_shape(vs2, "s2", (E, H, I // g) + pair, f" (group_size {g})")
-    keep, (b13a, b13d, b2a, b2d) = _w4_bias_and_isa(E, H, I, b13, b2, isa)
-    if act_quant == "bf16":
+    if act_quant == "bf16":  # its own bias handling, in _prepack_w4a16
         import numpy as np
         from .quantize import to_numpy
         v = [to_numpy(a) for a in (w13, w2)]
@@ -370,6 +369,7 @@ def _prepack_int_groups(fmt, w13, w2, s13, s2, b13, b2, group_size, isa, num_thr
             raise ValueError("w13/w2: int4 values must be in [-8, 7]")
         return _prepack_w4a16(*((a.astype(np.int16) + 8).astype(np.uint8) for a in v),
                               np.arange(-8, 8), s13, s2, b13, b2, g, isa, num_threads)
+    keep, (b13a, b13d, b2a, b2d) = _w4_bias_and_isa(E, H, I, b13, b2, isa)
     return _C.prepack_w4(E, H, I, fmt, g, v13.address, v2.address, vs13.address, vs2.address,
                          b13a, b13d, b2a, b2d, isa, _num_threads(num_threads, w13), act_quant)
 
@@ -464,12 +464,12 @@ def prepack_mxfp4(w13_blocks: Any, w13_scales: Any, w2_blocks: Any, w2_scales: A
     check_shape(v2, "w2_blocks", (E, H, I // 32, 16), " to match w13_blocks [E, 2I, H / 32, 16]")
     check_shape(vs13, "w13_scales", (E, 2 * I, H // 32))
     check_shape(vs2, "w2_scales", (E, H, I // 32))
-    keep, (b13a, b13d, b2a, b2d) = _w4_bias_and_isa(E, H, I, b13, b2, isa)
-    if act_quant == "bf16":
+    if act_quant == "bf16":  # its own bias handling, in _prepack_w4a16
         from .quantize import MXFP4_INT, e8m0_scale, mxfp4_codes
         return _prepack_w4a16(mxfp4_codes(w13_blocks), mxfp4_codes(w2_blocks), MXFP4_INT,
                               e8m0_scale(w13_scales, True), e8m0_scale(w2_scales, True), b13, b2,
                               32, isa, num_threads)
+    keep, (b13a, b13d, b2a, b2d) = _w4_bias_and_isa(E, H, I, b13, b2, isa)
     return _C.prepack_w4(E, H, I, "mxfp4", 32, v13.address, v2.address, vs13.address,
                          vs2.address, b13a, b13d, b2a, b2d, isa,
                          _num_threads(num_threads, w13_blocks), act_quant)

@@ -41,6 +41,7 @@
 
 #include "../../csrc/moe/bench_hooks.h"  // internal to the dispatcher: bench-only
 #include "cpumoe/moe.h"
+#include "reference/reference.h"  // e4m3_code (the w4a16 codebook)
 
 namespace {
 
@@ -311,12 +312,7 @@ int main(int argc, char** argv) {
       // blocks, as prepack_int4(act_quant="bf16") makes them.
       const bool w4 = format == "w4a16";
       uint8_t book[16];
-      for (int i = 0; i < 16; ++i) {  // E4M3 of i - 8 (|v| <= 8: 2^e (1 + m / 8) exactly)
-        const int v = i - 8, a = v < 0 ? -v : v;
-        int e = 0;
-        while ((2 << e) <= a) ++e;
-        book[i] = a == 0 ? 0 : uint8_t((v < 0 ? 0x80 : 0) | (e + 7) << 3 | ((a << 3 >> e) & 7));
-      }
+      for (int i = 0; i < 16; ++i) book[i] = cpumoe_ref::e4m3_code(float(i - 8));  // exact
       for (auto* v : {&w13, &w2})
         for (auto& x : *v)
           x = w4 ? int8_t(x & 15) : (uint8_t(x) & 0x7F) == 0x7F ? int8_t(0) : x;  // no NaN codes

@@ -286,6 +286,22 @@ float e4m3(uint8_t code) {
   return sign ? -v : v;
 }
 
+uint8_t e4m3_code(float v) {
+  // By search over the 127 non-negative finite codes (their values increase with the code).
+  const float a = std::fabs(v);
+  uint8_t lo = 0, hi = 0x7E;
+  while (lo < hi) {  // the first code whose value is >= a
+    const uint8_t mid = uint8_t((lo + hi) / 2);
+    if (e4m3(mid) < a) lo = uint8_t(mid + 1); else hi = mid;
+  }
+  uint8_t c = lo;
+  if (c > 0) {
+    const float below = e4m3(uint8_t(c - 1)), above = e4m3(c);
+    if (a - below < above - a || (a - below == above - a && (c - 1) % 2 == 0)) c = uint8_t(c - 1);
+  }
+  return uint8_t(c | (std::signbit(v) ? 0x80 : 0));
+}
+
 void gemm_f8(int64_t m, int64_t n, int64_t k, int64_t group, int64_t block_n, const uint16_t* a,
              int64_t lda, const uint8_t* codes, int64_t ldc, const float* scales, int64_t lds,
              const float* bias, float* dst, int64_t ldd, double* mag) {

@@ -126,6 +126,10 @@ std::vector<float> fused_moe_w4(const MoeProblemW4& p, const MoeInputs& in,
 /// NaN. Built from the fp32 bit pattern (normal codes) and an exact scaling (subnormals).
 float e4m3(uint8_t code);
 
+/// The nearest E4M3 code of @p v (ties: the even code; |v| > 448 saturates to +-448; the sign
+/// bit of v kept, so -0 is 0x80): e4m3(e4m3_code(v)) == v for every v E4M3 holds.
+uint8_t e4m3_code(float v);
+
 /// The W8A16 FP8 GEMM of f8gemm.h, as its formula is written: for each (i, j), per group of
 /// gk = (group >= k ? k : group) consecutive k (the last one shorter), S = the exact products
 /// bf16(a) * e4m3(code) summed in double and rounded once to fp32; acc = acc + S * s in fp32 over
