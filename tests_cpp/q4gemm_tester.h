@@ -1,9 +1,10 @@
 /// @file q4gemm_tester.h
 /// A builder-style tester for one Q4GemmUkernel (the W4A8 family), as QGemmTester:
 ///   Q4GemmTester().format(W4Format::int4).group(64).m(7).n(17).k(128).Test(kernel);
-/// Random int8 rows of A (through row pointers), random 4-bit codes and group scales of B (row
+/// Random int8 rows of A (through row pointers), random 4-bit (int8_affine: 8-bit) codes and
+/// group scales of B (row
 /// strides beyond k and k / group), packed by the kernel's own packers, run whole and at m / n
-/// offsets at multiples of mr / nr, compared with the naive oracle (reference/gemm_w4) bit for
+/// offsets at multiples of mr / nr, compared with the naive oracle (reference/gemm_w4_kernel) bit for
 /// bit (a NaN where the oracle has one). Checks the packed sizes' guard zones, that a call stays
 /// inside the scratch_bytes (pack_rhs: pack_scratch_bytes) it is given, and that nothing outside
 /// the destination block is written.
@@ -34,6 +35,7 @@ class Q4GemmTester {
   /// 255 (NaN) in some groups.
   Q4GemmTester& extreme_scales(bool v) { extreme_ = v; return *this; }
   /// Every code c and A all `a` (the int32-range test at the largest |value|).
+  /// W4Format::int8_affine: the kernel's 8-bit codes (value c - 128), for kernels with codes8.
   Q4GemmTester& constant(int8_t a, uint8_t c) { const_ = true; ca_ = a; cc_ = c; return *this; }
   Q4GemmTester& offsets(bool v) { offsets_ = v; return *this; }
   /// Activations quantized per group: an lhs_group_scale per row and group (random, with
@@ -54,11 +56,14 @@ class Q4GemmTester {
 
     std::vector<int8_t> a_store(size_t(m_ * lda));
     std::vector<uint8_t> codes(size_t(n_ * ldc));
-    std::uniform_int_distribution<int> da(-127, 127), dc(0, 15);
+    const bool bytes = w_.format == W4Format::int8_affine;
+    std::uniform_int_distribution<int> da(-127, 127), dc(0, bytes ? 255 : 15);
     for (auto& v : a_store) v = const_ ? ca_ : int8_t(da(rng));
     for (size_t i = 0; i < codes.size(); ++i)
-      codes[i] = const_ && int64_t(i) % ldc < k_ ? cc_ : uint8_t(dc(rng));
-    // Garbage in the code padding and the high nibbles: the packer must mask and skip them.
+      codes[i] = const_ && int64_t(i) % ldc < k_ ? cc_
+                 : uint8_t(dc(rng) | (bytes ? 0 : int(rng() % 16) << 4));
+    // Garbage in the code padding and (4-bit codes) the high nibbles: the packer must mask and
+    // skip them.
     for (size_t i = 0; i < codes.size(); ++i)
       if (int64_t(i) % ldc >= k_) codes[i] = uint8_t(rng());
     std::vector<uint8_t> scales(size_t(n_ * lds * sb), 0x7f);
@@ -118,10 +123,10 @@ class Q4GemmTester {
     }
     const float* gsp = gscale_ ? gs.data() : nullptr;
     std::vector<float> want_nb(size_t(m_ * n_)), want_b(size_t(m_ * n_));
-    cpumoe_ref::gemm_w4(m_, n_, k_, w_.format, w_.group, a.data(), k_, codes.data(), ldc,
-                        scales.data(), lds, ls.data(), nullptr, want_nb.data(), n_, gsp);
-    cpumoe_ref::gemm_w4(m_, n_, k_, w_.format, w_.group, a.data(), k_, codes.data(), ldc,
-                        scales.data(), lds, ls.data(), bias.data(), want_b.data(), n_, gsp);
+    cpumoe_ref::gemm_w4_kernel(m_, n_, k_, w_.format, w_.group, a.data(), k_, codes.data(), ldc,
+                               scales.data(), lds, ls.data(), nullptr, want_nb.data(), n_, gsp);
+    cpumoe_ref::gemm_w4_kernel(m_, n_, k_, w_.format, w_.group, a.data(), k_, codes.data(), ldc,
+                               scales.data(), lds, ls.data(), bias.data(), want_b.data(), n_, gsp);
 
     std::vector<Block> blocks{{0, m_, 0, n_}};
     if (offsets_) add_offset_blocks(kern, m_, n_, rng, &blocks);

@@ -136,6 +136,27 @@ void expect_oracle_bits(const std::vector<float>& got, const std::vector<float>&
   }
 }
 
+// The oracle's bits for @p kern: int8_affine as that kernel runs it (8-bit codes or two
+// planes, cpumoe::W4Plan); computed once per form.
+class Oracle {
+ public:
+  explicit Oracle(const W4Data& w) : w_(w) {}
+  const std::vector<float>& operator()(const cpumoe::Q4GemmUkernel* kern) {
+    const bool planes = w_.ref.format == W4Format::int8_affine && !kern->codes8;
+    std::vector<float>& out = exact_[planes ? 1 : 0];
+    if (out.empty()) {
+      cpumoe_ref::MoeProblemW4 p = w_.ref;
+      p.int8_planes = planes;
+      out = cpumoe_ref::fused_moe_w4(p, w_.d.ref_inputs(), cpumoe::vec::apply);
+    }
+    return out;
+  }
+
+ private:
+  const W4Data& w_;
+  std::vector<float> exact_[2];
+};
+
 void check_all_w4_paths(const W4Data& w) {
   SCOPED_TRACE(testing::Message() << cpumoe::w4_format_name(w.ref.format) << " g=" << w.ref.group
                                   << (w.ref.act_quant == cpumoe::ActQuant::group
@@ -144,20 +165,27 @@ void check_all_w4_paths(const W4Data& w) {
                                   << " H=" << w.d.s.H << " I=" << w.d.s.I << " act="
                                   << cpumoe_test::spec_name(w.d.act) << " dtype="
                                   << cpumoe::dtype_name(w.d.dtype));
-  std::vector<uint8_t> first;
+  // The same bytes on every kernel of one form (int8_affine: 8-bit codes or two planes).
+  std::vector<uint8_t> first[2];
+  Oracle oracle(w);
   for (const cpumoe::Q4GemmUkernel* kern : supported_w4_kernels()) {
     const cpumoe::PackedMoeW4 pk(w.weights(), kern);
+    std::vector<uint8_t>& f = first[pk.planes() - 1];
+    const bool new_form = f.empty();
     for (int threads : {1, 2, 3}) {
       std::vector<uint8_t> raw = cpumoe_test::run_moe(pk, w.d, threads);
-      if (first.empty()) {
-        first = std::move(raw);
+      if (f.empty()) {
+        f = std::move(raw);
       } else {
-        ASSERT_TRUE(raw == first) << kern->name << " threads=" << threads << " differs";
+        ASSERT_TRUE(raw == f) << kern->name << " threads=" << threads << " differs";
       }
     }
+    if (new_form) {
+      SCOPED_TRACE(kern->name);
+      expect_oracle_bits(cpumoe_test::output_values(w.d, f), oracle(kern));
+      if (testing::Test::HasFatalFailure()) return;
+    }
   }
-  const std::vector<float> got = cpumoe_test::output_values(w.d, first);
-  expect_oracle_bits(got, cpumoe_ref::fused_moe_w4(w.ref, w.d.ref_inputs(), cpumoe::vec::apply));
 }
 
 struct Fmt {
@@ -222,9 +250,9 @@ TEST(MoeW4, FusedAndPhasedGiveTheOraclesBits) {
                        true, 23);
     // The last one with its activations per group (the group scales through every phase).
     if (fm.f == W4Format::int4_affine && fm.g == 32) w.ref.act_quant = cpumoe::ActQuant::group;
-    const std::vector<float> exact =
-        cpumoe_ref::fused_moe_w4(w.ref, w.d.ref_inputs(), cpumoe::vec::apply);
+    Oracle oracle(w);
     for (const cpumoe::Q4GemmUkernel* kern : supported_w4_kernels()) {
+      const std::vector<float>& exact = oracle(kern);
       for (int fuse : {2, 1, 0}) {
         SCOPED_TRACE(testing::Message() << kern->name << " fuse=" << fuse);
         cpumoe::MoeConfig<cpumoe::Q4GemmUkernel> cfg = cpumoe::w4_config(kern);
@@ -316,17 +344,28 @@ TEST(MoeW4, PackedBytesAndAccessors) {
     // Expert 1's w2 column 70, group 0: min + 8 scale of its pair.
     const float* pair = reinterpret_cast<const float*>(a.ref.s2.data()) + 2 * (256 + 70);
     EXPECT_EQ(pa.o2(1)[1 * cpumoe::kGroupOffsetPanel + 70 - 64], pair[1] + 8.0f * pair[0]);
-    // int8_affine: two such planes (hi: min + 8 * 16 scale; lo: 8 scale, one plane further).
+    // int8_affine: 8-bit codes (one plane, offset min + 128 scale) where the kernel has them,
+    // else two int4 planes (hi: min + 8 * 16 scale; lo: 8 scale, one plane further).
     const W4Data b = make_w4({1, 3, 1, 256, 128}, W4Format::int8_affine, 128, DType::f32,
                              Activation::silu, true, 5);
     const cpumoe::PackedMoeW4 pb(b.weights(), kern, 2);
     EXPECT_EQ(pb.weight_format(), cpumoe::WeightFormat::int8_affine);
-    EXPECT_EQ(pb.planes(), 2);
-    EXPECT_EQ(pb.packed_bytes(), 2 * pa.packed_bytes() - bias);
     const float* pb2 = reinterpret_cast<const float*>(b.ref.s2.data()) + 2 * (256 + 70);
     const float* o2 = pb.o2(1) + 1 * cpumoe::kGroupOffsetPanel + 70 - 64;
     EXPECT_EQ(o2[0], pb2[1] + 8.0f * (16.0f * pb2[0]));
-    EXPECT_EQ(o2[cpumoe::group_offset_floats(256, 128, 128)], 8.0f * pb2[0]);
+    if (kern->codes8) {
+      EXPECT_EQ(pb.planes(), 1);
+      EXPECT_EQ(pb.layout().format, W4Format::int8_affine);
+      EXPECT_EQ(o2[0], pb2[1] + 128.0f * pb2[0]);
+      // 8 bits per weight and the same scales and offsets as int4_affine.
+      EXPECT_GE(pb.packed_bytes(), pa.packed_bytes() + weights / 2);
+      EXPECT_LE(pb.packed_bytes(), pa.packed_bytes() + weights / 2 + pad);
+    } else {
+      EXPECT_EQ(pb.planes(), 2);
+      EXPECT_EQ(pb.layout().format, W4Format::int4);
+      EXPECT_EQ(pb.packed_bytes(), 2 * pa.packed_bytes() - bias);
+      EXPECT_EQ(o2[cpumoe::group_offset_floats(256, 128, 128)], 8.0f * pb2[0]);
+    }
   }
 }
 
@@ -389,9 +428,9 @@ TEST(MoeW4, KernelScratchIsPlannedPerThread) {
     for (const cpumoe_test::MoeShape& s :
          {cpumoe_test::MoeShape{1, 8, 4, 256, 128}, cpumoe_test::MoeShape{150, 4, 2, 128, 256}}) {
       const W4Data w = make_w4(s, fm.f, fm.g, DType::bf16, Activation::silu, true, 77);
-      const std::vector<float> exact =
-          cpumoe_ref::fused_moe_w4(w.ref, w.d.ref_inputs(), cpumoe::vec::apply);
+      Oracle oracle(w);
       for (const cpumoe::Q4GemmUkernel* kern : supported_w4_kernels()) {
+        const std::vector<float>& exact = oracle(kern);
         greedy::inner = kern;
         cpumoe::Q4GemmUkernel kg = *kern;
         kg.scratch_bytes = greedy::scratch_bytes;

@@ -28,6 +28,11 @@ using cpumoe::W4Layout;
 using cpumoe_test::GuardedBuffer;
 using cpumoe_test::Q4GemmTester;
 
+struct Fmt {
+  W4Format f;
+  int64_t g;
+};
+
 class Q4GemmKernelTest : public testing::TestWithParam<const Q4GemmUkernel*> {
  protected:
   void SetUp() override {
@@ -36,16 +41,21 @@ class Q4GemmKernelTest : public testing::TestWithParam<const Q4GemmUkernel*> {
                    << ", which this CPU lacks";
   }
   const Q4GemmUkernel& kernel() const { return *GetParam(); }
+  // kFormats, and int8_affine's 8-bit codes at the same groups where the kernel has them.
+  std::vector<Fmt> formats() const;
 };
 
-struct Fmt {
-  W4Format f;
-  int64_t g;
-};
 // 32, 64, 128 and mxfp4's 32 are fixed at compile time in the x86 kernels (run_q4_f32); 96 takes
 // their general path.
 constexpr Fmt kFormats[] = {{W4Format::int4, 32},  {W4Format::int4, 64}, {W4Format::int4, 96},
                             {W4Format::int4, 128}, {W4Format::mxfp4, 32}};
+
+std::vector<Fmt> Q4GemmKernelTest::formats() const {
+  std::vector<Fmt> out(std::begin(kFormats), std::end(kFormats));
+  if (kernel().codes8)
+    for (int64_t g : {32, 64, 96, 128}) out.push_back({W4Format::int8_affine, g});
+  return out;
+}
 
 // m: every sub-tile of a 16-row tile and past it; n: at, below and above each tile edge
 // (nr 4, 8, 16); k: one group, two, and an odd count of groups.
@@ -53,7 +63,7 @@ constexpr int64_t kMs[] = {1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 33};
 constexpr int64_t kNs[] = {1, 3, 4, 7, 8, 9, 15, 16, 17, 33, 64};
 
 TEST_P(Q4GemmKernelTest, SmallShapes) {
-  for (const Fmt& fm : kFormats)
+  for (const Fmt& fm : formats())
     for (int64_t groups : {1, 2, 3})
       for (int64_t m : kMs)
         for (int64_t n : kNs) {
@@ -65,7 +75,7 @@ TEST_P(Q4GemmKernelTest, SmallShapes) {
 // Activations quantized per group (lhs_group_scale): every format and group, tile edges in m
 // and n, one to three groups, the scales with tiny and huge values among them.
 TEST_P(Q4GemmKernelTest, GroupScales) {
-  for (const Fmt& fm : kFormats)
+  for (const Fmt& fm : formats())
     for (int64_t groups : {1, 3})
       for (int64_t m : {1, 2, 4, 5, 8, 9, 17})
         for (int64_t n : {3, 8, 17, 33}) {
@@ -88,12 +98,19 @@ TEST_P(Q4GemmKernelTest, DeepKAndOtherGroups) {
     Q4GemmTester().format(s.f).group(s.g).m(s.m).n(s.n).k(s.k).Test(kernel());
     if (HasFatalFailure()) return;
   }
+  if (!kernel().codes8) return;
+  for (Shape s : {Shape{1, 64, 2048, 32, W4Format::int8_affine},
+                  {9, 33, 2880, 64, W4Format::int8_affine}, {5, 17, 768, 256, W4Format::int8_affine},
+                  {2, 8, 4096, 4096, W4Format::int8_affine}}) {
+    Q4GemmTester().format(s.f).group(s.g).m(s.m).n(s.n).k(s.k).Test(kernel());
+    if (HasFatalFailure()) return;
+  }
 }
 
 // E8M0 0, 1 (subnormal scales), 254 and 255 (NaN: its column is NaN in every row); int4 scales
 // of 1e-30 and 1e30.
 TEST_P(Q4GemmKernelTest, ExtremeScales) {
-  for (const Fmt& fm : kFormats)
+  for (const Fmt& fm : formats())
     for (int64_t m : {1, 8, 17})
       for (int64_t n : {5, 16, 33}) {
         Q4GemmTester().format(fm.f).group(fm.g).m(m).n(n).k(4 * fm.g).extreme_scales(true)
@@ -108,6 +125,11 @@ TEST_P(Q4GemmKernelTest, LargestGroupSums) {
   Q4GemmTester().format(W4Format::int4).group(4096).m(9).n(17).k(8192).constant(127, 8)
       .Test(kernel());
   Q4GemmTester().format(W4Format::mxfp4).group(32).m(9).n(17).k(2048).constant(-127, 15)
+      .Test(kernel());
+  if (!kernel().codes8) return;  // 8-bit codes: -128 * 127 and 127 * 127 over 4096 k
+  Q4GemmTester().format(W4Format::int8_affine).group(4096).m(9).n(17).k(8192).constant(127, 0)
+      .Test(kernel());
+  Q4GemmTester().format(W4Format::int8_affine).group(4096).m(9).n(17).k(8192).constant(-127, 255)
       .Test(kernel());
 }
 
@@ -126,16 +148,17 @@ TEST_P(Q4GemmKernelTest, LongGroups) {
 // held before, nor on anything past k / k / g in the rows, nor on the codes' high 4 bits.
 TEST_P(Q4GemmKernelTest, PackingIsFullyDetermined) {
   std::mt19937 rng(5);
-  for (const Fmt& fm : kFormats) {
+  for (const Fmt& fm : formats()) {
     const W4Layout w{fm.f, fm.g};
+    const uint8_t high = w.code_bits() == 8 ? 0 : 0xf0;  // bits the packer must ignore
     for (int64_t n : {1, 3, 9, 17}) {
       const int64_t k = 2 * fm.g, ldc = k + 7, lds = 2 + 3, sb = w.scale_bytes();
       std::vector<uint8_t> codes(size_t(n * ldc)), sc(size_t(n * lds * sb));
-      for (auto& v : codes) v = uint8_t(rng() & 15);
+      for (auto& v : codes) v = uint8_t(rng() & ~high);
       for (auto& v : sc) v = uint8_t(60 + rng() % 8);  // positive finite floats / E8M0
       std::vector<uint8_t> codes2 = codes, sc2 = sc;
       for (int64_t j = 0; j < n; ++j) {
-        for (int64_t x = 0; x < k; ++x) codes2[size_t(j * ldc + x)] |= uint8_t(rng() & 0xf0);
+        for (int64_t x = 0; x < k; ++x) codes2[size_t(j * ldc + x)] |= uint8_t(rng() & high);
         for (int64_t x = k; x < ldc; ++x) codes2[size_t(j * ldc + x)] = uint8_t(rng());
         for (int64_t x = 2 * sb; x < lds * sb; ++x) sc2[size_t(j * lds * sb + x)] = uint8_t(rng());
       }
@@ -156,11 +179,11 @@ TEST_P(Q4GemmKernelTest, PackingIsFullyDetermined) {
   }
 }
 
-// The packed weights are what the format is for: 4 bits per weight plus the group scales (and
-// at most a 64-byte alignment pad per block). A kernel may store mxfp4's E8M0 scales widened to
-// bf16 (exact), no wider.
+// The packed weights are what the format is for: 4 bits per weight (8 for int8_affine's codes)
+// plus the group scales (and at most a 64-byte alignment pad per block). A kernel may store
+// mxfp4's E8M0 scales widened to bf16 (exact), no wider.
 TEST_P(Q4GemmKernelTest, PackedBytesAreFourBitsPlusScales) {
-  for (const Fmt& fm : kFormats) {
+  for (const Fmt& fm : formats()) {
     const W4Layout w{fm.f, fm.g};
     const int64_t max_sb = fm.f == W4Format::mxfp4 ? 2 : w.scale_bytes();
     for (int64_t n : {kernel().nr, int64_t(64), int64_t(768)}) {
@@ -169,7 +192,7 @@ TEST_P(Q4GemmKernelTest, PackedBytesAreFourBitsPlusScales) {
       const size_t bytes = kernel().rhs_packed_size(n, k, w);
       const size_t blocks = size_t((n + kernel().nr - 1) / kernel().nr);
       const auto want = [&](int64_t sb) {
-        return blocks * size_t(kernel().nr) * size_t(k / 2 + (k / fm.g) * sb);
+        return blocks * size_t(kernel().nr) * size_t(k * w.code_bits() / 8 + (k / fm.g) * sb);
       };
       EXPECT_GE(bytes, want(w.scale_bytes()));
       EXPECT_LE(bytes, want(max_sb) + blocks * 64) << cpumoe::w4_format_name(fm.f) << " g=" << fm.g;
@@ -209,8 +232,10 @@ TEST_P(Q4GemmKernelTest, EmptyShapesWriteNothing) {
 // task's rows and columns), so it must not shrink as m or n grow; and it stays a small multiple
 // of the call's own data (no hidden m x n buffers).
 TEST_P(Q4GemmKernelTest, ScratchBytesIsMonotoneAndBounded) {
-  for (const W4Layout w : {W4Layout{W4Format::int4, 32}, W4Layout{W4Format::int4, 128},
-                           W4Layout{W4Format::int4, 2048}, W4Layout{W4Format::mxfp4, 32}}) {
+  std::vector<W4Layout> layouts{{W4Format::int4, 32}, {W4Format::int4, 128},
+                                {W4Format::int4, 2048}, {W4Format::mxfp4, 32}};
+  if (kernel().codes8) layouts.push_back({W4Format::int8_affine, 128});
+  for (const W4Layout w : layouts) {
     for (int64_t k : {w.group, 4 * w.group}) {
       for (int64_t m = 0; m <= 70; ++m) {
         for (int64_t n : {int64_t(0), int64_t(1), int64_t(31), int64_t(33), int64_t(1536)}) {

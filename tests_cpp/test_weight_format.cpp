@@ -78,9 +78,12 @@ TEST(WeightFormat, Q4GemmRowsHaveDecodeTables) {
     ++q4_rows;
     EXPECT_EQ(cpumoe::weight_format_of(f), info.format);
     EXPECT_STREQ(cpumoe::w4_format_name(f), info.name);
-    // Bits per weight: 4, or two 4-bit planes (w4_planes).
-    EXPECT_EQ(info.bits, 4 * cpumoe::w4_planes(f)) << info.name;
-    const int8_t* table = cpumoe::w4_decode_table(cpumoe::w4_kernel_format(f));
+    // Bits per weight: 4, or two 4-bit planes (W4Plan without 8-bit codes), or one 8-bit one.
+    EXPECT_EQ(info.bits, 4 * cpumoe::w4_plan(f, false).planes) << info.name;
+    EXPECT_EQ(cpumoe::w4_plan(f, true).planes, 1) << info.name;
+    const cpumoe::W4Layout with8{cpumoe::w4_plan(f, true).kernel, 32};
+    EXPECT_EQ(info.bits, with8.code_bits()) << info.name;
+    const int8_t* table = cpumoe::w4_decode_table(cpumoe::w4_plan(f, false).kernel);
     ASSERT_NE(table, nullptr) << info.name;
     const bool uint = std::string(info.value_code) == "uint";
     EXPECT_EQ(uint, info.zero_point) << info.name;  // unsigned codes need their min
@@ -95,8 +98,9 @@ TEST(WeightFormat, Q4GemmRowsHaveDecodeTables) {
     }
     EXPECT_NE(info.group, cpumoe::GroupRule::none) << info.name;
     EXPECT_EQ(info.group_size % cpumoe::kW4GroupMultiple, 0) << info.name;
+    // The kernel's scale: the table's, without the affine formats' mins (the pipeline's).
     const cpumoe::W4Layout layout{f, info.group_size};
-    EXPECT_EQ(layout.scale_bytes(), info.scale_bytes);
+    EXPECT_EQ(layout.scale_bytes(), info.zero_point ? info.scale_bytes / 2 : info.scale_bytes);
     EXPECT_EQ(cpumoe::weight_format_scale_bytes(info.format), info.scale_bytes);
     const int want_bytes = info.scale == cpumoe::ScaleKind::e8m0_per_block             ? 1
                            : info.scale == cpumoe::ScaleKind::fp32_scale_min_per_group ? 8

@@ -170,7 +170,7 @@ struct Family<Q4GemmUkernel> : Family<QGemmUkernel> {
       const int64_t last = info.group == GroupRule::exact ? step : info.group_max;
       for (int64_t g = step; g <= std::min({H, I, last}); g += step)
         if (H % g == 0 && I % g == 0)
-          most = std::max(most, at(W4Layout{w4_kernel_format(f), g}));
+          most = std::max(most, at(W4Layout{w4_plan(f, kern.codes8).kernel, g}));
     }
     return align_up(most) + tile;
   }

@@ -253,11 +253,13 @@ const MoeWeightsW4& checked(const MoeWeightsW4& w) {
                std::to_string(affine ? int(uint8_t(p[x])) : int(p[x])) + ")");
     }
   }
-  // Affine: every scale and min finite, and so every plane's scale and offset (w4_plane_pair).
+  // Affine: every scale and min finite, and so every plane's scale and offset on every kernel
+  // (the two-plane form's 16 scale, min + 128 scale and 8 scale cover the 8-bit one's).
   const int64_t per = affine ? 2 : 1;
   moe_detail::check_finite_scales(static_cast<const float*>(w.s13), n13 / g * per, "s13");
   moe_detail::check_finite_scales(static_cast<const float*>(w.s2), n2 / g * per, "s2");
   if (affine) {
+    const W4Plan plan = w4_plan(w.format, false);
     const char* what_off = bytes ? ": 16 * scale or min + 128 * scale overflows fp32 at group "
                                  : ": min + 8 * scale overflows fp32 at group ";
     for (auto [p, n, name] : {std::tuple{static_cast<const float*>(w.s13), n13 / g, "s13"},
@@ -265,10 +267,9 @@ const MoeWeightsW4& checked(const MoeWeightsW4& w) {
       for (int64_t x = 0; x < n; ++x) {
         const float* pair = p + 2 * x;
         bool ok = true;
-        for (int plane = 0; plane < w4_planes(w.format); ++plane) {
-          const auto [s, m] = w4_plane_pair(w.format, plane, pair[0], pair[1]);
-          ok = ok && std::isfinite(s) && std::isfinite(w4_group_offset(s, m));
-        }
+        for (int plane = 0; plane < plan.planes; ++plane)
+          ok = ok && std::isfinite(plan.pair(plane, pair[0], pair[1]).scale) &&
+               std::isfinite(plan.offset(plane, pair[0], pair[1]));
         if (!ok)
           fail(std::string(name) + what_off + std::to_string(x) + " (scale " +
                std::to_string(pair[0]) + ", min " + std::to_string(pair[1]) + ")");
@@ -278,25 +279,28 @@ const MoeWeightsW4& checked(const MoeWeightsW4& w) {
   return w;
 }
 
-// Bytes of one 4-bit plane of a packed [n, depth] matrix: the kernel's, rounded up to 64 (each
+// Bytes of one plane of a packed [n, depth] matrix: the kernel's, rounded up to 64 (each
 // plane starts aligned). W4Packer lays the planes out by it; PackedMoeW4::plane_bytes finds them.
 size_t w4_plane_bytes(const Q4GemmUkernel& k, int64_t n, int64_t depth, const W4Layout& layout) {
   return moe_detail::align_up(k.rhs_packed_size(n, depth, layout));
 }
 
-// One expert's w13 and w2 turned into codes (one per byte) and packed with their group scales.
-// Affine formats: codes c become the int4 values c - 8 (the nibble c ^ 8) and the (scale, min)
-// pairs give the kernel its scales; the mins are PackedMoeW4's offsets. int8_affine: each matrix
-// twice, its hi and lo planes (w4_plane_code, w4_plane_pair), the lo plane plane_bytes further.
+// One expert's w13 and w2 turned into codes (one per byte) and packed with their group scales,
+// as the plan says (W4Plan): the (scale, min) pairs of the affine formats give the kernel its
+// scales, their mins are PackedMoeW4's offsets; two planes: each matrix twice, the lo plane
+// plane_bytes further.
 struct W4Packer final : RhsPacker {
   const Q4GemmUkernel* k;
   const MoeWeightsW4& w;
-  W4Layout layout;  // the kernel's (int4 for the affine formats)
+  W4Plan plan;
+  W4Layout layout;  // the kernel's
   W4Packer(const Q4GemmUkernel* kern, const MoeWeightsW4& weights)
-      : k(kern), w(weights), layout{w4_kernel_format(weights.format), weights.group_size} {}
+      : k(kern), w(weights), plan(w4_plan(weights.format, kern->codes8)),
+        layout{plan.kernel, weights.group_size} {}
   bool affine() const { return w4_affine(w.format); }
-  bool unpacks() const { return w.format != W4Format::int4; }  // codes rewritten in scratch
-  int planes() const { return w4_planes(w.format); }
+  // Codes rewritten in scratch: mxfp4's spread, the affine ones' recoded (8-bit codes: as given).
+  bool unpacks() const { return w.format != W4Format::int4 && plan.kernel != W4Format::int8_affine; }
+  int planes() const { return plan.planes; }
   void check() const override {
     if (w.w13 == nullptr) fail("w13: missing");
     if (w.w2 == nullptr) fail("w2: missing");
@@ -348,8 +352,8 @@ struct W4Packer final : RhsPacker {
             codes[2 * x] = b[x] & 15;
             codes[2 * x + 1] = b[x] >> 4;
           }
-        } else {  // c - 8 as a nibble
-          for (size_t x = 0; x < count; ++x) codes[x] = w4_plane_code(w.format, plane, c[x]) ^ 8;
+        } else {
+          for (size_t x = 0; x < count; ++x) codes[x] = plan.code(plane, c[x]);
         }
         c = codes;
       }
@@ -358,7 +362,7 @@ struct W4Packer final : RhsPacker {
         ws += moe_detail::align_up(size_t(n) * size_t(groups) * sizeof(float));
         const auto* pairs = reinterpret_cast<const float*>(sc);
         for (int64_t x = 0; x < n * groups; ++x)
-          only[x] = w4_plane_pair(w.format, plane, pairs[2 * x], pairs[2 * x + 1]).scale;
+          only[x] = plan.pair(plane, pairs[2 * x], pairs[2 * x + 1]).scale;
         sc = reinterpret_cast<const uint8_t*>(only);
       }
       k->pack_rhs(n, depth, layout, c, depth, sc, groups,
@@ -373,12 +377,12 @@ struct W4Packer final : RhsPacker {
 
 // The affine formats' offsets of one [n, depth] matrix of expert e (pairs [E, n, depth / g, 2])
 // in PackedMoeW4's panel layout: panel p (columns [64 p, 64 p + 64)) holds depth / g rows of 64
-// offsets, zero past column n; per plane (int8_affine: hi, then lo group_offset_floats further).
-void fill_offsets(W4Format f, const float* pairs, int64_t e, int64_t n, int64_t depth, int64_t g,
-                  float* out) {
+// offsets, zero past column n; per plane (two: hi, then lo group_offset_floats further).
+void fill_offsets(const W4Plan& plan, const float* pairs, int64_t e, int64_t n, int64_t depth,
+                  int64_t g, float* out) {
   const int64_t groups = depth / g;
   const float* src = pairs + size_t(e) * size_t(n) * size_t(groups) * 2;
-  for (int plane = 0; plane < w4_planes(f); ++plane) {
+  for (int plane = 0; plane < plan.planes; ++plane) {
     float* base = out + size_t(plane) * group_offset_floats(n, depth, g);
     for (int64_t j0 = 0; j0 < n; j0 += kGroupOffsetPanel) {
       float* panel = base + j0 * groups;
@@ -387,10 +391,7 @@ void fill_offsets(W4Format f, const float* pairs, int64_t e, int64_t n, int64_t 
           const int64_t j = j0 + jj;
           const float* sm = src + (j * groups + gi) * 2;
           float o = 0.0f;
-          if (j < n) {
-            const W4PlanePair pp = w4_plane_pair(f, plane, sm[0], sm[1]);
-            o = w4_group_offset(pp.scale, pp.min);
-          }
+          if (j < n) o = plan.offset(plane, sm[0], sm[1]);
           panel[gi * kGroupOffsetPanel + jj] = o;
         }
     }
@@ -406,11 +407,11 @@ PackedMoeW4::PackedMoeW4(const MoeWeightsW4& w, const MoeConfig<Q4GemmUkernel>& 
                          int num_threads)
     : PackedExperts(checked(w).num_experts, w.hidden, w.intermediate, config,
                     W4Packer(config.gemm, w), w.b13, w.b13_dtype, w.b2, w.b2_dtype, num_threads),
-      layout_{w4_kernel_format(w.format), w.group_size}, format_(w.format),
-      act_quant_(w.act_quant) {
+      plan_(w4_plan(w.format, config.gemm->codes8)), layout_{plan_.kernel, w.group_size},
+      format_(w.format), act_quant_(w.act_quant) {
   if (!w4_affine(format_)) return;
   const int64_t E = w.num_experts, H = w.hidden, I = w.intermediate, g = w.group_size;
-  const size_t planes = size_t(w4_planes(format_));
+  const size_t planes = size_t(plan_.planes);
   o13_stride_ = planes * group_offset_floats(2 * I, H, g);
   o2_stride_ = planes * group_offset_floats(H, I, g);
   const size_t total = size_t(E) * (o13_stride_ + o2_stride_);
@@ -418,9 +419,9 @@ PackedMoeW4::PackedMoeW4(const MoeWeightsW4& w, const MoeConfig<Q4GemmUkernel>& 
   extra_bytes_ += total * sizeof(float);
   moe_detail::parallel_rows(E, 3 * I * H / g, moe_detail::resolve_threads(num_threads),
                             [&](int64_t e, int) {
-    fill_offsets(format_, static_cast<const float*>(w.s13), e, 2 * I, H, g,
+    fill_offsets(plan_, static_cast<const float*>(w.s13), e, 2 * I, H, g,
                  offsets_.get() + size_t(e) * o13_stride_);
-    fill_offsets(format_, static_cast<const float*>(w.s2), e, H, I, g,
+    fill_offsets(plan_, static_cast<const float*>(w.s2), e, H, I, g,
                  offsets_.get() + size_t(E) * o13_stride_ + size_t(e) * o2_stride_);
   });
 }

@@ -171,6 +171,8 @@ std::vector<float> fused_moe(const MoeProblem& p, const MoeInputs& in, Activatio
 }
 
 int8_t w4_value(W4Format f, uint8_t code) {
+  if (f == W4Format::int8_affine) return int8_t(int(code) - 128);
+  code &= 15;
   if (f == W4Format::int4) return int8_t(code < 8 ? code : int(code) - 16);
   if (f == W4Format::int4_affine) return int8_t(int(code) - 8);
   // E2M1: exponent 0 is subnormal (0 or 0.5); otherwise (1 + m / 2) * 2^(exp - 1). Doubled.
@@ -180,17 +182,71 @@ int8_t w4_value(W4Format f, uint8_t code) {
 }
 
 float w4_scale(W4Format f, const void* scales, int64_t idx) {
-  if (f == W4Format::int4) return static_cast<const float*>(scales)[idx];
-  if (f == W4Format::int4_affine) return static_cast<const float*>(scales)[2 * idx];
+  if (f != W4Format::mxfp4) return static_cast<const float*>(scales)[idx];
   const int e = static_cast<const uint8_t*>(scales)[idx];
   return e == 255 ? std::numeric_limits<float>::quiet_NaN() : float(std::ldexp(1.0, e - 128));
+}
+
+namespace {
+
+// gemm_w4_kernel and gemm_w4 in one: with @p pairs, the scales are (scale, min) pairs and the
+// offsets' term is added.
+void gemm_w4_impl(int64_t m, int64_t n, int64_t k, W4Format f, int64_t g, const int8_t* a,
+                  int64_t lda, const uint8_t* codes, int64_t ldc, const void* scales,
+                  int64_t lds, const float* lhs_scale, const float* bias, float* dst,
+                  int64_t ldd, const float* lhs_group_scale, bool pairs) {
+  const int64_t groups = k / g;
+  // The activations' scale of row i, group g0 / g (1 and unused without group scales).
+  auto ga = [&](int64_t i, int64_t g0) { return lhs_group_scale[i * groups + g0 / g]; };
+  int8_t value[256];  // the definition above, evaluated once per call
+  for (int c = 0; c < 256; ++c) value[c] = w4_value(f, uint8_t(c));
+  const float* pf = static_cast<const float*>(scales);
+  auto scale = [&](int64_t idx) { return pairs ? pf[2 * idx] : w4_scale(f, scales, idx); };
+  const float half = f == W4Format::int8_affine ? 128.0f : 8.0f;  // the codes' offset
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      float acc = 0.0f;
+      for (int64_t g0 = 0; g0 < k; g0 += g) {
+        int64_t isum = 0;
+        for (int64_t x = g0; x < g0 + g; ++x)
+          isum += int64_t(a[i * lda + x]) * value[codes[j * ldc + x]];
+        const float term = float(isum) * scale(j * lds + g0 / g);
+        acc = acc + (lhs_group_scale ? term * ga(i, g0) : term);
+      }
+      float v = acc * lhs_scale[i];
+      if (bias != nullptr) v = v + bias[j];
+      if (pairs) {  // + (sum_g float(asum_g) * (min + half * scale)) * lhs_scale
+        const float* pr = pf + 2 * j * lds;
+        float corr = 0.0f;
+        for (int64_t g0 = 0; g0 < k; g0 += g) {
+          int64_t asum = 0;
+          for (int64_t x = g0; x < g0 + g; ++x) asum += a[i * lda + x];
+          const float offset = pr[2 * (g0 / g) + 1] + half * pr[2 * (g0 / g)];
+          const float as = lhs_group_scale ? float(asum) * ga(i, g0) : float(asum);
+          corr = corr + as * offset;
+        }
+        v = v + corr * lhs_scale[i];
+      }
+      dst[i * ldd + j] = v;
+    }
+  }
+}
+
+}  // namespace
+
+void gemm_w4_kernel(int64_t m, int64_t n, int64_t k, W4Format f, int64_t g, const int8_t* a,
+                    int64_t lda, const uint8_t* codes, int64_t ldc, const void* scales,
+                    int64_t lds, const float* lhs_scale, const float* bias, float* dst,
+                    int64_t ldd, const float* lhs_group_scale) {
+  gemm_w4_impl(m, n, k, f, g, a, lda, codes, ldc, scales, lds, lhs_scale, bias, dst, ldd,
+               lhs_group_scale, false);
 }
 
 void gemm_w4(int64_t m, int64_t n, int64_t k, W4Format f, int64_t g, const int8_t* a, int64_t lda,
              const uint8_t* codes, int64_t ldc, const void* scales, int64_t lds,
              const float* lhs_scale, const float* bias, float* dst, int64_t ldd,
-             const float* lhs_group_scale) {
-  if (f == W4Format::int8_affine) {
+             const float* lhs_group_scale, bool int8_planes) {
+  if (f == W4Format::int8_affine && int8_planes) {
     // Two int4_affine planes, code = 16 hi + lo: hi with (16 scale, min) and the bias, lo with
     // (scale, 0); dst = hi + lo (fp32).
     std::vector<uint8_t> hi(size_t(n * k)), lo(size_t(n * k));
@@ -217,38 +273,8 @@ void gemm_w4(int64_t m, int64_t n, int64_t k, W4Format f, int64_t g, const int8_
       for (int64_t j = 0; j < n; ++j) dst[i * ldd + j] = dst[i * ldd + j] + tmp[size_t(i * n + j)];
     return;
   }
-  const int64_t groups = k / g;
-  // The activations' scale of row i, group g0 / g (1 and unused without group scales).
-  auto ga = [&](int64_t i, int64_t g0) { return lhs_group_scale[i * groups + g0 / g]; };
-  int8_t value[16];  // the definition above, evaluated once per call
-  for (int c = 0; c < 16; ++c) value[c] = w4_value(f, uint8_t(c));
-  for (int64_t i = 0; i < m; ++i) {
-    for (int64_t j = 0; j < n; ++j) {
-      float acc = 0.0f;
-      for (int64_t g0 = 0; g0 < k; g0 += g) {
-        int64_t isum = 0;
-        for (int64_t x = g0; x < g0 + g; ++x)
-          isum += int64_t(a[i * lda + x]) * value[codes[j * ldc + x] & 15];
-        const float term = float(isum) * w4_scale(f, scales, j * lds + g0 / g);
-        acc = acc + (lhs_group_scale ? term * ga(i, g0) : term);
-      }
-      float v = acc * lhs_scale[i];
-      if (bias != nullptr) v = v + bias[j];
-      if (f == W4Format::int4_affine) {  // + (sum_g float(asum_g) * (min + 8 scale)) * lhs_scale
-        const float* pairs = static_cast<const float*>(scales) + 2 * j * lds;
-        float corr = 0.0f;
-        for (int64_t g0 = 0; g0 < k; g0 += g) {
-          int64_t asum = 0;
-          for (int64_t x = g0; x < g0 + g; ++x) asum += a[i * lda + x];
-          const float offset = pairs[2 * (g0 / g) + 1] + 8.0f * pairs[2 * (g0 / g)];
-          const float as = lhs_group_scale ? float(asum) * ga(i, g0) : float(asum);
-          corr = corr + as * offset;
-        }
-        v = v + corr * lhs_scale[i];
-      }
-      dst[i * ldd + j] = v;
-    }
-  }
+  gemm_w4_impl(m, n, k, f, g, a, lda, codes, ldc, scales, lds, lhs_scale, bias, dst, ldd,
+               lhs_group_scale, f == W4Format::int4_affine || f == W4Format::int8_affine);
 }
 
 std::vector<float> fused_moe_w4(const MoeProblemW4& p, const MoeInputs& in,
@@ -262,12 +288,12 @@ std::vector<float> fused_moe_w4(const MoeProblemW4& p, const MoeInputs& in,
       [&](int64_t e, const int8_t* q, float s, const float* gs, float* h) {
         gemm_w4(1, 2 * I, H, p.format, g, q, H, p.w13.data() + e * 2 * I * H, H,
                 p.s13.data() + e * 2 * I * (H / g) * sb, H / g, &s,
-                p.b13.empty() ? nullptr : p.b13.data() + e * 2 * I, h, 2 * I, gs);
+                p.b13.empty() ? nullptr : p.b13.data() + e * 2 * I, h, 2 * I, gs, p.int8_planes);
       },
       [&](int64_t e, const int8_t* q, float s, const float* gs, float* y) {
         gemm_w4(1, H, I, p.format, g, q, I, p.w2.data() + e * H * I, I,
                 p.s2.data() + e * H * (I / g) * sb, I / g, &s,
-                p.b2.empty() ? nullptr : p.b2.data() + e * H, y, H, gs);
+                p.b2.empty() ? nullptr : p.b2.data() + e * H, y, H, gs, p.int8_planes);
       },
       p.act_quant == cpumoe::ActQuant::group ? g : 0);
 }

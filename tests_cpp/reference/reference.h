@@ -78,38 +78,50 @@ std::vector<float> fused_moe_bf16(const MoeProblemBf16& p, const MoeInputs& in);
 
 using cpumoe::W4Format;
 
-/// The int8 value of 4-bit code @p code (0..15) of format @p f, from the format's definition:
-/// int4 a two's-complement nibble; mxfp4 2 * E2M1 (sign bit 3, exponent bits 2-1, mantissa bit 0);
-/// int4_affine code - 8 (its min enters as the offset min + 8 * scale: see gemm_w4).
+/// The int8 value of code @p code of format @p f, from the format's definition: int4 a
+/// two's-complement nibble (0..15); mxfp4 2 * E2M1 (sign bit 3, exponent bits 2-1, mantissa
+/// bit 0); int4_affine code - 8 (0..15; its min enters as the offset min + 8 * scale: see
+/// gemm_w4); int8_affine code - 128 (0..255; offset min + 128 * scale).
 int8_t w4_value(W4Format f, uint8_t code);
 
-/// The fp32 value of a group scale: int4 the float itself; mxfp4 2^(e - 128) (the factor 1/2 of
-/// the doubled values folded in), NaN for e = 255; int4_affine the scale of pair idx.
+/// The fp32 value of a group scale as the kernels take it: int4 and int8_affine the float
+/// itself; mxfp4 2^(e - 128) (the factor 1/2 of the doubled values folded in), NaN for e = 255.
 float w4_scale(W4Format f, const void* scales, int64_t idx);
 
-/// The W4A8 GEMM of q4gemm.h: for each (i, j), exact int32 sums per group of g k, then
-/// acc = acc + float(isum_g) * scale(j, g) in fp32 over g in order (with lhs_group_scale, row
-/// stride k / g: acc + (float(isum_g) * scale(j, g)) * lhs_group_scale[i][g], and the affine
-/// term's float(asum_g) becomes float(asum_g) * lhs_group_scale[i][g]), dst = acc * lhs_scale[i]
-/// (+ bias[j]). codes [n][k] one per byte (row stride ldc); scales [n][k / g] (row stride lds
-/// elements of the format's scale type; int4_affine: lds (scale, min) pairs); bias nullable.
-/// int4_affine then adds (sum_g float(asum_g) * (min_g + 8 * scale_g)) * lhs_scale[i], the sum
-/// fp32 from 0 over g in order, asum_g the exact sum of a's row over the group.
-/// int8_affine (codes 0..255, (scale, min) pairs): the int4_affine GEMM of the hi nibbles with
-/// (16 scale, min) and the bias, plus (fp32) that of the lo nibbles with (scale, 0), no bias.
+/// The kernels' GEMM of q4gemm.h (format: what the kernel decodes, int4, mxfp4 or, with 8-bit
+/// codes, int8_affine): for each (i, j), exact int32 sums per group of g k of A times the
+/// values (w4_value), then acc = acc + float(isum_g) * scale(j, g) in fp32 over g in order (with
+/// lhs_group_scale, row stride k / g: acc + (float(isum_g) * scale(j, g)) *
+/// lhs_group_scale[i][g]), dst = acc * lhs_scale[i] (+ bias[j]). codes [n][k] one per byte (row
+/// stride ldc; 4-bit formats: the low nibble); scales [n][k / g] (row stride lds elements of
+/// the kernel's scale type, w4_scale); bias nullable.
+void gemm_w4_kernel(int64_t m, int64_t n, int64_t k, W4Format f, int64_t g, const int8_t* a,
+                    int64_t lda, const uint8_t* codes, int64_t ldc, const void* scales,
+                    int64_t lds, const float* lhs_scale, const float* bias, float* dst,
+                    int64_t ldd, const float* lhs_group_scale = nullptr);
+
+/// The W4A8 GEMM of a layer of format @p f: gemm_w4_kernel, with the affine formats' (scale, min)
+/// pairs (lds pairs per row): the kernel's sums with the scales, then + (sum_g float(asum_g) *
+/// offset_g) * lhs_scale[i], the sum fp32 from 0 over g in order, asum_g the exact sum of a's
+/// row over the group (times lhs_group_scale[i][g] when given), offset_g = min_g + 8 * scale_g
+/// (int4_affine) or min_g + 128 * scale_g (int8_affine).
+/// int8_affine with @p int8_planes (the kernels without 8-bit codes, cpumoe::W4Plan): the
+/// int4_affine GEMM of the hi nibbles with (16 scale, min) and the bias, plus (fp32) that of
+/// the lo nibbles with (scale, 0), no bias.
 void gemm_w4(int64_t m, int64_t n, int64_t k, W4Format f, int64_t g, const int8_t* a, int64_t lda,
              const uint8_t* codes, int64_t ldc, const void* scales, int64_t lds,
              const float* lhs_scale, const float* bias, float* dst, int64_t ldd,
-             const float* lhs_group_scale = nullptr);
+             const float* lhs_group_scale = nullptr, bool int8_planes = false);
 
 /// A W4A8 MoE problem: codes [E, 2I, H] / [E, H, I] one per byte, scales [E, 2I, H / g] /
-/// [E, H, I / g] (fp32 for int4, E8M0 bytes for mxfp4, fp32 (scale, min) pairs for
-/// int4_affine), fp32 biases or empty.
+/// [E, H, I / g] (fp32 for int4, E8M0 bytes for mxfp4, fp32 (scale, min) pairs for the affine
+/// formats), fp32 biases or empty.
 struct MoeProblemW4 {
   int64_t E = 0, H = 0, I = 0;
   W4Format format = W4Format::int4;
   int64_t group = 32;
   cpumoe::ActQuant act_quant = cpumoe::ActQuant::row;  // group: activations per weight group
+  bool int8_planes = false;  // int8_affine as the kernels without 8-bit codes run it (gemm_w4)
   std::vector<uint8_t> w13, w2;
   std::vector<uint8_t> s13, s2;  // raw scale bytes
   std::vector<float> b13, b2;

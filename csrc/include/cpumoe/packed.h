@@ -106,7 +106,7 @@ class PackedMoe : public PackedExperts<QGemmUkernel> {
 };
 
 /// 4-bit expert weights (W4A8) packed for one Q4GemmUkernel, group scales inside the packed
-/// blocks; int4_affine layers also hold their group offsets (w4_group_offset), applied by the
+/// blocks; the affine layers also hold their group offsets (W4Plan::offset), applied by the
 /// pipeline through RowOps::add_group_offsets. Run by fused_moe_int8 (the activations are int8
 /// as in W8A8).
 class PackedMoeW4 : public PackedExperts<Q4GemmUkernel> {
@@ -122,12 +122,14 @@ class PackedMoeW4 : public PackedExperts<Q4GemmUkernel> {
   W4Format format() const { return format_; }
   WeightFormat weight_format() const { return weight_format_of(format_); }
   int64_t group_size() const { return layout_.group; }
-  /// The kernel's layout (format w4_kernel_format(format())).
+  /// The kernel's layout (format plan().kernel).
   const W4Layout& layout() const { return layout_; }
+  /// How the layer is packed for its kernel (w4_plan).
+  const W4Plan& plan() const { return plan_; }
   /// How the op quantizes this layer's activations (MoeWeightsW4::act_quant).
   ActQuant act_quant() const { return act_quant_; }
-  /// The 4-bit planes of each matrix (w4_planes: 2 for int8_affine, else 1).
-  int planes() const { return w4_planes(format_); }
+  /// The planes of each matrix (W4Plan: 2 for int8_affine on a kernel without codes8, else 1).
+  int planes() const { return plan_.planes; }
   /// Bytes from one plane of an expert's packed [n, depth] matrix (w13: n = 2I, depth = H; w2:
   /// n = H, depth = I) to the next.
   size_t plane_bytes(int64_t n, int64_t depth) const;
@@ -143,6 +145,7 @@ class PackedMoeW4 : public PackedExperts<Q4GemmUkernel> {
   }
 
  private:
+  W4Plan plan_;
   W4Layout layout_;
   W4Format format_;
   ActQuant act_quant_;

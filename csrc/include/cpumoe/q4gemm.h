@@ -3,7 +3,9 @@
 /// `group` consecutive k, -> fp32. One interface struct that every ISA variant fills in, and the
 /// registry that lists the variants best first.
 ///
-/// A weight is a 4-bit code c (0..15) that decodes to an int8 value v = w4_decode_table(fmt)[c]:
+/// A weight is a 4-bit code c (0..15) that decodes to an int8 value v = w4_decode_table(fmt)[c]
+/// (or, for W4Format::int8_affine on kernels with Q4GemmUkernel::codes8, an 8-bit code c (0..255)
+/// with v = c - 128 and a fp32 group scale as int4's; its mins are the pipeline's, W4Plan):
 ///   - W4Format::int4:  v = c as a two's-complement nibble, in [-8, 7]; the group scale is a
 ///     positive fp32 value s; w = v * s.
 ///   - W4Format::mxfp4: v = 2 * E2M1(c) in {0, +-1, +-2, +-3, +-4, +-6, +-8, +-12} (nibble: sign
@@ -40,8 +42,9 @@ namespace cpumoe {
 
 /// The 4-bit weight formats: the q4gemm rows of the format table (weight_format.h), with the
 /// same values as their WeightFormat enumerators.
-/// The kernels decode int4 and mxfp4; int4_affine layers are packed as int4 (w4_kernel_format),
-/// int8_affine layers as two int4 planes (w4_planes).
+/// The kernels decode int4 and mxfp4, and those with Q4GemmUkernel::codes8 int8_affine's 8-bit
+/// codes; int4_affine layers are packed as int4, int8_affine layers for the other kernels as two
+/// int4 planes (W4Plan).
 enum class W4Format : int32_t {
   int4 = int32_t(WeightFormat::int4),
   mxfp4 = int32_t(WeightFormat::mxfp4),
@@ -55,21 +58,55 @@ static_assert(weight_format_info(WeightFormat::int4).family == KernelFamily::q4g
               "a W4Format is a q4gemm row of the format table");
 
 /// Whether a layer of format @p f has (scale, min) pairs: its mins become the pipeline's group
-/// offsets (w4_group_offset).
+/// offsets (W4Plan::offset).
 [[gnu::always_inline]] constexpr bool w4_affine(W4Format f) {
   return f == W4Format::int4_affine || f == W4Format::int8_affine;
 }
 
-/// The format a kernel decodes for a layer of format @p f: the affine formats' codes are packed
-/// as the int4 values code - 8 (per plane); the others are their own.
-[[gnu::always_inline]] constexpr W4Format w4_kernel_format(W4Format f) {
-  return w4_affine(f) ? W4Format::int4 : f;
-}
+/// Plane scale and min of an affine group (W4Plan::pair).
+struct W4PlanePair {
+  float scale, min;
+};
 
-/// The 4-bit planes one matrix of format @p f is packed as: 2 for int8_affine (code = 16 hi +
-/// lo: hi with 16 times the group scale, lo with the scale and min 0), else 1.
-[[gnu::always_inline]] constexpr int w4_planes(W4Format f) {
-  return f == W4Format::int8_affine ? 2 : 1;
+/// How a layer of format `format` is packed for a kernel: the format the kernel decodes, and in
+/// how many planes.
+///   - int4, mxfp4: as they are, one plane.
+///   - int4_affine: codes c as the int4 values c - 8, one plane; scale * c + min = scale * (c - 8)
+///     + offset with offset = min + 8 * scale (one fp32 rounding; 8 * scale is exact).
+///   - int8_affine, kernel with codes8: the 8-bit codes c as they are (the kernel's value c - 128),
+///     one plane; offset = min + 128 * scale.
+///   - int8_affine, other kernels: two int4_affine planes, code = 16 hi + lo: hi with (16 scale,
+///     min) (offset min + 128 scale, 16 scale exact), lo with (scale, 0) (offset 8 scale), the lo
+///     plane's result added to the hi plane's in fp32.
+struct W4Plan {
+  W4Format format;  ///< the layer's
+  W4Format kernel;  ///< what the kernel decodes (W4Layout::format)
+  int planes;       ///< 1, or 2 (int8_affine without codes8)
+  /// Plane @p plane's 4-bit (or, for kernel int8_affine, 8-bit) code of the layer's code @p c,
+  /// as pack_rhs takes it.
+  [[gnu::always_inline]] uint8_t code(int plane, uint8_t c) const {
+    if (kernel == W4Format::int8_affine || !w4_affine(format)) return c;
+    const uint8_t nib = planes == 1 ? c : plane == 0 ? uint8_t(c >> 4) : uint8_t(c & 15);
+    return uint8_t(nib ^ 8);  // the int4 value nib - 8, as a nibble
+  }
+  /// Plane @p plane's (scale, min) of a group whose pair is (@p scale, @p min).
+  [[gnu::always_inline]] W4PlanePair pair(int plane, float scale, float min) const {
+    if (planes == 1) return {scale, min};
+    return plane == 0 ? W4PlanePair{16.0f * scale, min} : W4PlanePair{scale, 0.0f};
+  }
+  /// Plane @p plane's group offset of the pair (@p scale, @p min): the term the mins add once
+  /// the kernel runs the codes as signed values (above).
+  [[gnu::always_inline]] float offset(int plane, float scale, float min) const {
+    const W4PlanePair p = pair(plane, scale, min);
+    return p.min + (kernel == W4Format::int8_affine ? 128.0f : 8.0f) * p.scale;
+  }
+};
+
+/// The plan of a layer of format @p f for a kernel that decodes 8-bit codes or not (@p codes8).
+[[gnu::always_inline]] constexpr W4Plan w4_plan(W4Format f, bool codes8) {
+  if (f == W4Format::int8_affine)
+    return codes8 ? W4Plan{f, f, 1} : W4Plan{f, W4Format::int4, 2};
+  return W4Plan{f, w4_affine(f) ? W4Format::int4 : f, 1};
 }
 
 /// The format-table enumerator of @p f.
@@ -82,30 +119,6 @@ constexpr bool w4_format_of(WeightFormat f, W4Format* out) {
     return false;
   *out = W4Format(int32_t(f));
   return true;
-}
-
-/// int4_affine's group offset: the term its mins add once the codes run as code - 8, so that
-/// scale * code + min = scale * (code - 8) + offset (one fp32 rounding; 8 * scale is exact).
-[[gnu::always_inline]] inline float w4_group_offset(float scale, float min) {
-  return min + 8.0f * scale;
-}
-
-/// Plane @p plane's (scale, min) of a group of an affine layer of format @p f whose pair is
-/// (@p scale, @p min): int4_affine's own; int8_affine's hi plane (0) (16 scale, min), its lo
-/// plane (1) (scale, 0), so that scale * code + min = 16 scale * hi + min + scale * lo (16 scale
-/// exact).
-struct W4PlanePair {
-  float scale, min;
-};
-[[gnu::always_inline]] inline W4PlanePair w4_plane_pair(W4Format f, int plane, float scale,
-                                                        float min) {
-  if (f != W4Format::int8_affine) return {scale, min};
-  return plane == 0 ? W4PlanePair{16.0f * scale, min} : W4PlanePair{scale, 0.0f};
-}
-/// Plane @p plane's 4-bit code of the code @p c of a layer of format @p f.
-[[gnu::always_inline]] inline uint8_t w4_plane_code(W4Format f, int plane, uint8_t c) {
-  if (f != W4Format::int8_affine) return c;
-  return plane == 0 ? uint8_t(c >> 4) : uint8_t(c & 15);
 }
 
 /// "int4" / "mxfp4": the table's name.
@@ -133,10 +146,14 @@ inline float w4_mxfp4_scale(uint8_t e) {
 struct W4Layout {
   W4Format format = W4Format::int4;
   int64_t group = 32;  ///< a multiple of kW4GroupMultiple; exactly 32 for mxfp4
-  /// Bytes of one group scale in the input of pack_rhs (the table's: 4 for int4's fp32, 1 for
-  /// mxfp4's E8M0).
+  /// Bytes of one group scale in the input of pack_rhs: 1 for mxfp4's E8M0, else 4 (fp32: the
+  /// affine formats' mins are not the kernel's).
   [[gnu::always_inline]] constexpr int64_t scale_bytes() const {
-    return weight_format_scale_bytes(weight_format_of(format));
+    return format == W4Format::mxfp4 ? 1 : 4;
+  }
+  /// Bits of one packed code: 8 for int8_affine (Q4GemmUkernel::codes8), else 4.
+  [[gnu::always_inline]] constexpr int64_t code_bits() const {
+    return format == W4Format::int8_affine ? 8 : 4;
   }
 };
 
@@ -165,6 +182,9 @@ struct Q4GemmUkernel {
   int64_t mr;        ///< rows of the main register tile; lhs offsets are taken at multiples of it
   int64_t nr;        ///< columns of a packed B block; rhs offsets are taken at multiples of it
   int64_t kr;        ///< divides kW4GroupMultiple (K is never padded)
+  /// Runs W4Layout::format int8_affine (8-bit codes, value c - 128: the file comment); the
+  /// others get int8_affine layers as two int4 planes (W4Plan).
+  bool codes8;
 
   /// Bytes of packed A for @p m rows of depth @p k.
   size_t (*lhs_packed_size)(int64_t m, int64_t k);
@@ -178,16 +198,16 @@ struct Q4GemmUkernel {
   size_t (*rhs_packed_size)(int64_t n, int64_t k, const W4Layout& w);
   /// Byte offset of output column @p n_idx (a multiple of nr) in packed B.
   size_t (*rhs_packed_offset)(int64_t n_idx, int64_t k, const W4Layout& w);
-  /// Packs B: column j's codes (one per byte, its low 4 bits: the high ones are ignored, so int4
-  /// values given as two's-complement int8 are their own codes) at codes + j * code_stride, its k / group
   /// Bytes of scratch one pack_rhs call of this shape needs, 0 when it needs none. PackedExperts
   /// reserves it before its parallel loop, one block per thread, at the largest over a layer's
   /// w13 and w2 shapes.
   size_t (*pack_scratch_bytes)(int64_t n, int64_t k, const W4Layout& w);
   /// Packs B: column j's codes (one per byte, its low 4 bits: the high ones are ignored, so int4
-  /// values given as two's-complement int8 are their own codes) at codes + j * code_stride, its k / group
-  /// scales at scales + j * scale_stride * w.scale_bytes() bytes (fp32 for int4, E8M0 bytes for
-  /// mxfp4). Every column's codes and scales are read, nothing else.
+  /// values given as two's-complement int8 are their own codes; int8_affine: all 8 bits) at
+  /// codes + j * code_stride, its k / group scales at scales + j * scale_stride *
+  /// w.scale_bytes() bytes (fp32 for int4 and int8_affine, E8M0 bytes for mxfp4). Every column's
+  /// codes and scales are read, nothing else.
+  /// @pre w.format is int4 or mxfp4, or int8_affine with codes8.
   /// @pre @p scratch holds pack_scratch_bytes(n, k, w) bytes, 64-byte aligned, used by no other
   ///      call at the same time (contents in and out undefined; may be nullptr when that is 0).
   ///      The caller owns it: kernels never allocate.

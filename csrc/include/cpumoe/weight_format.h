@@ -45,9 +45,9 @@ namespace cpumoe {
 ///            applies to the exact int32 group sums of the activations (RowOps::add_group_offsets).
 ///   - int8_affine: uint8 [E, N, K] codes in [0, 255]; fp32 (scale, min) pairs [E, N, K / g, 2]
 ///            as int4_affine: w = scale * code + min (GGUF Q8_0 with min = -128 * scale, Q5_0,
-///            Q5_1, Q5_K). Packed as two int4_affine planes of the same shape, code = 16 hi + lo:
-///            hi with scale 16 * scale and min `min`, lo with `scale` and min 0 (both exact); the
-///            op's output is the hi plane's GEMM (with the bias) plus the lo plane's, in fp32.
+///            Q5_1, Q5_K). Kernels with 8-bit codes (Q4GemmUkernel::codes8) run the values
+///            code - 128 with the scale, plus the offset min + 128 * scale; the others two
+///            int4_affine planes, code = 16 hi + lo (cpumoe::W4Plan in q4gemm.h).
 ///   - fp8:   float8 E4M3 (e4m3fn) codes uint8 [E, N, K] (0x7F and 0xFF, NaN, are refused); fp32
 ///            scales [E, ceil(N / bn), ceil(K / bk)], finite and >= 0, one per block of bn rows
 ///            and bk k (the last blocks partial): w = e4m3(code) * s (HF's weight_scale_inv).
@@ -58,7 +58,7 @@ enum class WeightFormat : int32_t {
   bf16 = 3,   ///< bf16, no scale (the BF16 op)
   fp8 = 4,    ///< float8 E4M3, an fp32 scale per block of bn x bk (W8A16: the BF16 op's pipeline)
   int4_affine = 5,  ///< unsigned 4-bit codes, an fp32 scale and min per group of k (W4A8)
-  int8_affine = 6,  ///< unsigned 8-bit codes, an fp32 scale and min per group of k (W4A8, 2 planes)
+  int8_affine = 6,  ///< unsigned 8-bit codes, an fp32 scale and min per group of k (W4A8: W4Plan)
 };
 
 /// The kernel family that reads a format's packed weights (qgemm.h, q4gemm.h, bgemm.h,

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "cpumoe/q4gemm.h"
 #include "ukernels/qgemm/qgemm_common.h"
@@ -16,24 +17,30 @@
 namespace cpumoe {
 namespace {
 
+/// No 8-bit codes: Q4Packing's Bytes of a kernel without Q4GemmUkernel::codes8.
+struct NoBytes {};
+
 /// Packed B of a q4gemm kernel: blocks of Nr output columns; a block holds, for each group g of
 /// k in order, the group's codes (Nr * group / 2 bytes, two codes per byte, low nibble first, in
-/// the kernel's arrangement) followed by the Nr columns' scales of that group (fp32 for int4 as
+/// the kernel's arrangement; int8_affine: Nr * group bytes, one code per byte, arranged by
+/// Bytes::index(c, kk, g) and stored as Bytes::code(c), when Bytes is not NoBytes) followed by the Nr columns' scales of that group (fp32 for int4 as
 /// given to pack_rhs; mxfp4: the E8M0 bytes as given when MxScaleBytes is 1, else the fp32
 /// w4_mxfp4_scale (4) or its high half, the bf16 of the same value (2: exact, as the value is a
 /// power of two or NaN)), padded to a multiple of 4 bytes; the block is padded to a multiple of
 /// 64 bytes (each block starts a cache line). Columns past n have code 0 (the value 0 in both
 /// formats) and scale bytes 0. Offsets at multiples of Nr.
-template <int64_t Nr, int64_t MxScaleBytes = 1>
+template <int64_t Nr, int64_t MxScaleBytes = 1, class Bytes = NoBytes>
 struct Q4Packing {
   static_assert(MxScaleBytes == 1 || MxScaleBytes == 2 || MxScaleBytes == 4, "E8M0, bf16, fp32");
   static constexpr int64_t kNr = Nr;
   static constexpr int64_t kMxScaleBytes = MxScaleBytes;
+  using ByteArrangement = Bytes;
+  static constexpr bool kCodes8 = !std::is_same_v<Bytes, NoBytes>;
   /// Bytes of one stored group scale.
   static int64_t stored_scale_bytes(const W4Layout& w) {
     return w.format == W4Format::mxfp4 ? MxScaleBytes : w.scale_bytes();
   }
-  static int64_t codes_bytes(const W4Layout& w) { return Nr * w.group / 2; }
+  static int64_t codes_bytes(const W4Layout& w) { return Nr * w.group * w.code_bits() / 8; }
   static int64_t scales_bytes(const W4Layout& w) {
     return round_up(Nr * stored_scale_bytes(w), 4);
   }
@@ -82,7 +89,46 @@ template <class P>
 size_t q4_pack_scratch_bytes(int64_t n, int64_t k, const W4Layout& w) {
   if (n <= 0 || w.group <= 0 || k / w.group <= 0) return 0;
   const int64_t nib = P::kNr * w.group;
-  return q4_pack_from_bytes(nib) + size_t(round_up(nib + 1, 64));
+  return q4_pack_from_bytes(nib) + size_t(round_up(nib + 1, 64));  // 8-bit codes: `from` only
+}
+
+/// pack_rhs_q4 for int8_affine's 8-bit codes: each group's Nr * g code bytes placed by
+/// P::ByteArrangement::index(c, kk, g) (a position in 0 .. Nr * g, every one used once), stored as
+/// ByteArrangement::code(code), padding columns as code(128) (the value 0); then the scales as
+/// for int4. The position table lives in the scratch as pack_rhs_q4's `from`.
+template <class P>
+void pack_rhs_bytes(int64_t n, int64_t k, const W4Layout& w, const uint8_t* codes,
+                    int64_t code_stride, const uint8_t* sc, int64_t scale_stride, uint8_t* dst,
+                    void* scratch) {
+  using B = typename P::ByteArrangement;
+  constexpr int64_t Nr = P::kNr;
+  const int64_t g = w.group, groups = k / g;
+  auto* to = static_cast<int32_t*>(scratch);  // to[c * g + kk]: the byte's position
+  for (int64_t c = 0; c < Nr; ++c)
+    for (int64_t kk = 0; kk < g; ++kk) to[c * g + kk] = int32_t(B::index(c, kk, g));
+  uint8_t rec[256];
+  for (int c = 0; c < 256; ++c) rec[c] = B::code(uint8_t(c));
+  for (int64_t j0 = 0; j0 < n; j0 += Nr) {
+    uint8_t* blk = dst + size_t(j0 / Nr) * P::block_bytes(k, w);
+    const size_t used = size_t(groups * P::group_bytes(w));
+    std::memset(blk + used, 0, P::block_bytes(k, w) - used);
+    const int64_t valid = std::min(Nr, n - j0);
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      uint8_t* grp = blk + size_t(gi * P::group_bytes(w));
+      for (int64_t c = 0; c < Nr; ++c) {
+        const int32_t* t = to + c * g;
+        if (c < valid) {
+          const uint8_t* col = codes + (j0 + c) * code_stride + gi * g;
+          for (int64_t kk = 0; kk < g; ++kk) grp[t[kk]] = rec[col[kk]];
+        } else {
+          for (int64_t kk = 0; kk < g; ++kk) grp[t[kk]] = rec[128];
+        }
+      }
+      std::memset(grp + P::codes_bytes(w), 0, size_t(P::scales_bytes(w)));
+      for (int64_t c = 0; c < valid; ++c)
+        std::memcpy(grp + P::codes_bytes(w) + 4 * c, sc + ((j0 + c) * scale_stride + gi) * 4, 4);
+    }
+  }
 }
 
 /// Q4GemmUkernel::pack_rhs for packing P whose nibble arrangement is Arrange::index(c, kk, g):
@@ -106,6 +152,12 @@ void pack_rhs_q4(int64_t n, int64_t k, const W4Layout& w, const uint8_t* codes,
   const auto* sc = static_cast<const uint8_t*>(scales);
   auto* dst = static_cast<uint8_t*>(packed);
   if (n <= 0 || groups <= 0) return;
+  if constexpr (P::kCodes8) {
+    if (w.format == W4Format::int8_affine) {
+      pack_rhs_bytes<P>(n, k, w, codes, code_stride, sc, scale_stride, dst, scratch);
+      return;
+    }
+  }
   // from[position] = c * g + kk, or nib where no code goes: cols[nib] holds 16, which rec maps to
   // 0 in both nibbles (the position stays 0, not recoded). Scratch layout as in
   // q4_pack_scratch_bytes.
@@ -179,7 +231,7 @@ constexpr Q4GemmUkernel make_q4gemm(const char* name, Isa isa, int64_t mr,
                                         q4_no_scratch) {
   static_assert(kW4GroupMultiple % LhsP::kKr == 0, "K is never padded: kr must divide 32");
   return Q4GemmUkernel{name,           isa,          mr,           RhsP::kNr,
-                       LhsP::kKr,      LhsP::lhs_size, LhsP::lhs_offset, pack_lhs,
+                       LhsP::kKr,      RhsP::kCodes8,  LhsP::lhs_size, LhsP::lhs_offset, pack_lhs,
                        RhsP::rhs_size, RhsP::rhs_offset, q4_pack_scratch_bytes<RhsP>,
                        pack_rhs,       scratch_bytes,  run_f32};
 }

@@ -15,8 +15,8 @@ const int8_t* w4_decode_table(W4Format f) {
   switch (f) {
     case W4Format::int4: return kInt4;
     case W4Format::mxfp4: return kMxfp4;
-    case W4Format::int4_affine:  // packed as int4 (w4_kernel_format)
-    case W4Format::int8_affine: return nullptr;
+    case W4Format::int4_affine:  // packed as int4 (W4Plan)
+    case W4Format::int8_affine: return nullptr;  // int4 planes, or 8-bit codes c - 128
   }
   return nullptr;
 }

@@ -5,7 +5,8 @@
 // Per block, row chunk and group, the 4 x g codes are decoded once through the format's table
 // into int8, then each row's 4 dot products run over plain int8 (vectorized at the baseline ISA,
 // as in the int8 portable kernel) and are scaled into fp32 accumulators; the decoded group lives
-// in the call's scratch (4 g bytes: scratch_bytes). Features used: none.
+// in the call's scratch (4 g bytes: scratch_bytes). int8_affine's 8-bit codes are stored as the
+// int8 values c - 128, column by column, and run as they are. Features used: none.
 #include <algorithm>
 #include <cstring>
 
@@ -18,12 +19,15 @@ namespace {
 constexpr int64_t kMr = 1;
 constexpr int64_t kNr = 4;
 constexpr int64_t kRowChunk = 64;  // fp32 accumulators of 64 rows x 4 columns stay on the stack
-using LhsPacking = QGemmPacking<kNr, 32>;
-using Packing = Q4Packing<kNr>;
-
 struct ColumnMajor {
   static int64_t index(int64_t c, int64_t kk, int64_t g) { return c * g + kk; }
 };
+// 8-bit codes: column by column, as the int8 values c - 128.
+struct SignedColumns : ColumnMajor {
+  static uint8_t code(uint8_t c) { return uint8_t(c ^ 0x80); }
+};
+using LhsPacking = QGemmPacking<kNr, 32>;
+using Packing = Q4Packing<kNr, 1, SignedColumns>;
 
 inline int32_t dot(const int8_t* __restrict a, const int8_t* __restrict b, int64_t g) {
   int32_t s = 0;
@@ -38,6 +42,7 @@ size_t scratch_bytes(int64_t m, int64_t n, int64_t /*k*/, const W4Layout& w) {
 void run_f32(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs, const void* rhs,
              float* dst, int64_t dst_stride, const Q4GemmEpilogue& ep) {
   const int64_t g = w.group, groups = k / g;
+  const bool bytes = w.format == W4Format::int8_affine;
   const int8_t* table = w4_decode_table(w.format);
   const auto* a = static_cast<const int8_t*>(lhs);
   const auto* b = static_cast<const uint8_t*>(rhs);
@@ -50,7 +55,8 @@ void run_f32(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs
       float acc[kRowChunk][kNr] = {};
       for (int64_t gi = 0; gi < groups; ++gi) {
         const uint8_t* grp = blk + gi * Packing::group_bytes(w);
-        for (int64_t x = 0; x < kNr * g / 2; ++x) {
+        const int8_t* v = bytes ? reinterpret_cast<const int8_t*>(grp) : vals;
+        for (int64_t x = 0; !bytes && x < kNr * g / 2; ++x) {
           vals[2 * x] = table[grp[x] & 15];
           vals[2 * x + 1] = table[grp[x] >> 4];
         }
@@ -61,7 +67,7 @@ void run_f32(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs
         for (int64_t i = 0; i < mc; ++i) {
           const int8_t* ar = a + (i0 + i) * k + gi * g;
           for (int64_t c = 0; c < kNr; ++c) {
-            const float term = float(dot(ar, vals + c * g, g)) * s[c];
+            const float term = float(dot(ar, v + c * g, g)) * s[c];
             acc[i][c] = acc[i][c] + (gs ? term * gs[(i0 + i) * groups + gi] : term);
           }
         }
