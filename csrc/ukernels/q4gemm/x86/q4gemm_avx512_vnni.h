@@ -145,18 +145,19 @@ inline void dpbusd(__m512i& acc, __m512i u, __m512i s) {
 // PfSmall: software prefetch in the 1-2-row tiles too (the AMX kernel's few-row calls, measured
 // on Sapphire Rapids with it; see the file comment for Zen 4).
 template <bool PfSmall>
-struct Kernel : Q4X86Steps<kNr, kSmallRows, kSmallBlocks, kMidRows, kMidBlocks, kRows, kBlocks,
+struct Kernel : Q4X86Steps<Packing, kSmallRows, kSmallBlocks, kMidRows, kMidBlocks, kRows, kBlocks,
                            Decode> {
-  template <int MR, int NB, bool Mx, int G>
+  template <int MR, int NB, Q4Codes C, int G>
   static void tile(const Q4Call<Decode>& c, int64_t i0, int64_t jb);
 };
 
 // Rows [i0, i0 + MR) of A x blocks [jb, jb + NB) of B; G: the group size when known at compile
 // time (run_q4_f32's list: the quad loop's count and the row sums fixed), else 0.
 template <bool PfSmall>
-template <int MR, int NB, bool Mx, int G>
+template <int MR, int NB, Q4Codes C, int G>
 void Kernel<PfSmall>::tile(const Q4Call<Decode>& c, int64_t i0, int64_t jb) {
-  const auto [a, bp, lda, bstride, g, groups, gbytes, cbytes] = q4_tile_span<kNr, G>(c, i0, jb);
+  const auto [a, bp, lda, bstride, g, groups, gbytes, cbytes] = q4_tile_span<Packing, G>(c, i0, jb);
+  constexpr bool Mx = C == Q4Codes::mxfp4;
   const int64_t hbytes = kHalf * c.w.scale_bytes();  // the high half's scales after the low's
   // Start values per unit of the group's row sum: lo and hi (see the file comment).
   constexpr uint32_t kLoOff = Mx ? 12 : 8, kHiOff = Mx ? 12 : 136;

@@ -97,18 +97,19 @@ inline __m256i bcast(const int8_t* p) {
 }
 
 // The kernel as run_q4_f32 (q4gemm_x86_common.h) takes it: the walk's steps and the tile.
-struct Kernel : Q4X86Steps<kNr, kSmallRows, kSmallBlocks, kSmallRows, kSmallBlocks, kRows, kBlocks,
+struct Kernel : Q4X86Steps<Packing, kSmallRows, kSmallBlocks, kSmallRows, kSmallBlocks, kRows, kBlocks,
                            Decode> {
-  template <int MR, int NB, bool Mx, int G>
+  template <int MR, int NB, Q4Codes C, int G>
   static void tile(const Q4Call<Decode>& c, int64_t i0, int64_t jb);
 };
 
 // Rows [i0, i0 + MR) of A x blocks [jb, jb + NB) of B (block b at bp + b * bstride).
 // G: the group size when known at compile time (run_q4_f32's list: the slice loop's count and
 // the row sums fixed), else 0 (w.group).
-template <int MR, int NB, bool Mx, int G>
+template <int MR, int NB, Q4Codes C, int G>
 void Kernel::tile(const Q4Call<Decode>& c, int64_t i0, int64_t jb) {
-  const auto [a, bp, lda, bstride, g, groups, gbytes, cbytes] = q4_tile_span<kNr, G>(c, i0, jb);
+  const auto [a, bp, lda, bstride, g, groups, gbytes, cbytes] = q4_tile_span<Packing, G>(c, i0, jb);
+  constexpr bool Mx = C == Q4Codes::mxfp4;
   alignas(32) float acc[MR][NB][kNr] = {};
   __m256i isum[MR][NB];
   for (int64_t gi = 0; gi < groups; ++gi) {

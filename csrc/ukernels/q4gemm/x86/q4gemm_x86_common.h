@@ -8,6 +8,7 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 
 #include "cpumoe/q4gemm.h"
@@ -118,30 +119,35 @@ struct Q4TileSpan {
   const uint8_t *a, *bp;
   int64_t lda, bstride, g, groups, gbytes, cbytes;
 };
-template <int64_t Nr, int G, class Decode>
+template <class Packing, int G, class Decode>
 Q4TileSpan q4_tile_span(const Q4Call<Decode>& c, int64_t i0, int64_t jb) {
   const int64_t g = G > 0 ? G : c.w.group;
   return {c.a + i0 * c.lda,  c.b + jb * c.bstride, c.lda, c.bstride, g, c.k / g,
-          Q4Packing<Nr>::group_bytes(c.w), Q4Packing<Nr>::codes_bytes(c.w)};
+          Packing::group_bytes(c.w), Packing::codes_bytes(c.w)};
 }
 
 /// The constants of an x86 kernel K as run_q4_f32 reads them (K derives from this and adds its
-/// tile): the columns per block and walk_q4_tiles' steps (small, mid, then the main ones; mid
-/// equal to small for none), and the decode state's type.
-template <int64_t Nr, int SmallRows, int SmallBlocks, int MidRows, int MidBlocks, int Rows,
+/// tile): its packing (P, a Q4Packing), walk_q4_tiles' steps (small, mid, then the main ones;
+/// mid equal to small for none), and the decode state's type.
+template <class P, int SmallRows, int SmallBlocks, int MidRows, int MidBlocks, int Rows,
           int Blocks, class D>
 struct Q4X86Steps {
   static_assert(SmallRows <= MidRows && MidRows < Rows, "regimes by increasing rows");
-  static constexpr int64_t kNr = Nr;
+  using Packing = P;
+  static constexpr int64_t kNr = P::kNr;
   static constexpr int kSmallRows = SmallRows, kSmallBlocks = SmallBlocks;
   static constexpr int kMidRows = MidRows, kMidBlocks = MidBlocks;
   static constexpr int kRows = Rows, kBlocks = Blocks;
   using Decode = D;
 };
 
-/// The tile functions of kernel K for one (format, group) instantiation, [rows - 1][blocks - 1]:
-/// K::tile<MR, NB, Mx, G> where the walk can ask for MR rows x NB blocks, else null.
-template <class K, bool Mx, int G>
+/// What a tile decodes: int4 or mxfp4 nibbles, or int8_affine's 8-bit codes (kernels whose
+/// packing has them, Q4Packing::kCodes8).
+enum class Q4Codes { int4, mxfp4, bytes };
+
+/// The tile functions of kernel K for one (codes, group) instantiation, [rows - 1][blocks - 1]:
+/// K::tile<MR, NB, C, G> where the walk can ask for MR rows x NB blocks, else null.
+template <class K, Q4Codes C, int G>
 struct Q4TileTable {
   using Fn = void (*)(const Q4Call<typename K::Decode>&, int64_t, int64_t);
   static constexpr int kMaxBlocks = std::max({K::kSmallBlocks, K::kMidBlocks, K::kBlocks});
@@ -150,28 +156,29 @@ struct Q4TileTable {
     constexpr int max_nb = MR <= K::kSmallRows ? std::max(K::kSmallBlocks, K::kBlocks)
                            : MR <= K::kMidRows ? std::max(K::kMidBlocks, K::kBlocks)
                                                : K::kBlocks;
-    if constexpr (NB <= max_nb) return &K::template tile<MR, NB, Mx, G>;
+    if constexpr (NB <= max_nb) return &K::template tile<MR, NB, C, G>;
     else return nullptr;
   }
   static constexpr auto table = TileFnGrid<Q4TileTable, Fn, K::kRows, kMaxBlocks>::table;
 };
 
-/// Q4GemmUkernel::run_f32 of an x86 kernel K over the `qs8rs` A and Q4Packing<K::kNr> B, on
-/// walk_q4_tiles. K gives kNr, the walk's steps (Q4X86Steps), a
-/// Decode type constructed from the W4Format, and
-///   template <int MR, int NB, bool Mx, int G>
+/// Q4GemmUkernel::run_f32 of an x86 kernel K over the `qs8rs` A and its Q4Packing B (K::Packing,
+/// kNr columns), on walk_q4_tiles. K gives kNr, the walk's steps (Q4X86Steps), a Decode type
+/// constructed from the W4Format, and
+///   template <int MR, int NB, Q4Codes C, int G>
 ///   static void tile(const Q4Call<Decode>& c, int64_t i0, int64_t jb);
-/// (rows [i0, i0 + MR) x blocks [jb, jb + NB); Mx: mxfp4; G: the group size when fixed at
-/// compile time, else 0 for w.group). G is fixed for mxfp4 (32) and the common int4 groups, 32,
-/// 64 and 128: with the loop counts and row sums known, the VNNI kernel at 8 rows took 0.75x
+/// (rows [i0, i0 + MR) x blocks [jb, jb + NB); C: what the codes are; G: the group size when
+/// fixed at compile time, else 0 for w.group). G is fixed for mxfp4 (32) and the common groups,
+/// 32, 64 and 128: with the loop counts and row sums known, the VNNI kernel at 8 rows took 0.75x
 /// (g 128) and 0.94x (g 64) of its time with G = 0 (cpumoe_q4gemm_bench --m 8 --threads 1).
+/// The 8-bit codes' tables exist only where K::Packing::kCodes8.
 template <class K>
 void run_q4_f32(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs,
                 const void* rhs, float* dst, int64_t ld, const Q4GemmEpilogue& ep) {
   const Q4Call<typename K::Decode> c{static_cast<const uint8_t*>(lhs),
                                      static_cast<const uint8_t*>(rhs),
                                      Q4LhsRowSums::row_bytes(k),
-                                     int64_t(Q4Packing<K::kNr>::block_bytes(k, w)),
+                                     int64_t(K::Packing::block_bytes(k, w)),
                                      n, k, Q4LhsRowSums::padded_k(k), w,
                                      typename K::Decode(w.format), dst, ld, ep};
   const auto walk = [&](const auto& table) {
@@ -181,11 +188,21 @@ void run_q4_f32(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* 
                     table[size_t(rows - 1)][size_t(nb - 1)](c, i0, jb);
                   });
   };
-  if (w.format == W4Format::mxfp4) walk(Q4TileTable<K, true, 32>::table);
-  else if (w.group == 32) walk(Q4TileTable<K, false, 32>::table);
-  else if (w.group == 64) walk(Q4TileTable<K, false, 64>::table);
-  else if (w.group == 128) walk(Q4TileTable<K, false, 128>::table);
-  else walk(Q4TileTable<K, false, 0>::table);
+  const auto by_group = [&](auto codes) {
+    constexpr Q4Codes C = decltype(codes)::value;
+    if (w.group == 32) walk(Q4TileTable<K, C, 32>::table);
+    else if (w.group == 64) walk(Q4TileTable<K, C, 64>::table);
+    else if (w.group == 128) walk(Q4TileTable<K, C, 128>::table);
+    else walk(Q4TileTable<K, C, 0>::table);
+  };
+  if (w.format == W4Format::mxfp4) {
+    walk(Q4TileTable<K, Q4Codes::mxfp4, 32>::table);
+  } else if (w.format == W4Format::int8_affine) {
+    if constexpr (K::Packing::kCodes8)
+      by_group(std::integral_constant<Q4Codes, Q4Codes::bytes>{});
+  } else {
+    by_group(std::integral_constant<Q4Codes, Q4Codes::int4>{});
+  }
 }
 
 }  // namespace
