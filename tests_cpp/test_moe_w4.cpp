@@ -240,6 +240,35 @@ TEST(MoeW4, GroupActivationsMatchOracle) {
       }
 }
 
+// GGUF Q8_0 as cpumoe reads it: int8_affine with min = -128 * scale, so every 8-bit-code offset
+// min + 128 * scale is zero. The packed layer then keeps no offsets (nor sums rows per group)
+// and still gives the oracle's bits, which add the zero term; the two-plane form keeps its
+// planes' offsets (8 * scale for the lo one).
+TEST(MoeW4, ZeroOffsetsAreDropped) {
+  for (int64_t T : {1, 40}) {
+    W4Data w = make_w4({T, 4, 2, 128, 64}, W4Format::int8_affine, 32, DType::bf16,
+                       Activation::silu, true, 41);
+    for (std::vector<uint8_t>* sc : {&w.ref.s13, &w.ref.s2})
+      for (size_t x = 0; x < sc->size(); x += 8) {
+        float pair[2];
+        std::memcpy(pair, sc->data() + x, 8);
+        pair[1] = -128.0f * pair[0];
+        std::memcpy(sc->data() + x, pair, 8);
+      }
+    Oracle oracle(w);
+    for (const cpumoe::Q4GemmUkernel* kern : supported_w4_kernels()) {
+      SCOPED_TRACE(testing::Message() << kern->name << " T=" << T);
+      const cpumoe::PackedMoeW4 pk(w.weights(), kern, 2);
+      EXPECT_EQ(pk.o13(0) == nullptr, kern->codes8);
+      EXPECT_EQ(pk.o2(3) == nullptr, kern->codes8);
+      for (int threads : {1, 2})
+        expect_oracle_bits(cpumoe_test::output_values(w.d, run_moe(pk, w.d, threads)),
+                           oracle(kern));
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
 // Prefill-sized calls: GEMM1 fused with the activation and GEMM2's packing (several row chunks
 // per expert), with GEMM2 too, and phase by phase give the oracle's bits.
 TEST(MoeW4, FusedAndPhasedGiveTheOraclesBits) {

@@ -178,7 +178,7 @@ struct Family<Q4GemmUkernel> : Family<QGemmUkernel> {
   // most any layer of these sizes has (groups of kW4GroupMultiple).
   static int64_t groups(const Packed* pk, int64_t depth) {
     if (pk == nullptr) return depth / kW4GroupMultiple;
-    return w4_affine(pk->format()) ? depth / pk->group_size() : 0;
+    return pk->o13(0) != nullptr ? depth / pk->group_size() : 0;  // offsets to apply
   }
   // ActQuant::group: a scale per weight group of every input row; pk == nullptr: the most any
   // layer of these sizes has.

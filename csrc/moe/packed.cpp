@@ -424,6 +424,15 @@ PackedMoeW4::PackedMoeW4(const MoeWeightsW4& w, const MoeConfig<Q4GemmUkernel>& 
     fill_offsets(plan_, static_cast<const float*>(w.s2), e, H, I, g,
                  offsets_.get() + size_t(E) * o13_stride_ + size_t(e) * o2_stride_);
   });
+  // One plane whose offsets are all zero (GGUF Q8_0: min = -128 scale): none kept, so the op
+  // neither reads them nor sums its rows per group. Exact: the term only adds zeros, and the
+  // value it adds them to is never -0 (acc * row scale is +0 or nonzero, + bias keeps that).
+  if (plan_.planes == 1 &&
+      std::all_of(offsets_.get(), offsets_.get() + total, [](float o) { return o == 0.0f; })) {
+    offsets_.reset();
+    extra_bytes_ -= total * sizeof(float);
+    o13_stride_ = o2_stride_ = 0;
+  }
 }
 
 size_t PackedMoeW4::plane_bytes(int64_t n, int64_t depth) const {

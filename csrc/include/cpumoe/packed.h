@@ -134,7 +134,8 @@ class PackedMoeW4 : public PackedExperts<Q4GemmUkernel> {
   /// n = H, depth = I) to the next.
   size_t plane_bytes(int64_t n, int64_t depth) const;
   /// The affine formats: expert e's group offsets of w13 / w2 in RowOps::add_group_offsets'
-  /// panels (group_offset_floats floats per plane, the planes in turn); nullptr for the others.
+  /// panels (group_offset_floats floats per plane, the planes in turn); nullptr for the others,
+  /// and for a one-plane layer whose offsets are all zero (GGUF Q8_0's).
   const float* o13(int64_t e) const {
     return offsets_ ? offsets_.get() + size_t(e) * o13_stride_ : nullptr;
   }

@@ -66,8 +66,6 @@ constexpr int64_t kMr = 8;
 constexpr int64_t kNr = 8;
 constexpr int64_t kStepBlocks = 6;  // column blocks per step of the walk (m > 8)
 using LhsPacking = QGemmPacking<kNr, 8, 1, 8>;  // the int8 kernel's qs8p8x8 (kp = k here)
-// mxfp4 scales stored as bf16 (exact): one ldr and two shll per 8, instead of the E8M0 decode.
-using Packing = Q4Packing<kNr, 2>;
 
 // Nibble position of column c's code kk of a group (see the file comment).
 struct PairNibbles {
@@ -77,6 +75,15 @@ struct PairNibbles {
     return 2 * byte + c / 4;  // column pairs 0, 1 low nibbles; 2, 3 high
   }
 };
+// Byte position of column c's 8-bit code kk: slice s's 4 SMMLA operands (`qs8cp8x8`, column
+// pair q at 16 q) at 64 s (see the file comment).
+struct PairBytes {
+  static int64_t index(int64_t c, int64_t kk, int64_t /*g*/) {
+    return (kk / 8) * 64 + (c / 2) * 16 + (c % 2) * 8 + kk % 8;
+  }
+};
+// mxfp4 scales stored as bf16 (exact): one ldr and two shll per 8, instead of the E8M0 decode.
+using Packing = Q4Packing<kNr, 2, SignedBytes<PairBytes>>;
 
 void pack_lhs(int64_t m, int64_t k, const int8_t* const* rows, void* packed) {
   pack_lhs_qs8p8x8(m, k, LhsPacking::padded_k(k), rows, static_cast<int8_t*>(packed));
@@ -87,7 +94,7 @@ struct Call {
   int64_t g, groups;
   size_t block_bytes;
   const int8_t* table;
-  int64_t init_step;  // bytes per row pair of the accumulators' start values: 64, or 0 (mxfp4)
+  int64_t init_step;  // bytes per row pair of the start values: 64, or 0 (mxfp4, 8-bit codes)
 };
 
 // The int4 accumulators' start values of the m rows at packed A `a` (whole A blocks): row tile t
@@ -96,7 +103,8 @@ struct Call {
 // (one ld1 fills four accumulators), S0 and S1 its rows' sums over the group (a one-row tile:
 // [-8 S0, -8 S0, -8 S0, -8 S0], see the one-row tiles); then one group of
 // slack (the asm loads the next group's values after the last). Sums of int8 over a group fit
-// int32 easily (|8 S| <= 1024 * kW4MaxGroup). In the call's scratch; mxfp4 needs none.
+// int32 easily (|8 S| <= 1024 * kW4MaxGroup). In the call's scratch; mxfp4 and 8-bit codes need
+// none (they start from zero).
 size_t scratch_bytes(int64_t m, int64_t n, int64_t k, const W4Layout& w) {
   if (w.format != W4Format::int4 || m <= 0 || n <= 0) return 0;
   return size_t(((m + kMr - 1) / kMr) * (k / w.group) + 1) * 64 * sizeof(int32_t);
@@ -135,7 +143,9 @@ const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a, void*
 // code register itself); mask and table are operands (v14, v15 when all else is taken). The int32
 // accumulators of the group in v16.. (pair p, block j, column pair c: v16 + (p * NB + j) * 4 + c).
 // Per slice pair and block: 1 + 4 (int4) or 16 (mxfp4) instructions of loads and unpacking for
-// 8 NP SMMLA; two slice pairs per iteration (a group has an even number: g % 32 == 0). After a
+// 8 NP SMMLA; 8-bit codes (B8): two ld1 into v8-v11 (slice 2t's 4 operands, then 2t + 1's: the
+// first post-indexed #64, the second by b8 = bs - 64 to the next block or by `back`), no
+// unpacking. Two slice pairs per iteration (a group has an even number: g % 32 == 0). After a
 // group's k loop the code pointer is at block 0's scales; the group end adds its products to the
 // fp32 totals, loads the next group's start values (one ld1 per 4 accumulators, from the
 // init_sums pointer c, which steps cs bytes per row pair: 64, or 0 on a zero block for mxfp4)
@@ -147,6 +157,9 @@ const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a, void*
   "and v12.16b, " r ".16b, %[mask].16b\n\tushr v13.16b, " r ".16b, #4\n\t"         \
   "tbl v12.16b, {%[tab].16b}, v12.16b\n\ttbl v13.16b, {%[tab].16b}, v13.16b\n\t"
 #define Q4_UNP_MX_HI(r) "v13"
+// 8-bit codes: a block's slice 2t (then Q4_LDB8(step): 2t + 1, post-index step).
+#define Q4_LDB8_64 "ld1 {v8.16b-v11.16b}, [%[b]], #64\n\t"
+#define Q4_LDB8(step) "ld1 {v8.16b-v11.16b}, [%[b]], %[" #step "]\n\t"
 #define Q4_V(i) Q4_V_##i
 #define Q4_V_0 "v16"
 #define Q4_V_1 "v17"
@@ -199,6 +212,34 @@ const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a, void*
       Q4_R4(U, "v9", "v0", "v1", "v2", "v3", 1, 3, 5, 7, 9, 11, 13, 15)                     \
           Q4_R4(U, "v10", "v4", "v5", "v6", "v7", 0, 2, 4, 6, 8, 10, 12, 14)                \
               Q4_R4(U, "v11", "v4", "v5", "v6", "v7", 1, 3, 5, 7, 9, 11, 13, 15)
+// 8-bit codes: the 4 operand registers (column pairs 0-3) against A slice a0.. of 1-4 row
+// pairs, accumulators l0.. of column pair 0 (+1, +2, +3 for the others).
+#define Q4_B8_R1(r, a0, l0) Q4_MM(Q4_V(l0), a0, r)
+#define Q4_B8_R2(r, a0, a1, l0, l1) Q4_B8_R1(r, a0, l0) Q4_MM(Q4_V(l1), a1, r)
+#define Q4_B8_R3(r, a0, a1, a2, l0, l1, l2) Q4_B8_R2(r, a0, a1, l0, l1) Q4_MM(Q4_V(l2), a2, r)
+#define Q4_B8_R4(r, a0, a1, a2, a3, l0, l1, l2, l3) \
+  Q4_B8_R3(r, a0, a1, a2, l0, l1, l2) Q4_MM(Q4_V(l3), a3, r)
+#define Q4_B8_1(a, c0, c1, c2, c3) \
+  Q4_B8_R1("v8", a, c0) Q4_B8_R1("v9", a, c1) Q4_B8_R1("v10", a, c2) Q4_B8_R1("v11", a, c3)
+#define Q4_B8_2(a0, a1)                                                                      \
+  Q4_B8_R2("v8", a0, a1, 0, 4) Q4_B8_R2("v9", a0, a1, 1, 5) Q4_B8_R2("v10", a0, a1, 2, 6)    \
+      Q4_B8_R2("v11", a0, a1, 3, 7)
+#define Q4_B8_3(a0, a1, a2)                                                                  \
+  Q4_B8_R3("v8", a0, a1, a2, 0, 4, 8) Q4_B8_R3("v9", a0, a1, a2, 1, 5, 9)                    \
+      Q4_B8_R3("v10", a0, a1, a2, 2, 6, 10) Q4_B8_R3("v11", a0, a1, a2, 3, 7, 11)
+#define Q4_B8_4(a0, a1, a2, a3)                                                              \
+  Q4_B8_R4("v8", a0, a1, a2, a3, 0, 4, 8, 12) Q4_B8_R4("v9", a0, a1, a2, a3, 1, 5, 9, 13)    \
+      Q4_B8_R4("v10", a0, a1, a2, a3, 2, 6, 10, 14)                                          \
+          Q4_B8_R4("v11", a0, a1, a2, a3, 3, 7, 11, 15)
+#define Q4_S8_1x1 Q4_LDA1 Q4_LDB8_64 Q4_B8_1("v0", 0, 1, 2, 3) Q4_LDB8(back) Q4_B8_1("v4", 0, 1, 2, 3)
+#define Q4_S8_1x2                                                                              \
+  Q4_LDA1 Q4_LDB8_64 Q4_B8_1("v0", 0, 1, 2, 3) Q4_LDB8(b8) Q4_B8_1("v4", 0, 1, 2, 3)           \
+      Q4_LDB8_64 Q4_B8_1("v0", 4, 5, 6, 7) Q4_LDB8(back) Q4_B8_1("v4", 4, 5, 6, 7)
+#define Q4_S8_2x1 Q4_LDA2 Q4_LDB8_64 Q4_B8_2("v0", "v1") Q4_LDB8(back) Q4_B8_2("v4", "v5")
+#define Q4_S8_3x1 \
+  Q4_LDA3 Q4_LDB8_64 Q4_B8_3("v0", "v1", "v2") Q4_LDB8(back) Q4_B8_3("v4", "v5", "v6")
+#define Q4_S8_4x1 \
+  Q4_LDA4 Q4_LDB8_64 Q4_B8_4("v0", "v1", "v2", "v3") Q4_LDB8(back) Q4_B8_4("v4", "v5", "v6", "v7")
 #define Q4_LOOP(S) "mov %[n], %[np2]\n1:\n\t" S S "subs %[n], %[n], #1\n\tb.ne 1b\n\t"
 #define Q4_LOOP_G32(S) S S  // a 32-k group (mxfp4's always) is one slice pair: no loop
 #define Q4_CLOB                                                                            \
@@ -208,9 +249,11 @@ const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a, void*
 // mxfp4: plain scvtf on all.
 #define Q4_SUB_I4(x, y) "sub " x ".4s, " x ".4s, " y ".4s\n\t"
 #define Q4_SUB_MX(x, y) ""
+#define Q4_SUB_B8(x, y) ""
 #define Q4_CVL(r) "scvtf " r ".4s, " r ".4s\n\t"
 #define Q4_CVH_I4(r) "scvtf " r ".4s, " r ".4s, #4\n\t"
 #define Q4_CVH_MX(r) Q4_CVL(r)
+#define Q4_CVH_B8(r) Q4_CVL(r)
 
 // One-pair tiles (one or two rows: decode), totals in v24..: per group end and block, the 8
 // scales into v1, v2 (int4: one ldp; mxfp4: one ldr of the bf16 scales, two shll), then
@@ -222,8 +265,10 @@ const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a, void*
 // Q4_SB_*), block 1's at s = b + bsc (bsc = bs - those bytes), block j + 1's at s + bs.
 #define Q4_SB_I4 "#32"
 #define Q4_SB_MX "#16"
+#define Q4_SB_B8 Q4_SB_I4
 #define Q4_SC_I4(addr) "ldp q1, q2, " addr "\n\t"
 #define Q4_SC_MX(addr) "ldr q1, " addr "\n\tshll2 v2.4s, v1.8h, #16\n\tshll v1.4s, v1.4h, #16\n\t"
+#define Q4_SC_B8(addr) Q4_SC_I4(addr)
 #define Q4_B0(F) "[%[b]], " Q4_SB_##F
 #define Q4_INIT1 "ld1 {v16.4s-v19.4s}, [%[c]], %[cs]\n\t"
 #define Q4_INIT2 "ld1 {v16.4s-v19.4s}, [%[c]]\n\tld1 {v20.4s-v23.4s}, [%[c]], %[cs]\n\t"
@@ -263,14 +308,19 @@ const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a, void*
       : [a] "+r"(a), [b] "+r"(b), [gn] "+r"(gn), [n] "=&r"(n), [s] "=&r"(s), [o] "+r"(o), \
         [c] "+r"(c) Q4_GOPS_P##G                                                         \
       : [np2] "r"(np2), [s64] "r"(s64), [bs] "r"(bs), [back] "r"(back), [bsc] "r"(bsc),  \
-        [cs] "r"(cs), [mask] "w"(mask), [tab] "w"(tab), [z] "r"(kZeros)                  \
+        [b8] "r"(b8), [cs] "r"(cs), [mask] "w"(mask), [tab] "w"(tab), [z] "r"(kZeros)    \
       : Q4_CLOB, "v16", "v17", "v18", "v19", "v20", "v21", "v22", "v23", "v24", "v25",   \
         "v26", "v27", "v28", "v29", "v30", "v31")
+#define Q4_P1_BODY_I4(NB_) Q4_S1x##NB_(Q4_UNP_I4)
+#define Q4_P1_BODY_MX(NB_) Q4_S1x##NB_(Q4_UNP_MX)
+#define Q4_P1_BODY_B8(NB_) Q4_S8_1x##NB_
 #define Q4_P1_ASM(NB_, F, LOOP, ST, G) \
-  Q4_PAIR_ASM(Q4_INIT##NB_, LOOP(Q4_S1x##NB_(Q4_UNP_##F)), Q4_R2_ENDS_##NB_(F, G), ST, G)
+  Q4_PAIR_ASM(Q4_INIT##NB_, LOOP(Q4_P1_BODY_##F(NB_)), Q4_R2_ENDS_##NB_(F, G), ST, G)
 // The format / group-size / kGs variants of a one-pair tile (ASM: Q4_P1_ASM or Q4_O_ASM).
 #define Q4_PAIR_FMT_G(ASM, NB_, ST, G)                                     \
   if constexpr (F == W4Format::mxfp4) ASM(NB_, MX, Q4_LOOP_G32, ST, G);     \
+  else if constexpr (F == W4Format::int8_affine && kG32) ASM(NB_, B8, Q4_LOOP_G32, ST, G); \
+  else if constexpr (F == W4Format::int8_affine) ASM(NB_, B8, Q4_LOOP, ST, G); \
   else if constexpr (kG32) ASM(NB_, I4, Q4_LOOP_G32, ST, G);               \
   else ASM(NB_, I4, Q4_LOOP, ST, G);
 #define Q4_PAIR_FMT(ASM, NB_, ST)                     \
@@ -302,6 +352,18 @@ const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a, void*
 #define Q4_O_S4(U)                                                                            \
   Q4_O_LDA Q4_LDB(bs) Q4_O_BLK(U, 0, 1) Q4_LDB(bs) Q4_O_BLK(U, 2, 3) Q4_LDB(bs)              \
       Q4_O_BLK(U, 4, 5) Q4_LDB(back) Q4_O_BLK(U, 6, 7)
+// 8-bit codes: column pairs 0, 2 against A, 1, 3 against A'; the slice 2t + 1 load steps by
+// `step` (b8 to the next block, back after the last).
+#define Q4_O8_BLK(l, h, step)                                                                 \
+  Q4_LDB8_64 Q4_MM(Q4_V(l), "v0", "v8") Q4_MM(Q4_V(h), "v0", "v10")                          \
+      Q4_MM(Q4_V(l), "v1", "v9") Q4_MM(Q4_V(h), "v1", "v11") Q4_LDB8(step)                    \
+          Q4_MM(Q4_V(l), "v4", "v8") Q4_MM(Q4_V(h), "v4", "v10") Q4_MM(Q4_V(l), "v5", "v9")  \
+              Q4_MM(Q4_V(h), "v5", "v11")
+#define Q4_O8_S1 Q4_O_LDA Q4_O8_BLK(0, 1, back)
+#define Q4_O8_S2 Q4_O_LDA Q4_O8_BLK(0, 1, b8) Q4_O8_BLK(2, 3, back)
+#define Q4_O8_S3 Q4_O_LDA Q4_O8_BLK(0, 1, b8) Q4_O8_BLK(2, 3, b8) Q4_O8_BLK(4, 5, back)
+#define Q4_O8_S4 \
+  Q4_O_LDA Q4_O8_BLK(0, 1, b8) Q4_O8_BLK(2, 3, b8) Q4_O8_BLK(4, 5, b8) Q4_O8_BLK(6, 7, back)
 // kGs: row 0's group scale in lane 0 of v0 (free at the group end), by element.
 #define Q4_O_END(F, G, addr, l, h, f0, f1)                                                  \
   Q4_SC_##F(addr) Q4_SUB_##F(h, l) Q4_CVL(l) Q4_CVH_##F(h)                                  \
@@ -325,14 +387,18 @@ const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a, void*
 #define Q4_O_INIT_2 Q4_INIT1
 #define Q4_O_INIT_3 Q4_INIT2
 #define Q4_O_INIT_4 Q4_INIT2
+#define Q4_O_BODY_I4(NB_) Q4_O_S##NB_(Q4_UNP_I4)
+#define Q4_O_BODY_MX(NB_) Q4_O_S##NB_(Q4_UNP_MX)
+#define Q4_O_BODY_B8(NB_) Q4_O8_S##NB_
 #define Q4_O_ASM(NB_, F, LOOP, ST, G) \
-  Q4_PAIR_ASM(Q4_O_INIT_##NB_, LOOP(Q4_O_S##NB_(Q4_UNP_##F)), Q4_O_ENDS_##NB_(F, G), ST, G)
+  Q4_PAIR_ASM(Q4_O_INIT_##NB_, LOOP(Q4_O_BODY_##F(NB_)), Q4_O_ENDS_##NB_(F, G), ST, G)
 
 // Tiles of 2-4 pairs x 1 block: the totals in memory at t (4 per pair: one ld1 and one st1 per
 // pair and group, as the accumulators take v16..v31). Group end: the 8 scales into v8, v9 (as in
 // the one-pair tiles, post-indexed over them), the 4 column pairs' scales dup'ed into v10-v13,
 // then per pair: (int4) 2 sub, ld1 of its totals, per column pair scvtf, fmul, fadd, st1.
 #define Q4_M_SC_I4 "ldp q8, q9, [%[b]], " Q4_SB_I4 "\n\t"
+#define Q4_M_SC_B8 Q4_M_SC_I4
 #define Q4_M_SC_MX \
   "ldr q8, [%[b]], " Q4_SB_MX "\n\tshll2 v9.4s, v8.8h, #16\n\tshll v8.4s, v8.4h, #16\n\t"
 #define Q4_M_DUP \
@@ -369,10 +435,13 @@ const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a, void*
 #define Q4_M_Z2 "ld1 {v16.4s-v19.4s}, [%[c]], %[cs]\n\tld1 {v20.4s-v23.4s}, [%[c]], %[cs]\n\t"
 #define Q4_M_Z3 Q4_M_Z2 "ld1 {v24.4s-v27.4s}, [%[c]], %[cs]\n\t"
 #define Q4_M_Z4 Q4_M_Z3 "ld1 {v28.4s-v31.4s}, [%[c]], %[cs]\n\t"
+#define Q4_M_BODY_I4(NP_) Q4_S##NP_##x1(Q4_UNP_I4)
+#define Q4_M_BODY_MX(NP_) Q4_S##NP_##x1(Q4_UNP_MX)
+#define Q4_M_BODY_B8(NP_) Q4_S8_##NP_##x1
 #define Q4_M_ASM(NP_, F, LOOP, G)                                                          \
   __asm__ volatile(                                                                        \
       Q4_M_Z##NP_ "2:\n\tmov %[t], %[tb]\n\t"                                               \
-      LOOP(Q4_S##NP_##x1(Q4_UNP_##F)) Q4_M_SC_##F Q4_M_DUP Q4_M_END##NP_(F, G) Q4_M_Z##NP_  \
+      LOOP(Q4_M_BODY_##F(NP_)) Q4_M_SC_##F Q4_M_DUP Q4_M_END##NP_(F, G) Q4_M_Z##NP_  \
       "subs %[gn], %[gn], #1\n\tb.ne 2b\n\t"                                                \
       : [a] "+r"(a), [b] "+r"(b), [gn] "+r"(gn), [n] "=&r"(n), [t] "=&r"(t),                \
         [c] "+r"(c) Q4_GOUT_M##G                                                           \
@@ -380,9 +449,11 @@ const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a, void*
         [mask] "w"(mask), [tab] "w"(tab), [tb] "r"(o) Q4_GIN_M##G                          \
       : Q4_CLOB, "v16", "v17", "v18", "v19", "v20", "v21", "v22", "v23", "v24", "v25",     \
         "v26", "v27", "v28", "v29", "v30", "v31")
-#define Q4_M_FMT_G(NP_, G)                                              \
-  if constexpr (F == W4Format::mxfp4) Q4_M_ASM(NP_, MX, Q4_LOOP_G32, G);  \
-  else if constexpr (kG32) Q4_M_ASM(NP_, I4, Q4_LOOP_G32, G);        \
+#define Q4_M_FMT_G(NP_, G)                                                          \
+  if constexpr (F == W4Format::mxfp4) Q4_M_ASM(NP_, MX, Q4_LOOP_G32, G);              \
+  else if constexpr (F == W4Format::int8_affine && kG32) Q4_M_ASM(NP_, B8, Q4_LOOP_G32, G); \
+  else if constexpr (F == W4Format::int8_affine) Q4_M_ASM(NP_, B8, Q4_LOOP, G);       \
+  else if constexpr (kG32) Q4_M_ASM(NP_, I4, Q4_LOOP_G32, G);                         \
   else Q4_M_ASM(NP_, I4, Q4_LOOP, G);
 #define Q4_M_FMT(NP_)                        \
   if constexpr (kGs) { Q4_M_FMT_G(NP_, 1) } \
@@ -401,9 +472,10 @@ void tile_sums(const Call& cl, const int8_t* a, const uint8_t* b, const int32_t*
                const float* gs, int64_t rows) {
   static_assert((NP == 1 && NB <= (kOneRow ? 4 : 2)) || (NP <= 4 && NB == 1), "no such tile");
   const int64_t bs = int64_t(cl.block_bytes), s64 = 64, back = 64 - (NB - 1) * bs;
+  const int64_t b8 = bs - 64;  // 8-bit codes: from a block's slice 2t + 1 to the next block
   // The scales' bytes per group (Packing::scales_bytes: 8 fp32 or bf16), the asm's post-index
   // immediates (Q4_SB_*).
-  const int64_t sb = F == W4Format::int4 ? 32 : 16, bsc = bs - sb, cs = cl.init_step;
+  const int64_t sb = F == W4Format::mxfp4 ? 16 : 32, bsc = bs - sb, cs = cl.init_step;
   const uint64_t np2 = uint64_t(cl.g) / 32;
   uint64_t gn = uint64_t(cl.groups), n;
   const uint8x16_t mask = vdupq_n_u8(0x0f);
@@ -438,6 +510,7 @@ void tile_sums(const Call& cl, const int8_t* a, const uint8_t* b, const int32_t*
   }
   (void)n;
   (void)np2;
+  (void)b8;
   (void)g0, (void)g1, (void)g2, (void)g3, (void)gsl;
 }
 
@@ -518,8 +591,10 @@ void run(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs, co
   const auto* a = static_cast<const int8_t*>(lhs);
   const auto* b = static_cast<const uint8_t*>(rhs);
   const int64_t groups = k / w.group;
-  const Call cl{w.group, groups, Packing::block_bytes(k, w), w4_decode_table(w.format),
-                kInt4 ? 64 : 0};
+  // 8-bit codes have no table (the asm's tab operand is then unused zeros).
+  const int8_t* table = F == W4Format::int8_affine ? reinterpret_cast<const int8_t*>(kZeros)
+                                                   : w4_decode_table(w.format);
+  const Call cl{w.group, groups, Packing::block_bytes(k, w), table, kInt4 ? 64 : 0};
   const int32_t* init = kInt4 ? init_sums(m, k, w.group, a, ep.scratch) : kZeros;
   const int64_t nblocks = (n + kNr - 1) / kNr;
   const int64_t step = m <= kMr ? nblocks : kStepBlocks;
@@ -533,12 +608,12 @@ void run(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs, co
   }
 }
 
-// The int4 loops, with or without the k loop.
-template <bool kGs>
-void run_int4(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs, const void* rhs,
-              float* dst, int64_t stride, const Q4GemmEpilogue& ep) {
-  if (w.group == 32) run<W4Format::int4, true, kGs>(m, n, k, w, lhs, rhs, dst, stride, ep);
-  else run<W4Format::int4, false, kGs>(m, n, k, w, lhs, rhs, dst, stride, ep);
+// The int4 and 8-bit loops (F), with or without the k loop.
+template <W4Format F, bool kGs>
+void run_g(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs, const void* rhs,
+           float* dst, int64_t stride, const Q4GemmEpilogue& ep) {
+  if (w.group == 32) run<F, true, kGs>(m, n, k, w, lhs, rhs, dst, stride, ep);
+  else run<F, false, kGs>(m, n, k, w, lhs, rhs, dst, stride, ep);
 }
 
 }  // namespace
@@ -546,8 +621,12 @@ void run_int4(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lh
 extern const Q4GemmUkernel q4gemm_qs8p8x8_q4cpo8x8_8x8_neon_i8mm =
     make_q4gemm<LhsPacking, Packing>("q4gemm_qs8p8x8_q4cpo8x8_8x8_neon_i8mm", Isa::neon_i8mm, kMr,
                                      pack_lhs, pack_rhs_q4<Packing, PairNibbles, OffsetLowInt4>,
-                                     q4_run_f32<run_int4<false>, run<W4Format::mxfp4, true, false>,
-                                                run_int4<true>, run<W4Format::mxfp4, true, true>>,
+                                     q4_run_f32<run_g<W4Format::int4, false>,
+                                                run<W4Format::mxfp4, true, false>,
+                                                run_g<W4Format::int8_affine, false>,
+                                                run_g<W4Format::int4, true>,
+                                                run<W4Format::mxfp4, true, true>,
+                                                run_g<W4Format::int8_affine, true>>,
                                      scratch_bytes);
 
 }  // namespace cpumoe

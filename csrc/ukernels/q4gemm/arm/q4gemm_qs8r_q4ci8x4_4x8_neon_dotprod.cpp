@@ -49,7 +49,6 @@ namespace {
 constexpr int64_t kMr = 4;
 constexpr int64_t kNr = 8;
 using LhsPacking = QGemmPacking<kNr, 16>;  // the int8 dotprod kernel's qs8r (kp = k here)
-using Packing = Q4Packing<kNr>;
 
 // Nibble position of column c's code kk of a group (see the file comment).
 struct Interleaved4 {
@@ -58,11 +57,20 @@ struct Interleaved4 {
     return 2 * byte + c / 4;
   }
 };
+// Byte position of column c's 8-bit code kk: per 16 k (128 bytes), 4-k group q's `qs8ci8x4`
+// operands of columns 0-3 at 32 q and of columns 4-7 at 32 q + 16 (see the file comment).
+struct Interleaved4Bytes {
+  static int64_t index(int64_t c, int64_t kk, int64_t /*g*/) {
+    return (kk / 16) * 128 + (kk % 16 / 4) * 32 + (c / 4) * 16 + (c % 4) * 4 + kk % 4;
+  }
+};
+using Packing = Q4Packing<kNr, 1, SignedBytes<Interleaved4Bytes>>;
 
 // The int4 accumulators' start values of the m rows of A (row-major, k apart): row i's group gi
 // at int32 (i * groups + gi) * 8: -8 S eight times (one ld1 fills both accumulators of the row),
 // S the row's sum over the group; then one group of slack (the asm loads the next group's values
-// after the last). In the call's scratch (scratch_bytes); mxfp4 needs none.
+// after the last). In the call's scratch (scratch_bytes); mxfp4 and 8-bit codes need none (they
+// start from zero).
 size_t scratch_bytes(int64_t m, int64_t n, int64_t k, const W4Layout& w) {
   if (w.format != W4Format::int4 || m <= 0 || n <= 0) return 0;
   return size_t(m * (k / w.group) + 1) * 8 * sizeof(int32_t);
@@ -87,7 +95,8 @@ const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a, void*
 // --- The tile asm ------------------------------------------------------------------------------
 // Scratch: A rows in v0-v3, the 4 code registers in v4-v7, the two unpacked operands in v8
 // (columns 0-3) and v9 (columns 4-7), mxfp4's scale constants in v10 (2^-127) and v11 (0.5), the
-// group's scales in v12, v13; mask and table are operands (v14, v15). Row i: int32 accumulators
+// group's scales in v12, v13; mask and table are operands (v14, v15); 8-bit codes: the 8 operand
+// registers of 16 k in v4-v11 (two ld1), no unpacking. Row i: int32 accumulators
 // v(16 + 2i), v(17 + 2i); fp32 ones v(24 + 2i), v(25 + 2i); at a group end (kGs) its group scale
 // in lane 0 of v(4 + i) (free there).
 #define Q4D_UNP_I4(r) "and v8.16b, " r ".16b, %[mask].16b\n\t"
@@ -111,6 +120,21 @@ const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a, void*
 #define Q4D_CHUNK(R, U)                                                                  \
   Q4D_LDA##R "ld1 {v4.16b-v7.16b}, [%[b]], #64\n\t" Q4D_Q##R(U, "v4", 0)                 \
       Q4D_Q##R(U, "v5", 1) Q4D_Q##R(U, "v6", 2) Q4D_Q##R(U, "v7", 3)
+// 8-bit codes: the 4-k group q's two operand registers (columns 0-3, 4-7) are lo, hi as loaded.
+#define Q4D8_DOT(lo, hi, a, q, rl, rh) \
+  "sdot " lo ".4s, " rl ".16b, " a ".4b[" #q "]\n\tsdot " hi ".4s, " rh ".16b, " a ".4b[" #q "]\n\t"
+#define Q4D8_Q1(rl, rh, q) Q4D8_DOT("v16", "v17", "v0", q, rl, rh)
+#define Q4D8_Q2(rl, rh, q) Q4D8_Q1(rl, rh, q) Q4D8_DOT("v18", "v19", "v1", q, rl, rh)
+#define Q4D8_Q3(rl, rh, q) Q4D8_Q2(rl, rh, q) Q4D8_DOT("v20", "v21", "v2", q, rl, rh)
+#define Q4D8_Q4(rl, rh, q) Q4D8_Q3(rl, rh, q) Q4D8_DOT("v22", "v23", "v3", q, rl, rh)
+#define Q4D8_CHUNK(R)                                                                     \
+  Q4D_LDA##R "ld1 {v4.16b-v7.16b}, [%[b]], #64\n\tld1 {v8.16b-v11.16b}, [%[b]], #64\n\t" \
+      Q4D8_Q##R("v4", "v5", 0) Q4D8_Q##R("v6", "v7", 1) Q4D8_Q##R("v8", "v9", 2)           \
+          Q4D8_Q##R("v10", "v11", 3)
+// The 16-k step of each format.
+#define Q4D_BODY_I4(R) Q4D_CHUNK(R, Q4D_UNP_I4)
+#define Q4D_BODY_MX(R) Q4D_CHUNK(R, Q4D_UNP_MX)
+#define Q4D_BODY_B8(R) Q4D8_CHUNK(R)
 // Group end: the scales into v12, v13 (b then points at the next group's codes).
 #define Q4D_SC_I4 "ldp q12, q13, [%[b]], #32\n\t"
 #define Q4D_SC_MX                                                                        \
@@ -120,9 +144,12 @@ const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a, void*
   "fsub v12.4s, v12.4s, v0.4s\n\tfsub v13.4s, v13.4s, v1.4s\n\t"
 #define Q4D_SUB_I4(x, y) "sub " x ".4s, " x ".4s, " y ".4s\n\t"
 #define Q4D_SUB_MX(x, y) ""
+#define Q4D_SUB_B8(x, y) ""
 #define Q4D_CVL(r) "scvtf " r ".4s, " r ".4s\n\t"
 #define Q4D_CVH_I4(r) "scvtf " r ".4s, " r ".4s, #4\n\t"
 #define Q4D_CVH_MX(r) Q4D_CVL(r)
+#define Q4D_CVH_B8(r) Q4D_CVL(r)
+#define Q4D_SC_B8 Q4D_SC_I4
 // The row's group scale (lane 0 of ga) times the scaled products: G = 1 (kGs), or nothing.
 #define Q4D_GS0(lo, hi, ga) ""
 #define Q4D_GS1(lo, hi, ga) \
@@ -153,6 +180,7 @@ const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a, void*
 #define Q4D_OIN0
 #define Q4D_OIN1 , [o] "r"(o), [gst] "r"(gst)
 #define Q4D_INIT_I4 ""
+#define Q4D_INIT_B8 ""
 #define Q4D_INIT_MX "movi v10.4s, #0x40, lsl #16\n\tfmov v11.4s, #0.5\n\t"
 // The next group's start values of rows 0..R-1 (pointers c0.., stepping cs bytes).
 #define Q4D_C1 "ld1 {v16.4s-v17.4s}, [%[c0]], %[cs]\n\t"
@@ -163,7 +191,7 @@ const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a, void*
   __asm__ volatile(                                                                       \
       Q4D_C##R "ld1 {v24.4s-v27.4s}, [%[z]]\n\tld1 {v28.4s-v31.4s}, [%[z]]\n\t" Q4D_INIT_##F \
       "2:\n\tmov %[n], %[nc2]\n\t"                                                        \
-      "1:\n\t" Q4D_CHUNK(R, Q4D_UNP_##F) Q4D_CHUNK(R, Q4D_UNP_##F)                         \
+      "1:\n\t" Q4D_BODY_##F(R) Q4D_BODY_##F(R)                                             \
       "subs %[n], %[n], #1\n\tb.ne 1b\n\t"                                                 \
       Q4D_SC_##F Q4D_GLD##G(R) Q4D_END##R(F, G) Q4D_C##R                                  \
       "subs %[gn], %[gn], #1\n\tb.ne 2b\n\t"                                               \
@@ -176,9 +204,10 @@ const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a, void*
       : "v0", "v1", "v2", "v3", "v4", "v5", "v6", "v7", "v8", "v9", "v10", "v11", "v12",  \
         "v13", "v16", "v17", "v18", "v19", "v20", "v21", "v22", "v23", "v24", "v25", "v26", \
         "v27", "v28", "v29", "v30", "v31", "cc", "memory")
-#define Q4D_FMT(R, G)                                     \
-  if constexpr (F == W4Format::int4) Q4D_ASM(R, I4, G);   \
-  else Q4D_ASM(R, MX, G);
+#define Q4D_FMT(R, G)                                          \
+  if constexpr (F == W4Format::int4) Q4D_ASM(R, I4, G);        \
+  else if constexpr (F == W4Format::mxfp4) Q4D_ASM(R, MX, G);  \
+  else Q4D_ASM(R, B8, G);
 #define Q4D_GFMT(R)                  \
   if constexpr (kGs) { Q4D_FMT(R, 1) } \
   else { Q4D_FMT(R, 0) }
@@ -215,7 +244,10 @@ void tile(const int8_t* a, const int32_t* c, int64_t k, const W4Layout& w, const
           float* d, int64_t stride, int64_t nc, const float* ls, const float* bias,
           const float* gs) {
   alignas(16) float sums[32];
-  tile_sums<R, F, kGs>(a, c, k, w.group, b, w4_decode_table(w.format), sums, gs);
+  // 8-bit codes have no table (the asm's tab operand is then unused zeros).
+  const int8_t* table = F == W4Format::int8_affine ? reinterpret_cast<const int8_t*>(kZeros)
+                                                   : w4_decode_table(w.format);
+  tile_sums<R, F, kGs>(a, c, k, w.group, b, table, sums, gs);
   for (int i = 0; i < R; ++i)
     store_q4_row8(d + i * stride, vld1q_f32(sums + 8 * i), vld1q_f32(sums + 8 * i + 4), nc, ls[i],
                   bias);
@@ -254,8 +286,9 @@ void run(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs, co
 extern const Q4GemmUkernel q4gemm_qs8r_q4ci8x4_4x8_neon_dotprod = make_q4gemm<LhsPacking, Packing>(
     "q4gemm_qs8r_q4ci8x4_4x8_neon_dotprod", Isa::neon_dotprod, kMr, pack_lhs_qs8r<LhsPacking>,
     pack_rhs_q4<Packing, Interleaved4, OffsetLowInt4>,
-    q4_run_f32<run<W4Format::int4, false>, run<W4Format::mxfp4, false>, run<W4Format::int4, true>,
-               run<W4Format::mxfp4, true>>,
+    q4_run_f32<run<W4Format::int4, false>, run<W4Format::mxfp4, false>,
+               run<W4Format::int8_affine, false>, run<W4Format::int4, true>,
+               run<W4Format::mxfp4, true>, run<W4Format::int8_affine, true>>,
     scratch_bytes);
 
 }  // namespace cpumoe

@@ -50,7 +50,9 @@ namespace q4_amx {
 
 constexpr int64_t kMr = 16;          // rows of one A tile; lhs offsets are taken at multiples of it
 constexpr int64_t kNr = q4_vnni::kNr;  // 32: one block gives the two B tiles of a k step
-using Packing = q4_vnni::Packing;
+// The VNNI kernel's nibble layout without its 8-bit codes: int8_affine layers go as two int4
+// planes here (the tile panels would need their own copy loop for the codes).
+using Packing = Q4Packing<kNr>;
 // Below this many rows a call goes to the VNNI kernel (measured, one thread, n = 1536, k = 2048,
 // int4 g = 128: at m = 2 both take 153 us; at m = 4 and 6 the tiles 155 us, VNNI 200 and 220).
 constexpr int64_t kAmxMinRows = 4;

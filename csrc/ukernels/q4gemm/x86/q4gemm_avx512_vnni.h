@@ -12,7 +12,9 @@
 // and a group's accumulators start at -8 sum_g a (Y) and -136 sum_g a (X), so at the group end Y
 // is the low columns' exact int32 sum and (X - Y) >> 4 the high columns': one `and` decodes 128
 // weights. mxfp4 codes decode through vpshufb (u = 2 * E2M1 + 12 in [0, 24], both nibbles: and,
-// shift + and, two vpshufb) and start at -12 sum_g a. vpdpbusd wraps; the true sums fit int32
+// shift + and, two vpshufb) and start at -12 sum_g a. int8_affine's 8-bit codes c need no decode:
+// the byte is the unsigned operand, and both halves start at -128 sum_g a (value c - 128).
+// vpdpbusd wraps; the true sums fit int32
 // (|X| <= 136 * 128 * g up to kW4MaxGroup), so they come out exact. The row sums come with the
 // packed A (`qs8rs`, per 32 k). The other way (A shifted to u8, signed weights) would need the
 // weights' sums per column and group: one more vpdpbusd per weight vector.
@@ -22,7 +24,8 @@
 //      int32 sums of 32-k slices.
 //   B (`q4cio32x4`, Q4Packing<32> + HalvesInNibbles): blocks of 32 columns; per group, per 4 k, 64
 //      bytes as above; then the group's 32 scales (fp32 for int4, E8M0 bytes for mxfp4, decoded
-//      here: the bytes read are what the format is for).
+//      here: the bytes read are what the format is for). 8-bit codes (HalvesInBytes): per 4 k,
+//      128 bytes, the low half's 64 (byte 4c + t: column c, k 4q + t) then the high half's.
 // Loop: per column step (4 blocks = 128 columns for up to 2 rows, 2 blocks for 3, else 1 block)
 // and row tile (up to 2 / 3 / 8 rows, rows split evenly), per group: per 4 k, each block's 64 bytes loaded and decoded
 // into two zmm, then per row its 4-byte A word broadcast and two vpdpbusd per block; at the group
@@ -59,8 +62,17 @@ namespace q4_vnni {
 
 constexpr int64_t kNr = 32;
 constexpr int64_t kHalf = 16;  // columns of one zmm of int32 sums
-using Packing = Q4Packing<kNr>;
-constexpr int64_t kQuadBytes = 64;  // 4 k of one block
+constexpr int64_t kQuadBytes = 64;  // 4 k of one block (4-bit codes; 8-bit: twice that)
+
+// int8_affine's 8-bit codes: per 4 k of a block, 128 bytes (the `qs8ci16x4` shape for each half),
+// byte 64 h + 4c + t holding column 16 h + c's code at k 4q + t, as given (unsigned).
+struct HalvesInBytes {
+  static int64_t index(int64_t c, int64_t kk, int64_t /*g*/) {
+    return (kk / 4) * 2 * kQuadBytes + (c / kHalf) * kQuadBytes + 4 * (c % kHalf) + kk % 4;
+  }
+  static uint8_t code(uint8_t c) { return c; }
+};
+using Packing = Q4Packing<kNr, 1, HalvesInBytes>;
 // Up to 2 rows (decode): 4 blocks per step (4 weight streams, 16 int32 accumulators: with 2 the
 // memory stream ran 0.61x the W8A8 kernel's time at m = 1, with 4 0.52x); 3 rows: 2 blocks (12);
 // more: 1 block, up to 8 rows (16 accumulators), so each decoded vector feeds up to 8 vpdpbusd.
@@ -87,17 +99,21 @@ struct OffsetInt4 {
 struct Decode {
   __m512i mask, table;
   explicit Decode(W4Format f) {
-    const int8_t* t = w4_decode_table(f);
-    alignas(16) int8_t u[16];
-    for (int c = 0; c < 16; ++c) u[c] = int8_t(t[c] + 12);
+    const int8_t* t = w4_decode_table(f);  // none for 8-bit codes
+    alignas(16) int8_t u[16] = {};
+    for (int c = 0; t != nullptr && c < 16; ++c) u[c] = int8_t(t[c] + 12);
     mask = _mm512_set1_epi8(0x0f);
     table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(u)));
   }
-  // 64 code bytes -> the unsigned operands of columns 0-15 (lo) and 16-31 (hi), 4 k each.
-  template <bool Mx>
+  // 64 code bytes (8-bit codes: 128) -> the unsigned operands of columns 0-15 (lo) and 16-31
+  // (hi), 4 k each.
+  template <Q4Codes C>
   void unpack(const uint8_t* p, __m512i& lo, __m512i& hi) const {
     const __m512i x = _mm512_loadu_si512(p);
-    if constexpr (Mx) {
+    if constexpr (C == Q4Codes::bytes) {
+      lo = x;
+      hi = _mm512_loadu_si512(p + kQuadBytes);
+    } else if constexpr (C == Q4Codes::mxfp4) {
       lo = _mm512_shuffle_epi8(table, _mm512_and_si512(x, mask));
       hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(x, 4), mask));
     } else {
@@ -157,10 +173,11 @@ template <bool PfSmall>
 template <int MR, int NB, Q4Codes C, int G>
 void Kernel<PfSmall>::tile(const Q4Call<Decode>& c, int64_t i0, int64_t jb) {
   const auto [a, bp, lda, bstride, g, groups, gbytes, cbytes] = q4_tile_span<Packing, G>(c, i0, jb);
-  constexpr bool Mx = C == Q4Codes::mxfp4;
+  constexpr bool Mx = C == Q4Codes::mxfp4, Bytes = C == Q4Codes::bytes;
+  constexpr int64_t kStep = Bytes ? 2 * kQuadBytes : kQuadBytes;  // code bytes per 4 k
   const int64_t hbytes = kHalf * c.w.scale_bytes();  // the high half's scales after the low's
   // Start values per unit of the group's row sum: lo and hi (see the file comment).
-  constexpr uint32_t kLoOff = Mx ? 12 : 8, kHiOff = Mx ? 12 : 136;
+  constexpr uint32_t kLoOff = Mx ? 12 : Bytes ? 128 : 8, kHiOff = Mx ? 12 : Bytes ? 128 : 136;
   alignas(64) float acc[MR][NB][2][kHalf] = {};
   __m512i lo[MR][NB], hi[MR][NB];
   for (int64_t gi = 0; gi < groups; ++gi) {
@@ -179,10 +196,13 @@ void Kernel<PfSmall>::tile(const Q4Call<Decode>& c, int64_t i0, int64_t jb) {
       __m512i dlo[NB], dhi[NB];
 #pragma GCC unroll 4
       for (int b = 0; b < NB; ++b) {
-        const uint8_t* p = grp + b * bstride + q * kQuadBytes;
-        if constexpr (PfSmall || MR > kSmallRows)
+        const uint8_t* p = grp + b * bstride + q * kStep;
+        if constexpr (PfSmall || MR > kSmallRows) {
           _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch), _MM_HINT_T0);
-        c.dec.template unpack<Mx>(p, dlo[b], dhi[b]);
+          if constexpr (Bytes)
+            _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch + kQuadBytes), _MM_HINT_T0);
+        }
+        c.dec.template unpack<C>(p, dlo[b], dhi[b]);
       }
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
@@ -202,7 +222,7 @@ void Kernel<PfSmall>::tile(const Q4Call<Decode>& c, int64_t i0, int64_t jb) {
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
         __m512i h = hi[r][b];
-        if constexpr (!Mx) h = _mm512_srai_epi32(_mm512_sub_epi32(h, lo[r][b]), 4);
+        if constexpr (C == Q4Codes::int4) h = _mm512_srai_epi32(_mm512_sub_epi32(h, lo[r][b]), 4);
         __m512 fl = _mm512_mul_ps(_mm512_cvtepi32_ps(lo[r][b]), slo);
         __m512 fh = _mm512_mul_ps(_mm512_cvtepi32_ps(h), shi);
         if (gs) {

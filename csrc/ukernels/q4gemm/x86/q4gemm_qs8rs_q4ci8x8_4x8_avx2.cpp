@@ -41,9 +41,17 @@ namespace {
 
 constexpr int64_t kMr = 4;
 constexpr int64_t kNr = 8;
-using Packing = Q4Packing<kNr>;
+// int8_affine's 8-bit codes (`q8ci8x4`): per 4 k (slice s of the group), 32 bytes, byte 4c + t
+// holding column c's code of k 4s + t as it is (0..255): one load is the qgemm `qs8ci8x4` shape.
+struct ByteSlices4 {
+  static int64_t index(int64_t c, int64_t kk, int64_t /*g*/) {
+    return (kk / 4) * 4 * kNr + 4 * c + kk % 4;
+  }
+  static uint8_t code(uint8_t c) { return c; }
+};
+using Packing = Q4Packing<kNr, 1, ByteSlices4>;
 using Arrange = NibbleSlices8<kNr>;
-constexpr int64_t kSliceBytes = 4 * kNr;  // 8 k of one block
+constexpr int64_t kSliceBytes = 4 * kNr;  // 8 k (nibbles) or 4 k (8-bit codes) of one block
 // One row: 4 blocks per step (4 weight streams, 4 int32 accumulators); more: one block, up to 4
 // rows. A decoded vector feeds every row of the tile, and the row's two broadcast A words every
 // block of it: with 2 blocks x 4 rows, the 8 accumulators, 8 broadcasts, 2 decoded vectors and 3
@@ -57,10 +65,11 @@ struct Decode {
   __m256i mask, table, ones;
   int32_t offset;
   explicit Decode(W4Format f) {
+    // int8_affine: no table (the codes' nibbles are their own unsigned values), offset 128.
     const int8_t* t = w4_decode_table(f);
-    offset = f == W4Format::mxfp4 ? 12 : 8;
-    alignas(16) int8_t u[16];
-    for (int c = 0; c < 16; ++c) u[c] = int8_t(t[c] + offset);
+    offset = f == W4Format::int8_affine ? 128 : f == W4Format::mxfp4 ? 12 : 8;
+    alignas(16) int8_t u[16] = {};
+    for (int c = 0; t != nullptr && c < 16; ++c) u[c] = int8_t(t[c] + offset);
     mask = _mm256_set1_epi8(0x0f);
     table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(u)));
     ones = _mm256_set1_epi16(1);
@@ -122,6 +131,50 @@ void Kernel::tile(const Q4Call<Decode>& c, int64_t i0, int64_t jb) {
     }
     const uint8_t* grp = bp + gi * gbytes;
     const int8_t* ag = reinterpret_cast<const int8_t*>(a) + gi * g;
+    if constexpr (C == Q4Codes::bytes) {
+      // 8-bit codes u = v + 128 = 16 h + l: per 32 k, per 4-k slice and block, one load split
+      // into its nibbles l and h (and; shift + and), two vpmaddubsw per row with the row's A word
+      // broadcast, each summed over the 8 slices in int16 (8 * 2 * 15 * 128 = 30720 < 2^15, A
+      // anywhere in int8), then widened as lsum * 1 + hsum * 16 (vpmaddwd) into the int32 sums.
+      const __m256i sixteen = _mm256_set1_epi16(16);
+      for (int64_t q = 0; q < g / 32; ++q) {
+        __m256i lsum[MR][NB], hsum[MR][NB];
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+          for (int b = 0; b < NB; ++b) lsum[r][b] = hsum[r][b] = _mm256_setzero_si256();
+        // Not unrolled: unrolled, GCC reassociates the 8 adds of each sum into a tree and keeps
+        // all the products live (on the stack).
+#pragma GCC unroll 1
+        for (int s = 0; s < 8; ++s) {
+          __m256i av[MR];
+#pragma GCC unroll 4
+          for (int r = 0; r < MR; ++r) av[r] = bcast(ag + r * lda + 32 * q + 4 * s);
+#pragma GCC unroll 4
+          for (int b = 0; b < NB; ++b) {
+            const uint8_t* p = grp + b * bstride + (8 * q + s) * kSliceBytes;
+            _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch), _MM_HINT_T0);
+            const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+            const __m256i lo = _mm256_and_si256(x, c.dec.mask);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), c.dec.mask);
+#pragma GCC unroll 4
+            for (int r = 0; r < MR; ++r) {
+              const __m256i pl = _mm256_maddubs_epi16(lo, av[r]);
+              const __m256i ph = _mm256_maddubs_epi16(hi, av[r]);
+              lsum[r][b] = _mm256_add_epi16(lsum[r][b], pl);
+              hsum[r][b] = _mm256_add_epi16(hsum[r][b], ph);
+            }
+          }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+          for (int b = 0; b < NB; ++b)
+            isum[r][b] = _mm256_add_epi32(
+                isum[r][b], _mm256_add_epi32(_mm256_madd_epi16(lsum[r][b], c.dec.ones),
+                                             _mm256_madd_epi16(hsum[r][b], sixteen)));
+      }
+    } else {
     // With 2+ rows, two 8-k slices are summed in int16 before one vpmaddwd widens them: 4 pairs
     // of at most 2 * 24 * 127 = 6096 each, 24384 < 2^15 (g / 8 is even: g is a multiple of 32).
     // One row keeps one slice per step: measured faster there (decode reads, little to save).
@@ -153,6 +206,7 @@ void Kernel::tile(const Q4Call<Decode>& c, int64_t i0, int64_t jb) {
           isum[0][b] = _mm256_add_epi32(isum[0][b], _mm256_madd_epi16(p0, c.dec.ones));
         }
       }
+    }
     }
     const float* gs = c.ep.lhs_group_scale;  // per row and group, or none
 #pragma GCC unroll 4
