@@ -12,7 +12,9 @@
 //   1. unpack the group's codes (g / 4 quads of 64 bytes, q4cio32x4) into a panel of two B tiles
 //      per k step: columns 0-15 from the low nibbles, 16-31 from the high ones, each through one
 //      vpshufb on the format's signed table (int4 is stored offset, u = v + 8: t[u] = u - 8;
-//      mxfp4: t[c] = 2 * E2M1(c)). The panel (32 g bytes) stays in L1 while the row tiles pass;
+//      mxfp4: t[c] = 2 * E2M1(c)); int8_affine's 8-bit codes (128 bytes per quad, the low half's
+//      columns then the high half's) each through one xor, c ^ 0x80 = c - 128.
+//      The panel (32 g bytes) stays in L1 while the row tiles pass;
 //      the next group is unpacked into a second panel before this one's tiles run (a tile load
 //      of what vector stores have just written waits for them).
 //   2. per pair of 16-row tiles: the 2 x 2 accumulators zeroed, then per k step of ks bytes (64,
@@ -23,7 +25,7 @@
 //      experts' at prefill) configures only its rows and alternates two accumulator sets.
 // With lhs_group_scale each group's product also gets * the row's group scale.
 // After the last group each row gets * lhs_scale, + bias, and masked stores (nothing past n).
-// The int32 sums are exact (|sum| <= 128 * 12 * kW4MaxGroup < 2^31); the padding rows' results
+// The int32 sums are exact (|sum| <= 128 * 128 * kW4MaxGroup < 2^31); the padding rows' results
 // are dropped. fp32 accumulators: one block's 32 columns for every row of the call, in registers
 // for calls of at most 8 rows (most experts' at T = 128), else in the call's scratch with the
 // panels (scratch_bytes).
@@ -50,9 +52,7 @@ namespace q4_amx {
 
 constexpr int64_t kMr = 16;          // rows of one A tile; lhs offsets are taken at multiples of it
 constexpr int64_t kNr = q4_vnni::kNr;  // 32: one block gives the two B tiles of a k step
-// The VNNI kernel's nibble layout without its 8-bit codes: int8_affine layers go as two int4
-// planes here (the tile panels would need their own copy loop for the codes).
-using Packing = Q4Packing<kNr>;
+using Packing = q4_vnni::Packing;
 // Below this many rows a call goes to the VNNI kernel (measured, one thread, n = 1536, k = 2048,
 // int4 g = 128: at m = 2 both take 153 us; at m = 4 and 6 the tiles 155 us, VNNI 200 and 220).
 constexpr int64_t kAmxMinRows = 4;
@@ -83,14 +83,16 @@ inline amx::TileConfig tile_config(int64_t ks, int64_t rows) {
   return cfg;
 }
 
-/// The codes' signed int8 values through one vpshufb (the stored codes, see the file comment).
+/// The codes' signed int8 values through one vpshufb (the stored codes, see the file comment);
+/// 8-bit codes c through one xor (c - 128).
 struct Unpack {
   __m512i mask, table;
-  explicit Unpack(W4Format f) {
+  bool bytes;
+  explicit Unpack(W4Format f) : bytes(f == W4Format::int8_affine) {
     const int8_t* t = w4_decode_table(f);
-    alignas(16) int8_t v[16];
-    for (int c = 0; c < 16; ++c) v[c] = f == W4Format::int4 ? int8_t(c - 8) : t[c];
-    mask = _mm512_set1_epi8(0x0f);
+    alignas(16) int8_t v[16] = {};
+    for (int c = 0; !bytes && c < 16; ++c) v[c] = f == W4Format::int4 ? int8_t(c - 8) : t[c];
+    mask = _mm512_set1_epi8(bytes ? int8_t(0x80) : int8_t(0x0f));
     table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(v)));
   }
   // One quad (4 k of 32 columns) into its row of the low and the high B tile panels; the line
@@ -103,8 +105,20 @@ struct Unpack {
     const __m512i xh = _mm512_srli_epi16(x, 4);
     _mm512_store_si512(hi, _mm512_shuffle_epi8(table, _mm512_and_si512(xh, mask)));
   }
+  // 8-bit codes: a quad's 128 bytes (the low half's 64, then the high half's) into the panels.
+  void quad_bytes(const uint8_t* p, uint8_t* lo, uint8_t* hi, int64_t ahead) const {
+    _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(p + ahead + 64), _MM_HINT_T1);
+    _mm512_store_si512(lo, _mm512_xor_si512(_mm512_loadu_si512(p), mask));
+    _mm512_store_si512(hi, _mm512_xor_si512(_mm512_loadu_si512(p + 64), mask));
+  }
   // A group of g k (g / 4 quads at @p grp) into @p panel (the low half, then the high one).
   void unpack(const uint8_t* grp, uint8_t* panel, int64_t g, int64_t ahead) const {
+    if (bytes) {
+      for (int64_t q = 0; q < g / 4; ++q)
+        quad_bytes(grp + 128 * q, panel + 64 * q, panel + 16 * g + 64 * q, ahead);
+      return;
+    }
     for (int64_t q = 0; q < g / 4; ++q)
       quad(grp + 64 * q, panel + 64 * q, panel + 16 * g + 64 * q, ahead);
   }
