@@ -240,6 +240,31 @@ TEST(MoeW4, GroupActivationsMatchOracle) {
       }
 }
 
+// A kernel without 8-bit codes (Q4GemmUkernel::codes8 false: a new kernel need not have them)
+// gets int8_affine layers as two int4 planes (W4Plan): each kernel of this CPU posing as one
+// gives the two-plane oracle's bits, at decode and prefill, with group activations too.
+TEST(MoeW4, KernelsWithoutEightBitCodesRunTwoPlanes) {
+  for (int64_t T : {1, 70}) {
+    W4Data w = make_w4({T, 4, 2, 128, 64}, W4Format::int8_affine, 32, DType::bf16,
+                       Activation::swigluoai, true, 43);
+    if (T > 1) w.ref.act_quant = cpumoe::ActQuant::group;
+    cpumoe_ref::MoeProblemW4 planes = w.ref;
+    planes.int8_planes = true;
+    const std::vector<float> exact =
+        cpumoe_ref::fused_moe_w4(planes, w.d.ref_inputs(), cpumoe::vec::apply);
+    for (const cpumoe::Q4GemmUkernel* kern : supported_w4_kernels()) {
+      SCOPED_TRACE(testing::Message() << kern->name << " T=" << T);
+      cpumoe::Q4GemmUkernel nibbles = *kern;
+      nibbles.codes8 = false;
+      const cpumoe::PackedMoeW4 pk(w.weights(), &nibbles, 2);
+      EXPECT_EQ(pk.planes(), 2);
+      EXPECT_EQ(pk.layout().format, W4Format::int4);
+      expect_oracle_bits(cpumoe_test::output_values(w.d, run_moe(pk, w.d, 2)), exact);
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
 // GGUF Q8_0 as cpumoe reads it: int8_affine with min = -128 * scale, so every 8-bit-code offset
 // min + 128 * scale is zero. The packed layer then keeps no offsets (nor sums rows per group)
 // and still gives the oracle's bits, which add the zero term; the two-plane form keeps its

@@ -416,11 +416,9 @@ def prepack_int8_affine(w13: Any, w2: Any, s13: Any, s2: Any, b13: Any = None, b
       s13, s2: float32 (scale, min) pairs [E, 2I, H / g, 2] / [E, H, I / g, 2], finite (any
         sign): ``w[n, k] = s[n, k // g, 0] * code[n, k] + s[n, k // g, 1]``.
       b13, b2, group_size, isa, act_quant: as in :func:`prepack_int4_affine`.
-    Each matrix is packed as two int4_affine planes, code = 16 hi + lo (hi: scale 16 s and
-    min m; lo: scale s and min 0, both exact), so every W4A8 kernel runs it: 8 bits per weight
-    plus 16 bytes per group (each plane's scale and offset). Each GEMM output is the hi plane's
-    int4_affine output (with the bias) plus the lo plane's, in fp32; its time is about twice
-    that of int4_affine.
+    The kernels run the codes as the int8 values code - 128 with the scale (8 bits per weight),
+    and the pipeline adds the group offsets min + 128 * scale (an fp32 each, none kept when all
+    are zero: GGUF's Q8_0), so its time is close to W8A8's.
     """
     return _prepack_int_groups("int8_affine", w13, w2, s13, s2, b13, b2, group_size, isa,
                                num_threads, act_quant)

@@ -37,8 +37,9 @@ a_g per g values, as the row's scale is computed), s_t = 1, and each group's ter
 float32(isum_g) * s[n, g] * a_g (two fp32 roundings, in that order); the affine offsets' asum_g
 becomes float32(asum_g) * a_g.
 The affine 8-bit op (``ref_fused_moe_int8_affine``: codes c in [0, 255], w = scale * c + min)
-runs two affine 4-bit GEMMs per matrix, c = 16 hi + lo: hi with (16 scale, min) and the bias,
-lo with (scale, 0) and no bias, and adds them (fp32).
+is the same with v = c - 128 and o[n, g] = float32(min + 128 * scale). (The kernels that keep
+8-bit codes compute exactly this; a build's kernels without them, none in this tree, would run
+two 4-bit planes, c = 16 hi + lo, within fp32 rounding of it.)
 
 The BF16 op (``ref_fused_moe_bf16``) is the same with no quantization: x is rounded to bf16,
 h = x_bf16 . w13[e]^T + b13[e] (products exact, summed here in float64, rounded once to fp32),
@@ -284,12 +285,11 @@ def _check_act_quant(act_quant):
 
 def ref_w4(x, v13, v2, gs13, gs2, g, topk_weights, topk_ids, activation, b13, b2,
            skip_weighted, round_gemm1: Optional[str] = None, o13=None, o2=None,
-           act_quant: str = "row", lo13=None, lo2=None):
-    """The W4A8 op on 4-bit values and float32 group scales (and int4_affine's group offsets
-    o13 / o2 when given). round_gemm1: a dtype each GEMM1 output is rounded to before the
-    activation (not cpumoe's op, which keeps fp32: the bench's model of vLLM's int4 kernel).
-    act_quant: "row" or "group" (the module comment). lo13 / lo2: int8_affine's lo planes
-    (values, scales, offsets), whose GEMMs (no bias) are added to the planes above in fp32."""
+           act_quant: str = "row"):
+    """The W4A8 op on int8 values (4-bit ones, or int8_affine's c - 128) and float32 group scales
+    (and the affine formats' group offsets o13 / o2 when given). round_gemm1: a dtype each GEMM1
+    output is rounded to before the activation (not cpumoe's op, which keeps fp32: the bench's
+    model of vLLM's int4 kernel). act_quant: "row" or "group" (the module comment)."""
     _check_activation(activation)
     _check_act_quant(act_quant)
     dtype_name = dtype_name_of(x)
@@ -301,16 +301,12 @@ def ref_w4(x, v13, v2, gs13, gs2, g, topk_weights, topk_ids, activation, b13, b2
         qx, sx, gx = _quantize_w4_input(x_rows, g, act_quant)
         h = _w4_linear(qx, sx, w13n[e], gs13[e], g, None if b13n is None else b13n[e],
                        None if o13 is None else o13[e], gx)
-        if lo13 is not None:
-            h = h + _w4_linear(qx, sx, lo13[0][e], lo13[1][e], g, None, lo13[2][e], gx)
         if round_gemm1 is not None:
             h = round_to_dtype(h, round_gemm1)
         a = round_to_dtype(gated_activation(activation, h, inter), dtype_name)
         qa, sa, ga = _quantize_w4_input(a, g, act_quant)
         y = _w4_linear(qa, sa, w2n[e], gs2[e], g, None if b2n is None else b2n[e],
                        None if o2 is None else o2[e], ga)
-        if lo2 is not None:
-            y = y + _w4_linear(qa, sa, lo2[0][e], lo2[1][e], g, None, lo2[2][e], ga)
         return y
 
     return _run_moe(x, v13, v2, topk_weights, topk_ids, skip_weighted, ffn)
@@ -361,29 +357,22 @@ def ref_fused_moe_int8_affine(x, w13, w2, s13, s2, topk_weights, topk_ids, activ
                               b13=None, b2=None, skip_weighted=False, group_size=32,
                               act_quant="row"):
     """The W4A8 op on affine 8-bit weights (int8_affine: w13 uint8 [E, 2I, H] / w2 [E, H, I]
-    codes in [0, 255], (scale, min) pairs as int4_affine; w = scale * code + min), naively: two
-    int4_affine GEMMs per matrix, code = 16 hi + lo: hi with (16 scale, min) and the bias, then
-    + (fp32) lo with (scale, 0). The rest as ref_fused_moe_int8."""
+    codes in [0, 255], (scale, min) pairs as int4_affine; w = scale * code + min), naively: as
+    int4_affine with the values code - 128 and the offsets min + 128 * scale. The rest as
+    ref_fused_moe_int8."""
     c13 = to_numpy(w13)
     c2 = to_numpy(w2)
     if c13.dtype != np.uint8 or c2.dtype != np.uint8:
         raise TypeError("w13/w2: int8_affine codes must be given as uint8 arrays")
     p13 = to_numpy(s13, float32=True)
     p2 = to_numpy(s2, float32=True)
-
-    def planes(c, p):
-        with np.errstate(over="ignore", invalid="ignore"):
-            s_hi = (np.float32(16) * p[..., 0]).astype(np.float32)
-            o_hi = (p[..., 1] + np.float32(8) * s_hi).astype(np.float32)
-            o_lo = (np.float32(8) * p[..., 0]).astype(np.float32)
-        v_hi = (c >> 4).astype(np.int8) - np.int8(8)
-        v_lo = (c & 15).astype(np.int8) - np.int8(8)
-        return (v_hi, s_hi, o_hi), (v_lo, p[..., 0], o_lo)
-
-    (v13, s13h, o13), lo13 = planes(c13, p13)
-    (v2, s2h, o2), lo2 = planes(c2, p2)
-    return ref_w4(x, v13, v2, s13h, s2h, group_size, topk_weights, topk_ids, activation, b13, b2,
-                  skip_weighted, o13=o13, o2=o2, act_quant=act_quant, lo13=lo13, lo2=lo2)
+    with np.errstate(over="ignore", invalid="ignore"):
+        o13 = (p13[..., 1] + np.float32(128) * p13[..., 0]).astype(np.float32)
+        o2 = (p2[..., 1] + np.float32(128) * p2[..., 0]).astype(np.float32)
+    v13 = (c13 ^ np.uint8(0x80)).view(np.int8)
+    v2 = (c2 ^ np.uint8(0x80)).view(np.int8)
+    return ref_w4(x, v13, v2, p13[..., 0], p2[..., 0], group_size, topk_weights, topk_ids,
+                  activation, b13, b2, skip_weighted, o13=o13, o2=o2, act_quant=act_quant)
 
 
 def ref_fused_moe_mxfp4(x, w13_blocks, w13_scales, w2_blocks, w2_scales, topk_weights, topk_ids,
