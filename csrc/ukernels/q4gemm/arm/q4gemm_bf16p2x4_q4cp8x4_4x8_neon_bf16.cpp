@@ -10,13 +10,23 @@
 // nibbles as indices (`and #0xf` / `ushr #4`), two tbl lookups give the low and the high bytes of
 // the bf16 values of the format's table (a small integer: exact in bf16), and zip1 / zip2 put
 // them together: 10 instructions for 4 operands.
+// int8_affine's 8-bit codes (Q4GemmUkernel::codes8; Q4Packing<8, 1, SignedBytes<ColumnSlices4>>:
+// per group 8 g bytes, then the 8 fp32 scales) are stored as the int8 values v = c - 128, per
+// 4-k slice s 32 bytes at s * 32, column c's 4 k at 4 c: one 32-byte load, two registers
+// (columns 0-3, 4-7), whose 32-bit lanes are the columns. Widening to bf16, per column pair: two
+// tbl (column c's 4 bytes to the top bytes of 4 int32 lanes, zeros below: v * 2^24), two
+// `scvtf #24` (fp32 v, exact) and one uzp2 .8h of the high halves (bf16 v, exact: at most 8
+// significant bits, so the low halves are zero): 20 instructions for 4 operands, no offsets
+// (the accumulators start at zero).
 //
 // Exactness: BFMMLA sums a group in fp32, but every partial sum is an integer of magnitude below
-// g * 128 * 12 <= 2^24 for g <= 8192, so it is exact whatever BFMMLA's internal rounding, and at the
-// group end the fp32 accumulator is float(isum) itself: one fmul by the group's scales
-// ([s_c s_c+1 s_c s_c+1], a dup .d of the 8 scales) and one fadd into the totals, the oracle's
-// acc + float(isum) * s in g order, no FMA. Groups longer than 8192 k (int4 only; rare) sum
-// 8192-k pieces in fp32, convert each to int32 (exact) and add them in int32 (long_groups()).
+// g * 128 * 12 <= 2^24 for g <= 8192 (8-bit codes: g * 128 * 128 <= 2^24 for g <= 1024), so it is
+// exact whatever BFMMLA's internal rounding, and at the group end the fp32 accumulator is
+// float(isum) itself: one fmul by the group's scales ([s_c s_c+1 s_c s_c+1], a dup .d of the 8
+// scales) and one fadd into the totals, the oracle's acc + float(isum) * s in g order, no FMA.
+// Groups longer than 8192 k (int4; 1024 k for 8-bit codes; mxfp4's are 32) sum pieces of that
+// many k in fp32, convert each to int32 (exact) and add them in int32 (long_groups()): the int32
+// group sum is exact (|isum| <= 128 * 128 * 65536 = 2^30 up to kW4MaxGroup).
 // With Q4GemmEpilogue::lhs_group_scale, variants of the loops (template flag kGs, so the plain
 // ones are unchanged) build per group and row pair [a_r a_r a_r+1 a_r+1] of the rows' group
 // scales (two ld1r and a zip1) and multiply each scaled product by it before the fadd: the
@@ -25,9 +35,10 @@
 // Tiles, all groups in one asm: 1 row pair x 2 blocks (decode), 2 pairs x 1 block (4 rows: each
 // decoded operand feeds 2 BFMMLA), 1 x 1 for a last block; per (pair, column pair) one BFMMLA
 // accumulator for the group (v16..v23) and one fp32 total (v24..v31). Walk: blocks outer, row
-// tiles inner (a block's packed B, 4 k + 32 bytes per group, stays in L1 across the row tiles).
+// tiles inner (a block's packed B, 4 k (8-bit codes: 8 k) + 32 bytes per group, stays in L1
+// across the row tiles).
 // @pre m, n >= 0, k % group == 0, group % 32 == 0; packed buffers from this kernel's packers.
-// Features used: NEON, BF16 (BFMMLA).
+// Features used: NEON, BF16 (BFMMLA; the 8-bit codes' widening uses plain NEON).
 #if !defined(__aarch64__) || !defined(__ARM_FEATURE_BF16_VECTOR_ARITHMETIC)
 #error "q4gemm_bf16p2x4_q4cp8x4_4x8_neon_bf16.cpp needs -march=armv8.2-a+bf16 (set per file by CMake)"
 #endif
@@ -48,9 +59,15 @@ constexpr int64_t kMr = 4;
 constexpr int64_t kNr = 8;
 constexpr int64_t kExactK = 8192;  // the longest k run whose fp32 partial sums are exact
 static_assert(kExactK * 128 * 12 <= (int64_t(1) << 24), "fp32 partial sums must be exact");
+constexpr int64_t kExactK8 = 1024;  // the same for 8-bit codes (values down to -128)
+static_assert(kExactK8 * 128 * 128 <= (int64_t(1) << 24), "fp32 partial sums must be exact");
+// The longest group (or piece of one) the asm sums in fp32 for format F.
+template <W4Format F>
+constexpr int64_t exact_k() {
+  return F == W4Format::int8_affine ? kExactK8 : kExactK;
+}
 // A as the int8 BFMMLA kernel packs it (bf16 row pairs; kp = k here).
 using LhsPacking = QGemmPacking<kNr, kBf16pKr, 2, 2, 2>;
-using Packing = Q4Packing<kNr>;
 
 // Nibble position of column c's code kk of a group (see the file comment).
 struct PairSlices4 {
@@ -60,6 +77,22 @@ struct PairSlices4 {
     return 2 * byte + cp / 2;
   }
 };
+// Byte position of column c's 8-bit code kk of a group: 4-k slice s at 32 s, column c's 4 k at
+// 4 c (see the file comment).
+struct ColumnSlices4 {
+  static int64_t index(int64_t c, int64_t kk, int64_t /*g*/) {
+    return (kk / 4) * 32 + c * 4 + kk % 4;
+  }
+};
+using Packing = Q4Packing<kNr, 1, SignedBytes<ColumnSlices4>>;
+
+// The tbl indices of the 8-bit widening, column c % 4 at 16 c: lane l's top byte from byte
+// 4 c + l of the register, the three below out of range (0).
+alignas(16) constexpr uint8_t kB8Index[64] = {
+    0xff, 0xff, 0xff, 0,  0xff, 0xff, 0xff, 1,  0xff, 0xff, 0xff, 2,  0xff, 0xff, 0xff, 3,
+    0xff, 0xff, 0xff, 4,  0xff, 0xff, 0xff, 5,  0xff, 0xff, 0xff, 6,  0xff, 0xff, 0xff, 7,
+    0xff, 0xff, 0xff, 8,  0xff, 0xff, 0xff, 9,  0xff, 0xff, 0xff, 10, 0xff, 0xff, 0xff, 11,
+    0xff, 0xff, 0xff, 12, 0xff, 0xff, 0xff, 13, 0xff, 0xff, 0xff, 14, 0xff, 0xff, 0xff, 15};
 
 // The low and high bytes of the bf16 values of a format's 16 codes (the high half of the fp32).
 struct Bf16Table {
@@ -82,7 +115,8 @@ struct Bf16Table {
 // (low) and v5 (high), the 4 operands in v6-v9; mxfp4's scale constants in v10 (2^-127) and v11
 // (0.5); at a group end the 8 scales in v12 (columns 0-3) and v2 (4-7), the dup'ed pair scales in
 // v3, v4, and (kGs) pair p's group scales in v(p), as its accumulators' lanes. Mask and tables are
-// operands (v13-v15). Accumulator i = (p * NB + j) * 4 + c in X(i).
+// operands (v13-v15); the 8-bit loops (Q4B8_*) use v0-v15 as below instead. Accumulator
+// i = (p * NB + j) * 4 + c in X(i).
 #define Q4B_DEC                                                                                \
   "and v3.16b, v2.16b, %[mask].16b\n\ttbl v4.16b, {%[tl].16b}, v3.16b\n\t"                     \
   "tbl v5.16b, {%[th].16b}, v3.16b\n\tzip1 v6.16b, v4.16b, v5.16b\n\tzip2 v7.16b, v4.16b, v5.16b\n\t" \
@@ -101,6 +135,34 @@ struct Bf16Table {
       Q4B_MM(X(4), "v1", "v6") Q4B_MM(X(1), "v0", "v7") Q4B_MM(X(5), "v1", "v7")             \
           Q4B_MM(X(2), "v0", "v8") Q4B_MM(X(6), "v1", "v8") Q4B_MM(X(3), "v0", "v9")         \
               Q4B_MM(X(7), "v1", "v9")
+// 8-bit codes (B8): a slice's 32 code bytes in v2 (columns 0-3) and v3 (4-7); per column pair two
+// tbl (indices kB8Index in v10, v11, v13, v14: column c's 4 codes to the top bytes of 4 int32
+// lanes, v * 2^24), two scvtf #24 (fp32 v, exact) and one uzp2 of the high halves (bf16 v: at
+// most 8 significant bits, exact) into its operand (v6-v9), temporaries v4, v5, v12, v15.
+#define Q4B8_CP(src, ia, ib, t0, t1, op)                                                       \
+  "tbl " t0 ".16b, {" src ".16b}, " ia ".16b\n\ttbl " t1 ".16b, {" src ".16b}, " ib ".16b\n\t" \
+  "scvtf " t0 ".4s, " t0 ".4s, #24\n\tscvtf " t1 ".4s, " t1 ".4s, #24\n\t"                    \
+  "uzp2 " op ".8h, " t0 ".8h, " t1 ".8h\n\t"
+#define Q4B8_DEC                                                                              \
+  Q4B8_CP("v2", "v10", "v11", "v4", "v5", "v6") Q4B8_CP("v2", "v13", "v14", "v12", "v15", "v7") \
+      Q4B8_CP("v3", "v10", "v11", "v4", "v5", "v8")                                           \
+          Q4B8_CP("v3", "v13", "v14", "v12", "v15", "v9")
+#define Q4B8_IX "ldp q10, q11, [%[ix]]\n\tldp q13, q14, [%[ix], #32]\n\t"
+#define Q4B8_LDB(step) "ld1 {v2.16b-v3.16b}, [%[b]], %[" #step "]\n\t"
+#define Q4B8_BLK1(X, i0, i1, i2, i3) \
+  Q4B8_DEC Q4B_MM(X(i0), "v0", "v6") Q4B_MM(X(i1), "v0", "v7") Q4B_MM(X(i2), "v0", "v8") \
+      Q4B_MM(X(i3), "v0", "v9")
+#define Q4B8_S1x1(X) Q4B_LDA1 Q4B8_LDB(back) Q4B8_BLK1(X, 0, 1, 2, 3)
+#define Q4B8_S1x2(X) \
+  Q4B_LDA1 Q4B8_LDB(bs) Q4B8_BLK1(X, 0, 1, 2, 3) Q4B8_LDB(back) Q4B8_BLK1(X, 4, 5, 6, 7)
+#define Q4B8_S2x1(X)                                                                        \
+  Q4B_LDA1 "ldr q1, [%[a1]], #16\n\t" Q4B8_LDB(back) Q4B8_DEC Q4B_MM(X(0), "v0", "v6")       \
+      Q4B_MM(X(4), "v1", "v6") Q4B_MM(X(1), "v0", "v7") Q4B_MM(X(5), "v1", "v7")             \
+          Q4B_MM(X(2), "v0", "v8") Q4B_MM(X(6), "v1", "v8") Q4B_MM(X(3), "v0", "v9")         \
+              Q4B_MM(X(7), "v1", "v9")
+#define Q4B8_CLOB                                                                            \
+  "v0", "v1", "v2", "v3", "v4", "v5", "v6", "v7", "v8", "v9", "v10", "v11", "v12", "v13", "v14", \
+      "v15", "cc", "memory"
 #define Q4B_V(i) Q4B_V_##i
 #define Q4B_V_0 "v16"
 #define Q4B_V_1 "v17"
@@ -173,6 +235,22 @@ struct Bf16Table {
       : Q4B_CLOB, "v16", "v17", "v18", "v19", "v20", "v21", "v22", "v23", "v24", "v25",     \
         "v26", "v27", "v28", "v29", "v30", "v31")
 
+// The same over 8-bit codes: the indices instead of mask and tables, int4's group end.
+#define Q4B8_ASM(SHAPE, G)                                                                  \
+  __asm__ volatile(                                                                         \
+      Q4B_Z "ld1 {v24.4s-v27.4s}, [%[z]]\n\tld1 {v28.4s-v31.4s}, [%[z]]\n\t" Q4B8_IX        \
+      "2:\n\tmov %[n], %[ns2]\n\t"                                                          \
+      "1:\n\t" Q4B8_S##SHAPE(Q4B_V) Q4B8_S##SHAPE(Q4B_V) "subs %[n], %[n], #1\n\tb.ne 1b\n\t" \
+      Q4B_ENDS_##SHAPE(Q4B_SC_I4, G) "add %[b], %[b], %[sb]\n\t" Q4B_Z                     \
+      "subs %[gn], %[gn], #1\n\tb.ne 2b\n\t"                                                \
+      "st1 {v24.4s-v27.4s}, [%[o]], #64\n\tst1 {v28.4s-v31.4s}, [%[o]]\n\t"                 \
+      : [a0] "+r"(a0), [a1] "+r"(a1), [b] "+r"(b), [gn] "+r"(gn), [n] "=&r"(n),             \
+        [s] "=&r"(s), [o] "+r"(o) Q4B_GOPS_##G                                              \
+      : [ns2] "r"(ns2), [bs] "r"(bs), [back] "r"(back), [sb] "r"(sb), [ix] "r"(kB8Index),   \
+        [z] "r"(kZeros)                                                                     \
+      : Q4B8_CLOB, "v16", "v17", "v18", "v19", "v20", "v21", "v22", "v23", "v24", "v25",    \
+        "v26", "v27", "v28", "v29", "v30", "v31")
+
 // What a tile needs of the call.
 struct Call {
   int64_t k, g;
@@ -181,7 +259,7 @@ struct Call {
   Bf16Table tab;
 };
 
-// The fp32 totals of an NP x NB tile (g <= kExactK): A pair 0 at a (pairs 4 k bytes apart), B
+// The fp32 totals of an NP x NB tile (g <= exact_k<F>()): A pair 0 at a (pairs 4 k bytes apart), B
 // block 0 at b (blocks block_bytes apart). o: accumulator i = (p * NB + j) * 4 + c at o + 4 i,
 // lanes [r0 c, r0 c+1, r1 c, r1 c+1] of column pair c. kGs: gr[r] is row r's group scales.
 template <int NP, int NB, W4Format F, bool kGs>
@@ -190,13 +268,18 @@ void tile_sums(const Call& cl, const uint8_t* a, const uint8_t* b, float* o,
   const uint8_t *a0 = a, *a1 = NP > 1 ? a + 4 * cl.k : a;
   uint64_t gn = uint64_t(cl.k / cl.g), n;
   const uint64_t ns2 = uint64_t(cl.g) / 8;  // two 4-k slices per iteration
-  const int64_t bs = cl.block_bytes, back = 16 - (NB - 1) * bs;
+  // A slice's code bytes per block: 16 (4-bit), 32 (8-bit).
+  const int64_t bs = cl.block_bytes, back = (F == W4Format::int8_affine ? 32 : 16) - (NB - 1) * bs;
   const int64_t sb = cl.group_bytes - cl.codes_bytes;
   const uint8x16_t mask = vdupq_n_u8(0x0f), tl = cl.tab.lo, th = cl.tab.hi;
   const uint8_t* s;
   if constexpr (kGs) {
     const float *g0 = gr[0], *g1 = gr[1], *g2 = gr[2], *g3 = gr[3];
-    if constexpr (F == W4Format::int4) {
+    if constexpr (F == W4Format::int8_affine) {
+      if constexpr (NP == 2) Q4B8_ASM(2x1, 1);
+      else if constexpr (NB == 2) Q4B8_ASM(1x2, 1);
+      else Q4B8_ASM(1x1, 1);
+    } else if constexpr (F == W4Format::int4) {
       if constexpr (NP == 2) Q4B_ASM(2x1, Q4B_SC_I4, Q4B_INIT_I4, 1);
       else if constexpr (NB == 2) Q4B_ASM(1x2, Q4B_SC_I4, Q4B_INIT_I4, 1);
       else Q4B_ASM(1x1, Q4B_SC_I4, Q4B_INIT_I4, 1);
@@ -206,7 +289,11 @@ void tile_sums(const Call& cl, const uint8_t* a, const uint8_t* b, float* o,
       else Q4B_ASM(1x1, Q4B_SC_MX, Q4B_INIT_MX, 1);
     }
   } else {
-    if constexpr (F == W4Format::int4) {
+    if constexpr (F == W4Format::int8_affine) {
+      if constexpr (NP == 2) Q4B8_ASM(2x1, 0);
+      else if constexpr (NB == 2) Q4B8_ASM(1x2, 0);
+      else Q4B8_ASM(1x1, 0);
+    } else if constexpr (F == W4Format::int4) {
       if constexpr (NP == 2) Q4B_ASM(2x1, Q4B_SC_I4, Q4B_INIT_I4, 0);
       else if constexpr (NB == 2) Q4B_ASM(1x2, Q4B_SC_I4, Q4B_INIT_I4, 0);
       else Q4B_ASM(1x1, Q4B_SC_I4, Q4B_INIT_I4, 0);
@@ -219,34 +306,43 @@ void tile_sums(const Call& cl, const uint8_t* a, const uint8_t* b, float* o,
   }
   (void)n;
   (void)s;
+  (void)mask, (void)tl, (void)th;
 }
 
-// Groups longer than kExactK (int4): one pair x one block, the group in pieces of at most
-// kExactK k (BFMMLA's exact fp32 sums, in asm), each converted to int32 and added; then the
-// group end as in the asm (float(isum) * scales, kGs: then * [a0 a0 a1 a1] of the pair's rows'
-// group scales at ga0, ga1, added to the totals). Same output as tile_sums.
-template <bool kGs>
+// Groups longer than exact_k<F>() (int4, 8-bit codes): one pair x one block, the group in pieces
+// of at most that many k (BFMMLA's exact fp32 sums, in asm), each converted to int32 and added;
+// then the group end as in the asm (float(isum) * scales, kGs: then * [a0 a0 a1 a1] of the pair's
+// rows' group scales at ga0, ga1, added to the totals). Same output as tile_sums.
+template <W4Format F, bool kGs>
 void long_groups(const Call& cl, const uint8_t* a, const uint8_t* b, float* o, const float* ga0,
                  const float* ga1) {
+  constexpr int64_t kPiece = exact_k<F>();
   const uint8_t* a0 = a;
-  const int64_t back = 16;
+  const int64_t back = F == W4Format::int8_affine ? 32 : 16;
   const uint8x16_t mask = vdupq_n_u8(0x0f), tl = cl.tab.lo, th = cl.tab.hi;
   float32x4_t tot[4] = {vdupq_n_f32(0.0f), vdupq_n_f32(0.0f), vdupq_n_f32(0.0f),
                         vdupq_n_f32(0.0f)};
   for (int64_t g0 = 0; g0 < cl.k; g0 += cl.g) {
     int32x4_t isum[4] = {vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)};
-    for (int64_t k0 = 0; k0 < cl.g; k0 += kExactK) {
+    for (int64_t k0 = 0; k0 < cl.g; k0 += kPiece) {
       float32x4_t x[4] = {vdupq_n_f32(0.0f), vdupq_n_f32(0.0f), vdupq_n_f32(0.0f),
                           vdupq_n_f32(0.0f)};
-      uint64_t n = uint64_t(std::min(kExactK, cl.g - k0)) / 4;
-      __asm__ volatile("1:\n\t" Q4B_S1x1(Q4B_O) "subs %[n], %[n], #1\n\tb.ne 1b\n\t"
-                       : [a0] "+r"(a0), [b] "+r"(b), [n] "+r"(n), [x0] "+w"(x[0]),
-                         [x1] "+w"(x[1]), [x2] "+w"(x[2]), [x3] "+w"(x[3])
-                       : [back] "r"(back), [mask] "w"(mask), [tl] "w"(tl), [th] "w"(th)
-                       : Q4B_CLOB);
+      uint64_t n = uint64_t(std::min(kPiece, cl.g - k0)) / 4;
+      if constexpr (F == W4Format::int8_affine)
+        __asm__ volatile(Q4B8_IX "1:\n\t" Q4B8_S1x1(Q4B_O) "subs %[n], %[n], #1\n\tb.ne 1b\n\t"
+                         : [a0] "+r"(a0), [b] "+r"(b), [n] "+r"(n), [x0] "+w"(x[0]),
+                           [x1] "+w"(x[1]), [x2] "+w"(x[2]), [x3] "+w"(x[3])
+                         : [back] "r"(back), [ix] "r"(kB8Index)
+                         : Q4B8_CLOB);
+      else
+        __asm__ volatile("1:\n\t" Q4B_S1x1(Q4B_O) "subs %[n], %[n], #1\n\tb.ne 1b\n\t"
+                         : [a0] "+r"(a0), [b] "+r"(b), [n] "+r"(n), [x0] "+w"(x[0]),
+                           [x1] "+w"(x[1]), [x2] "+w"(x[2]), [x3] "+w"(x[3])
+                         : [back] "r"(back), [mask] "w"(mask), [tl] "w"(tl), [th] "w"(th)
+                         : Q4B_CLOB);
       for (int c = 0; c < 4; ++c) isum[c] = vaddq_s32(isum[c], vcvtq_s32_f32(x[c]));
     }
-    const auto* sc = reinterpret_cast<const float*>(b);  // int4: the 8 fp32 scales
+    const auto* sc = reinterpret_cast<const float*>(b);  // the 8 fp32 scales
     float32x4_t ga = vdupq_n_f32(1.0f);
     if constexpr (kGs) ga = vcombine_f32(vdup_n_f32(*ga0++), vdup_n_f32(*ga1++));
     for (int c = 0; c < 4; ++c) {
@@ -282,7 +378,8 @@ void run(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs, co
                 Packing::group_bytes(w),
                 Packing::codes_bytes(w),
                 int64_t(Packing::block_bytes(k, w)),
-                Bf16Table(w4_decode_table(w.format))};
+                // 8-bit codes have no table (unused: int4's).
+                Bf16Table(w4_decode_table(F == W4Format::int8_affine ? W4Format::int4 : w.format))};
   const auto* a = static_cast<const uint8_t*>(lhs);
   const auto* b = static_cast<const uint8_t*>(rhs);
   alignas(16) float t[32];
@@ -291,7 +388,7 @@ void run(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs, co
   const auto bias_of = [&](int64_t jb) { return ep.bias != nullptr ? ep.bias + jb * kNr : nullptr; };
   for (int64_t jb = 0; jb < blocks;) {
     // Decode (m <= 2) takes two blocks per tile; otherwise one block, row tiles of 2 pairs.
-    const int64_t nb = m <= 2 && jb + 1 < blocks && cl.g <= kExactK ? 2 : 1;
+    const int64_t nb = m <= 2 && jb + 1 < blocks && cl.g <= exact_k<F>() ? 2 : 1;
     const uint8_t* bj = b + jb * cl.block_bytes;
     for (int64_t i0 = 0; i0 < m; i0 += kMr) {
       const int64_t rows = std::min(kMr, m - i0);
@@ -304,9 +401,9 @@ void run(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs, co
       if constexpr (kGs)
         for (int64_t r = 0; r < 4; ++r)
           gr[r] = ep.lhs_group_scale + (i0 + std::min(r, rows - 1)) * (k / cl.g);
-      if (cl.g > kExactK) {
+      if (cl.g > exact_k<F>()) {
         for (int64_t p = 0; 2 * p < rows; ++p) {
-          long_groups<kGs>(cl, ai + p * 4 * cl.k, bj, t, gr[2 * p], gr[2 * p + 1]);
+          long_groups<F, kGs>(cl, ai + p * 4 * cl.k, bj, t, gr[2 * p], gr[2 * p + 1]);
           store_pair(t, d + 2 * p * stride, stride, 2 * p + 1 < rows, nc_of(jb), ls + 2 * p,
                      bias_of(jb));
         }
@@ -332,7 +429,8 @@ void run(int64_t m, int64_t n, int64_t k, const W4Layout& w, const void* lhs, co
 extern const Q4GemmUkernel q4gemm_bf16p2x4_q4cp8x4_4x8_neon_bf16 = make_q4gemm<LhsPacking, Packing>(
     "q4gemm_bf16p2x4_q4cp8x4_4x8_neon_bf16", Isa::neon_bf16, kMr, bf16p2x4_pack<FromInt8>,
     pack_rhs_q4<Packing, PairSlices4>,
-    q4_run_f32<run<W4Format::int4, false>, run<W4Format::mxfp4, false>, run<W4Format::int4, true>,
-               run<W4Format::mxfp4, true>>);
+    q4_run_f32<run<W4Format::int4, false>, run<W4Format::mxfp4, false>,
+               run<W4Format::int8_affine, false>, run<W4Format::int4, true>,
+               run<W4Format::mxfp4, true>, run<W4Format::int8_affine, true>>);
 
 }  // namespace cpumoe
