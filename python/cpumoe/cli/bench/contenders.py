@@ -47,7 +47,11 @@ A16_FORMATS = ("int4", "mxfp4")
 # Quantized weights: (format, group size) of each contender: cpumoe's formats (4-bit, fp8) and
 # vLLM's kernels as vllm_cpu says (quantized_as); the ones of one (format, group) get the same
 # quantized weights.
-QUANT_CONTENDERS = {**_format_contenders(),
+#: GGUF Q8_0's form of the layer's own weights: int8_affine g32 with the int8 values as the codes
+#: c = v + 128, each channel's scale in every group and min = -128 * scale (so the op keeps no
+#: offsets): the W8A8 contender's weights exactly, read as a Q8_0 file's are.
+Q8_0 = "cpumoe-q8_0"
+QUANT_CONTENDERS = {**_format_contenders(), Q8_0: ("int8_affine", 32),
                  **{k.name: k.quantized_as for k in vllm_cpu.KERNELS.values()
                     if hasattr(k, "quantized_as")}}
 CONTENDERS = ("cpumoe-int8", "cpumoe-bf16", "vllm-int8", "vllm-bf16", "vllm-bf16-sgl",
@@ -111,6 +115,20 @@ def _w4_weights(layer, fmt: str, g: int, w13, w2, s13, s2, b13, b2):
 
     return Q.quantize_experts(fmt, one(w13, s13), one(w2, s2), group_size=g, b13=b13, b2=b2,
                               num_experts=w13.shape[0])
+
+
+def _q8_0_weights(w13, w2, s13, s2, b13, b2):
+    """The layer's int8 experts in GGUF Q8_0's form (Q8_0 above)."""
+    from ... import quantize as Q
+
+    def one(w, s):
+        v = (w.numpy() if hasattr(w, "numpy") else np.asarray(w)).astype(np.int16)
+        sc = (s.numpy() if hasattr(s, "numpy") else np.asarray(s)).astype(np.float32)
+        sc = np.broadcast_to(sc.reshape(*v.shape[:2], 1), (*v.shape[:2], v.shape[2] // 32))
+        return (v + 128).astype(np.uint8), np.stack([sc, np.float32(-128) * sc], axis=-1)
+
+    (c13, p13), (c2, p2) = one(w13, s13), one(w2, s2)
+    return Q.QuantizedExperts("int8_affine", 32, c13, c2, p13, p2, b13, b2)
 
 
 def _cpumoe_w4(layer, name: str, q) -> Contender:
@@ -273,13 +291,17 @@ def build_contenders(layer, names: List[str], paths: List[str], out, kt=None
         conts += int8
     quant = {**QUANT_CONTENDERS, **kt_cpu.QUANT}
     w4_names = [n for n in names if n in quant]
-    for fmt, g in dict.fromkeys(quant[n] for n in w4_names):
-        group = [n for n in w4_names if quant[n] == (fmt, g)]
+    groups = [(fmt_g, [n for n in w4_names if quant[n] == fmt_g and n != Q8_0])
+              for fmt_g in dict.fromkeys(quant[n] for n in w4_names if n != Q8_0)]
+    if Q8_0 in names:
+        groups.append((quant[Q8_0], [Q8_0]))
+    for (fmt, g), group in groups:
         if g not in Q.group_sizes(fmt, layer.H, layer.I, preferred=(g,)):
             skipped += [(n, f"group {g} does not divide H = {layer.H} and I = {layer.I}")
                         for n in group]
             continue
-        q = _w4_weights(layer, fmt, g, w13, w2, s13, s2, b13, b2)
+        q = (_q8_0_weights(w13, w2, s13, s2, b13, b2) if group == [Q8_0] else
+             _w4_weights(layer, fmt, g, w13, w2, s13, s2, b13, b2))
         for name in group:
             if name.startswith("kt-"):
                 ref, ref_name = _w4_reference(name, x, q, used, wts, local_ids, layer.activation)
