@@ -2,15 +2,17 @@
 //
 // A is the int8 I8MM kernel's `qs8p8x8` (its packer, qs8p8x8_pack.h): blocks of 8 rows, row pairs
 // interleaved in 8-k slices (slice s of a block: 64 bytes at s * 64, pair p at 16 p).
-// B (`q4cpo8x8`): blocks of 8 columns (Q4Packing<8, 2>: per group the codes, 4 g bytes, then the
-// 8 scales: fp32 for int4; mxfp4's E8M0 bytes widened at packing to the bf16 of w4_mxfp4_scale,
-// exact, so that the group end loads them with one ldr and two shll instead of a 10-instruction
-// E8M0 decode: 144 bytes per 8 columns and group instead of 136). Per 8-k slice s of a group, two 16-byte registers (slices 2t, 2t + 1: 64 bytes at
-// t * 64, register 2 (s % 2) + q at 16 of those): register q holds the `qs8cp8x8` SMMLA operand of
-// column pair q (column 2q's 8 k, then column 2q + 1's) in its low nibbles and that of column pair
-// q + 2 in its high nibbles, byte for byte. The int4 low nibbles are stored offset (v + 8, 0..15),
-// the high ones as two's complement, so the raw byte read as int8 is exactly 16 hi + lo + 8: it
-// is itself an SMMLA operand, and one `and #0x0f` makes the other (lo + 8). Per register:
+// B (`q4cpo8x8`): blocks of 8 columns (Q4Packing<8, 2, SignedBytes<PairBytes>>: per group the
+// codes, 4 g bytes (8-bit codes: 8 g), then the 8 scales: fp32 for int4 and int8_affine; mxfp4's
+// E8M0 bytes widened at packing to the bf16 of w4_mxfp4_scale, exact, so that the group end loads
+// them with one ldr and two shll instead of a 10-instruction E8M0 decode: 144 bytes per 8 columns
+// and group instead of 136). Per 8-k slice s of a group, two 16-byte registers (slices 2t, 2t + 1:
+// 64 bytes at t * 64, register 2 (s % 2) + q at 16 of those): register q holds the `qs8cp8x8`
+// SMMLA operand of column pair q (column 2q's 8 k, then column 2q + 1's) in its low nibbles and
+// that of column pair q + 2 in its high nibbles, byte for byte. The int4 low nibbles are stored
+// offset (v + 8, 0..15), the high ones as two's complement, so the raw byte read as int8 is
+// exactly 16 hi + lo + 8: it is itself an SMMLA operand, and one `and #0x0f` makes the other
+// (lo + 8). Per register:
 //   Y = SMMLA(a, r & 0x0f) = sum a lo + 8 sum a,   X = SMMLA(a, r) = 16 sum a hi + Y,
 // so at the group end X - Y is 16 times column pair q + 2's sum (scvtf #4 undoes the 16), and Y
 // is column pair q's sum once 8 sum a is taken off: the accumulators start each group at
@@ -20,6 +22,13 @@
 // mxfp4 codes go through a tbl of the format's table on r & 0x0f and r >> 4 (2 * E2M1 up to 12:
 // no such trick), in the same arrangement, and start from zero. Groups of 32 k (mxfp4's, and int4
 // g32 as a variant) are one iteration of the k loop: no loop there.
+// int8_affine's 8-bit codes (Q4GemmUkernel::codes8) are the `qs8cp8x8` operands themselves, as
+// the int8 kernel packs its weights: per 8-k slice s, 64 bytes at s * 64, column pair q's operand
+// (column 2q's 8 k, then 2q + 1's) at 16 q, each code stored as its int8 value c - 128 (c ^ 0x80,
+// SignedBytes). Per slice pair and block two ld1 of 4 registers feed the SMMLA with no unpacking
+// (int4: one ld1 and 4 `and`), into the same accumulators (column pairs 0-3) and group end as
+// int4 less the X - Y step (plain scvtf), starting from zero (no init_sums, no scratch);
+// |sum| <= 128 * 128 * g <= 2^30. g32 is a variant here too.
 //
 // Register tiles: NP row pairs x NB column blocks, each one asm over all groups (below): int32
 // accumulators for the current group (4 per pair and block, as in the int8 kernel: [r c, r c+1,
@@ -39,12 +48,12 @@
 //
 // Walk: a call of one row tile (m <= 8: decode and most experts) passes over its columns once,
 // so each weight byte is read exactly once per call (decode streams B: 64 bytes per 8 SMMLA per
-// row pair); more rows walk steps of 6 column blocks outer and row tiles inner, so a step's packed
-// B (6 x (4 k + scales) bytes) stays in L1/L2 while the row tiles pass. The sums do not depend on
-// the tiling. A partial last block (n % 8) is computed whole (its padding codes are the value 0)
-// and stored to its first n % 8 columns only.
+// row pair, 128 for 8-bit codes); more rows walk steps of 6 column blocks outer and row tiles
+// inner, so a step's packed B (6 x (4 k or 8 k + scales) bytes) stays in L1/L2 while the row tiles
+// pass. The sums do not depend on the tiling. A partial last block (n % 8) is computed whole (its
+// padding codes are the value 0) and stored to its first n % 8 columns only.
 // @pre m, n >= 0, k % group == 0, group % 32 == 0, group <= kW4MaxGroup (|X| <= g * 128 * 136
-//      fits int32); packed buffers from this kernel's packers.
+//      fits int32; 8-bit codes g * 128 * 128); packed buffers from this kernel's packers.
 // Features used: NEON, I8MM (SMMLA).
 #if !defined(__aarch64__) || !defined(__ARM_FEATURE_MATMUL_INT8)
 #error "q4gemm_qs8p8x8_q4cpo8x8_8x8_neon_i8mm.cpp needs -march=armv8.2-a+i8mm (set per file by CMake)"
@@ -231,7 +240,8 @@ const int32_t* init_sums(int64_t m, int64_t k, int64_t g, const int8_t* a, void*
   Q4_B8_R4("v8", a0, a1, a2, a3, 0, 4, 8, 12) Q4_B8_R4("v9", a0, a1, a2, a3, 1, 5, 9, 13)    \
       Q4_B8_R4("v10", a0, a1, a2, a3, 2, 6, 10, 14)                                          \
           Q4_B8_R4("v11", a0, a1, a2, a3, 3, 7, 11, 15)
-#define Q4_S8_1x1 Q4_LDA1 Q4_LDB8_64 Q4_B8_1("v0", 0, 1, 2, 3) Q4_LDB8(back) Q4_B8_1("v4", 0, 1, 2, 3)
+#define Q4_S8_1x1 \
+  Q4_LDA1 Q4_LDB8_64 Q4_B8_1("v0", 0, 1, 2, 3) Q4_LDB8(back) Q4_B8_1("v4", 0, 1, 2, 3)
 #define Q4_S8_1x2                                                                              \
   Q4_LDA1 Q4_LDB8_64 Q4_B8_1("v0", 0, 1, 2, 3) Q4_LDB8(b8) Q4_B8_1("v4", 0, 1, 2, 3)           \
       Q4_LDB8_64 Q4_B8_1("v0", 4, 5, 6, 7) Q4_LDB8(back) Q4_B8_1("v4", 4, 5, 6, 7)

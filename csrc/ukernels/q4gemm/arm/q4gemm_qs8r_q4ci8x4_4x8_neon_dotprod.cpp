@@ -2,8 +2,9 @@
 // with dotprod but without I8MM (Neoverse N1: Graviton 2, Ampere Altra).
 //
 // A is `qs8r` (row-major int8 rows, as the int8 dotprod kernel's: row i at i * k; k % 32 == 0, so
-// no padding). B (`q4ci8x4`): blocks of 8 columns (Q4Packing<8>: per group the codes, 4 g bytes,
-// then the 8 scales); the codes of a group are the int8 dotprod kernel's `qs8ci8x4` operands
+// no padding). B (`q4ci8x4`): blocks of 8 columns (Q4Packing<8, 1, SignedBytes<Interleaved4Bytes>>:
+// per group the codes, 4 g bytes (8-bit codes: 8 g), then the 8 fp32 scales (mxfp4: E8M0 bytes));
+// the 4-bit codes of a group are the int8 dotprod kernel's `qs8ci8x4` operands
 // (one output column per int32 lane: column c's 4 k at 4 c) two to a byte: for 16 k (chunk t, 64
 // bytes at t * 64), register q (16 bytes at 16 q) holds the 4-k group q of columns 0-3 in its low
 // nibbles and of columns 4-7 in its high nibbles. The int4 low nibbles are stored offset (v + 8),
@@ -11,25 +12,31 @@
 // `and #0x0f` makes the other operand (as in the I8MM kernel, whose file comment has the algebra):
 // per 4-k group and row, Y = SDOT(r & 0x0f) = sum a lo + 8 sum a and X = SDOT(r) = 16 sum a hi + Y;
 // each group's accumulators start at -8 sum a over the group (init_sums: per call, from A, into
-// the call's scratch: scratch_bytes), and
-// at the group end X - Y is 16 times columns 4-7's sums (scvtf #4), Y columns 0-3's. mxfp4 codes
-// go through `and` / `ushr` + `tbl` (q4gemm_arm_common.h) and start from zero.
+// the call's scratch: scratch_bytes), and at the group end X - Y is 16 times columns 4-7's sums
+// (scvtf #4), Y columns 0-3's. mxfp4 codes go through `and` / `ushr` + `tbl`
+// (q4gemm_arm_common.h) and start from zero. int8_affine's 8-bit codes (Q4GemmUkernel::codes8)
+// are those `qs8ci8x4` operands one to a byte, each stored as its int8 value c - 128 (c ^ 0x80,
+// SignedBytes): for 16 k (128 bytes at t * 128), 4-k group q's columns 0-3 at 32 q and columns
+// 4-7 at 32 q + 16; per 16 k two ld1 of 4 registers feed the SDOT as they are (no unpacking, no
+// X - Y step), the accumulators start from zero (no init_sums, no scratch);
+// |sum| <= 128 * 128 * g <= 2^30.
 //
 // Register tiles of R = 1..4 rows x 1 block, everything in one asm over all groups: per row two
 // int32 accumulators (columns 0-3, 4-7) in v16.. and two fp32 ones in v24..; per 16 k, R loads
 // of A (one q register: 4 lanes of 4 k), one ld1 of 4 code registers, 4 (int4) or 16 (mxfp4)
-// unpacking instructions and 8 R SDOT by element (lane q of the A register). At a group end,
-// (int4: X - Y), per accumulator scvtf, fmul by the group's scales (the lanes are the columns: the
-// 8 scales as stored, no shuffle), fadd: the oracle's acc + float(isum) * s in g order, no FMA;
+// unpacking instructions (8-bit codes: two ld1 of 4, none) and 8 R SDOT by element (lane q of
+// the A register). At a group end, (int4: X - Y), per accumulator scvtf, fmul by the group's
+// scales (the lanes are the columns: the 8 scales as stored, no shuffle), fadd: the oracle's
+// acc + float(isum) * s in g order, no FMA;
 // then the int32 accumulators get the next group's start values (one ld1 per row). With
 // Q4GemmEpilogue::lhs_group_scale a variant of the asm (template flag kGs, so the plain one is
 // unchanged) loads each row's group scale at the group end (one ldr s per row) and multiplies
 // both scaled products of the row by it (fmul by element) before the fadd: the oracle's
 // (float(isum) * s) * a. Walk: blocks outer, row tiles of 4 inner (a block's packed B,
-// 4 k + 32 bytes per group, stays in L1 across the row tiles); decode (m <= 4) reads each weight
-// byte once per call.
+// 4 k (8-bit codes: 8 k) + 32 bytes per group, stays in L1 across the row tiles); decode (m <= 4)
+// reads each weight byte once per call.
 // @pre m, n >= 0, k % group == 0, group % 32 == 0, group <= kW4MaxGroup (|X| <= g * 128 * 136
-//      fits int32); packed buffers from this kernel's packers.
+//      fits int32; 8-bit codes g * 128 * 128); packed buffers from this kernel's packers.
 // Features used: NEON, DotProd (SDOT).
 #if !defined(__aarch64__) || !defined(__ARM_FEATURE_DOTPROD)
 #error "q4gemm_qs8r_q4ci8x4_4x8_neon_dotprod.cpp needs -march=armv8.2-a+dotprod (set per file by CMake)"
