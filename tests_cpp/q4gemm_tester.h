@@ -2,12 +2,11 @@
 /// A builder-style tester for one Q4GemmUkernel (the W4A8 family), as QGemmTester:
 ///   Q4GemmTester().format(W4Format::int4).group(64).m(7).n(17).k(128).Test(kernel);
 /// Random int8 rows of A (through row pointers), random 4-bit (int8_affine: 8-bit) codes and
-/// group scales of B (row
-/// strides beyond k and k / group), packed by the kernel's own packers, run whole and at m / n
-/// offsets at multiples of mr / nr, compared with the naive oracle (reference/gemm_w4_kernel) bit for
-/// bit (a NaN where the oracle has one). Checks the packed sizes' guard zones, that a call stays
-/// inside the scratch_bytes (pack_rhs: pack_scratch_bytes) it is given, and that nothing outside
-/// the destination block is written.
+/// group scales of B (row strides beyond k and k / group), packed by the kernel's own packers,
+/// run whole and at m / n offsets at multiples of mr / nr, compared with the naive oracle
+/// (reference/gemm_w4_kernel) bit for bit (a NaN where the oracle has one). Checks the packed
+/// sizes' guard zones, that a call stays inside the scratch_bytes (pack_rhs: pack_scratch_bytes)
+/// it is given, and that nothing outside the destination block is written.
 #pragma once
 
 #include <gtest/gtest.h>

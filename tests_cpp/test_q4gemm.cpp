@@ -100,7 +100,8 @@ TEST_P(Q4GemmKernelTest, DeepKAndOtherGroups) {
   }
   if (!kernel().codes8) return;
   for (Shape s : {Shape{1, 64, 2048, 32, W4Format::int8_affine},
-                  {9, 33, 2880, 64, W4Format::int8_affine}, {5, 17, 768, 256, W4Format::int8_affine},
+                  {9, 33, 2880, 64, W4Format::int8_affine},
+                  {5, 17, 768, 256, W4Format::int8_affine},
                   {2, 8, 4096, 4096, W4Format::int8_affine}}) {
     Q4GemmTester().format(s.f).group(s.g).m(s.m).n(s.n).k(s.k).Test(kernel());
     if (HasFatalFailure()) return;

@@ -299,7 +299,9 @@ struct W4Packer final : RhsPacker {
         layout{plan.kernel, weights.group_size} {}
   bool affine() const { return w4_affine(w.format); }
   // Codes rewritten in scratch: mxfp4's spread, the affine ones' recoded (8-bit codes: as given).
-  bool unpacks() const { return w.format != W4Format::int4 && plan.kernel != W4Format::int8_affine; }
+  bool unpacks() const {
+    return w.format != W4Format::int4 && plan.kernel != W4Format::int8_affine;
+  }
   int planes() const { return plan.planes; }
   void check() const override {
     if (w.w13 == nullptr) fail("w13: missing");

@@ -23,12 +23,13 @@ struct NoBytes {};
 /// Packed B of a q4gemm kernel: blocks of Nr output columns; a block holds, for each group g of
 /// k in order, the group's codes (Nr * group / 2 bytes, two codes per byte, low nibble first, in
 /// the kernel's arrangement; int8_affine: Nr * group bytes, one code per byte, arranged by
-/// Bytes::index(c, kk, g) and stored as Bytes::code(c), when Bytes is not NoBytes) followed by the Nr columns' scales of that group (fp32 for int4 as
-/// given to pack_rhs; mxfp4: the E8M0 bytes as given when MxScaleBytes is 1, else the fp32
-/// w4_mxfp4_scale (4) or its high half, the bf16 of the same value (2: exact, as the value is a
-/// power of two or NaN)), padded to a multiple of 4 bytes; the block is padded to a multiple of
-/// 64 bytes (each block starts a cache line). Columns past n have code 0 (the value 0 in both
-/// formats) and scale bytes 0. Offsets at multiples of Nr.
+/// Bytes::index(c, kk, g) and stored as Bytes::code(c), when Bytes is not NoBytes) followed by
+/// the Nr columns' scales of that group (fp32 for int4 and int8_affine as given to pack_rhs;
+/// mxfp4: the E8M0 bytes as given when MxScaleBytes is 1, else the fp32 w4_mxfp4_scale (4) or
+/// its high half, the bf16 of the same value (2: exact, as the value is a power of two or NaN)),
+/// padded to a multiple of 4 bytes; the block is padded to a multiple of 64 bytes (each block
+/// starts a cache line). Columns past n have the value 0 (code 0 of the 4-bit formats,
+/// Bytes::code(128) of the 8-bit ones) and scale bytes 0. Offsets at multiples of Nr.
 template <int64_t Nr, int64_t MxScaleBytes = 1, class Bytes = NoBytes>
 struct Q4Packing {
   static_assert(MxScaleBytes == 1 || MxScaleBytes == 2 || MxScaleBytes == 4, "E8M0, bf16, fp32");

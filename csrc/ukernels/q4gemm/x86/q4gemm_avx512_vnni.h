@@ -161,8 +161,8 @@ inline void dpbusd(__m512i& acc, __m512i u, __m512i s) {
 // PfSmall: software prefetch in the 1-2-row tiles too (the AMX kernel's few-row calls, measured
 // on Sapphire Rapids with it; see the file comment for Zen 4).
 template <bool PfSmall>
-struct Kernel : Q4X86Steps<Packing, kSmallRows, kSmallBlocks, kMidRows, kMidBlocks, kRows, kBlocks,
-                           Decode> {
+struct Kernel : Q4X86Steps<Packing, kSmallRows, kSmallBlocks, kMidRows, kMidBlocks, kRows,
+                           kBlocks, Decode> {
   template <int MR, int NB, Q4Codes C, int G>
   static void tile(const Q4Call<Decode>& c, int64_t i0, int64_t jb);
 };

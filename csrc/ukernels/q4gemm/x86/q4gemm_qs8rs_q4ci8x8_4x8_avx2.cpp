@@ -122,8 +122,8 @@ inline __m256i bcast(const int8_t* p) {
 }
 
 // The kernel as run_q4_f32 (q4gemm_x86_common.h) takes it: the walk's steps and the tile.
-struct Kernel : Q4X86Steps<Packing, kSmallRows, kSmallBlocks, kSmallRows, kSmallBlocks, kRows, kBlocks,
-                           Decode> {
+struct Kernel : Q4X86Steps<Packing, kSmallRows, kSmallBlocks, kSmallRows, kSmallBlocks, kRows,
+                           kBlocks, Decode> {
   template <int MR, int NB, Q4Codes C, int G>
   static void tile(const Q4Call<Decode>& c, int64_t i0, int64_t jb);
 };
