@@ -220,36 +220,26 @@ struct Bf16Table {
 #define Q4B_Z "ld1 {v16.4s-v19.4s}, [%[z]]\n\tld1 {v20.4s-v23.4s}, [%[z]]\n\t"
 #define Q4B_CLOB \
   "v0", "v1", "v2", "v3", "v4", "v5", "v6", "v7", "v8", "v9", "v10", "v11", "v12", "cc", "memory"
-#define Q4B_ASM(SHAPE, SC, INIT, G)                                                         \
+// The tile loop over codes whose steps are STEP##SHAPE (Q4B_S: 4-bit, Q4B8_S: 8-bit), INIT the
+// constants it loads, SC the group end's scale load, IN its vector inputs, CLOB its clobbers.
+#define Q4B_LOOP(STEP, SHAPE, SC, INIT, G, IN, CLOB)                                         \
   __asm__ volatile(                                                                         \
       Q4B_Z "ld1 {v24.4s-v27.4s}, [%[z]]\n\tld1 {v28.4s-v31.4s}, [%[z]]\n\t" INIT           \
       "2:\n\tmov %[n], %[ns2]\n\t"                                                          \
-      "1:\n\t" Q4B_S##SHAPE(Q4B_V) Q4B_S##SHAPE(Q4B_V) "subs %[n], %[n], #1\n\tb.ne 1b\n\t" \
+      "1:\n\t" STEP##SHAPE(Q4B_V) STEP##SHAPE(Q4B_V) "subs %[n], %[n], #1\n\tb.ne 1b\n\t"   \
       Q4B_ENDS_##SHAPE(SC, G) "add %[b], %[b], %[sb]\n\t" Q4B_Z                            \
       "subs %[gn], %[gn], #1\n\tb.ne 2b\n\t"                                                \
       "st1 {v24.4s-v27.4s}, [%[o]], #64\n\tst1 {v28.4s-v31.4s}, [%[o]]\n\t"                 \
       : [a0] "+r"(a0), [a1] "+r"(a1), [b] "+r"(b), [gn] "+r"(gn), [n] "=&r"(n),             \
         [s] "=&r"(s), [o] "+r"(o) Q4B_GOPS_##G                                              \
-      : [ns2] "r"(ns2), [bs] "r"(bs), [back] "r"(back), [sb] "r"(sb), [mask] "w"(mask),     \
-        [tl] "w"(tl), [th] "w"(th), [z] "r"(kZeros)                                         \
-      : Q4B_CLOB, "v16", "v17", "v18", "v19", "v20", "v21", "v22", "v23", "v24", "v25",     \
-        "v26", "v27", "v28", "v29", "v30", "v31")
-
+      : [ns2] "r"(ns2), [bs] "r"(bs), [back] "r"(back), [sb] "r"(sb), IN, [z] "r"(kZeros)   \
+      : CLOB, "v16", "v17", "v18", "v19", "v20", "v21", "v22", "v23", "v24", "v25", "v26",  \
+        "v27", "v28", "v29", "v30", "v31")
+#define Q4B_IN4 [mask] "w"(mask), [tl] "w"(tl), [th] "w"(th)
+#define Q4B_ASM(SHAPE, SC, INIT, G) Q4B_LOOP(Q4B_S, SHAPE, SC, INIT, G, Q4B_IN4, Q4B_CLOB)
 // The same over 8-bit codes: the indices instead of mask and tables, int4's group end.
-#define Q4B8_ASM(SHAPE, G)                                                                  \
-  __asm__ volatile(                                                                         \
-      Q4B_Z "ld1 {v24.4s-v27.4s}, [%[z]]\n\tld1 {v28.4s-v31.4s}, [%[z]]\n\t" Q4B8_IX        \
-      "2:\n\tmov %[n], %[ns2]\n\t"                                                          \
-      "1:\n\t" Q4B8_S##SHAPE(Q4B_V) Q4B8_S##SHAPE(Q4B_V) "subs %[n], %[n], #1\n\tb.ne 1b\n\t" \
-      Q4B_ENDS_##SHAPE(Q4B_SC_I4, G) "add %[b], %[b], %[sb]\n\t" Q4B_Z                     \
-      "subs %[gn], %[gn], #1\n\tb.ne 2b\n\t"                                                \
-      "st1 {v24.4s-v27.4s}, [%[o]], #64\n\tst1 {v28.4s-v31.4s}, [%[o]]\n\t"                 \
-      : [a0] "+r"(a0), [a1] "+r"(a1), [b] "+r"(b), [gn] "+r"(gn), [n] "=&r"(n),             \
-        [s] "=&r"(s), [o] "+r"(o) Q4B_GOPS_##G                                              \
-      : [ns2] "r"(ns2), [bs] "r"(bs), [back] "r"(back), [sb] "r"(sb), [ix] "r"(kB8Index),   \
-        [z] "r"(kZeros)                                                                     \
-      : Q4B8_CLOB, "v16", "v17", "v18", "v19", "v20", "v21", "v22", "v23", "v24", "v25",    \
-        "v26", "v27", "v28", "v29", "v30", "v31")
+#define Q4B_IN8 [ix] "r"(kB8Index)
+#define Q4B8_ASM(SHAPE, G) Q4B_LOOP(Q4B8_S, SHAPE, Q4B_SC_I4, Q4B8_IX, G, Q4B_IN8, Q4B8_CLOB)
 
 // What a tile needs of the call.
 struct Call {
