@@ -107,11 +107,8 @@ def _w4_weights(layer, fmt: str, g: int, w13, w2, s13, s2, b13, b2):
     dequantized weights one expert at a time (the float copy of a whole layer is GBs)."""
     from ... import quantize as Q
 
-    def np_of(a):
-        return a.numpy() if hasattr(a, "numpy") else np.asarray(a)
-
     def one(w, s):
-        return lambda e: np_of(w[e]).astype(np.float32) * np_of(s[e]).reshape(-1, 1)
+        return lambda e: Q.to_numpy(w[e]).astype(np.float32) * Q.to_numpy(s[e]).reshape(-1, 1)
 
     return Q.quantize_experts(fmt, one(w13, s13), one(w2, s2), group_size=g, b13=b13, b2=b2,
                               num_experts=w13.shape[0])
@@ -122,8 +119,8 @@ def _q8_0_weights(w13, w2, s13, s2, b13, b2):
     from ... import quantize as Q
 
     def one(w, s):
-        v = (w.numpy() if hasattr(w, "numpy") else np.asarray(w)).astype(np.int16)
-        sc = (s.numpy() if hasattr(s, "numpy") else np.asarray(s)).astype(np.float32)
+        v = Q.to_numpy(w).astype(np.int16)
+        sc = Q.to_numpy(s, float32=True)
         sc = np.broadcast_to(sc.reshape(*v.shape[:2], 1), (*v.shape[:2], v.shape[2] // 32))
         return (v + 128).astype(np.uint8), np.stack([sc, np.float32(-128) * sc], axis=-1)
 
